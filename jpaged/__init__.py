@@ -1,0 +1,1 @@
+"""jpaged: a JAX/Pallas LLM inference engine with a paged KV cache."""

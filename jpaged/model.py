@@ -1,0 +1,268 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) in Flax NNX.
+
+The decoder layers are stored stacked (a leading `num_layers` axis on every
+layer weight) and run with one `lax.scan`, so the compiled step has one copy of
+the layer body whatever the depth.  The KV pool rides in the scan carry: each
+layer scatters its new K/V into the pool and attention reads them back through
+the block tables, so the pool is updated in place and never copied.
+
+Pool layout (see `jpaged.kv_cache`):
+    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels import paged_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token sits: built on the host once per step.
+
+    positions[B, Q]     position of each new token (RoPE, causal mask)
+    slot_mapping[B, Q]  pool slot (block_id * block_size + offset) its K/V go to
+    block_tables[B, W]  physical block of each logical block, padded with 0
+    kv_lens[B]          tokens in the cache after this step (cached + new)
+    q_lens[B]           valid new tokens per row (0 for padding rows)
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    q_lens: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (the fields of a HF config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k and v projections
+    max_position_embeddings: int = 4096
+    architecture: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from a Hugging Face `config.json` dictionary."""
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"unsupported model_type {model_type!r} (architectures {archs}); "
+                             "jpaged supports llama, qwen2 and mistral")
+        num_heads = hf["num_attention_heads"]
+        scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "default":
+                scaling = None
+            elif kind not in ("llama3", "linear"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}")
+            if scaling is not None:
+                scaling["rope_type"] = kind
+                scaling.pop("type", None)
+                scaling.pop("rope_theta", None)
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+            rope_theta = hf["rope_parameters"].get("rope_theta")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            architecture=model_type,
+        )
+
+    def num_params(self) -> int:
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+
+# Names and shapes of every weight; loaders produce exactly these arrays
+# (numpy, float32 or the target dtype).  `layers.*` carry a leading num_layers axis.
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    L, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (cfg.vocab_size, d),
+        "final_norm": (d,),
+        "layers.attn_norm": (L, d),
+        "layers.wq": (L, d, q),
+        "layers.wk": (L, d, kv),
+        "layers.wv": (L, d, kv),
+        "layers.wo": (L, q, d),
+        "layers.mlp_norm": (L, d),
+        "layers.w_gate": (L, d, f),
+        "layers.w_up": (L, d, f),
+        "layers.w_down": (L, f, d),
+    }
+    if cfg.attention_bias:
+        shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies, with Llama 3 / linear scaling applied as in HF."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if cfg.rope_scaling is None:
+        return inv_freq.astype(np.float32)
+    s = dict(cfg.rope_scaling)
+    if s["rope_type"] == "linear":
+        return (inv_freq / s["factor"]).astype(np.float32)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x[B, Q, heads, head_dim] by its positions[B, Q] (HF rotate_half layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, Q, hd/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> jax.Array:
+    """Scatters new k, v [B, Q, kv_heads, head_dim] into the pool at flat slots [B, Q].
+
+    A slot is block_id * block_size + offset; padding tokens carry a slot in the
+    null block 0, which attention never reads unmasked.
+    """
+    block_size = kv_pool.shape[4]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv = jnp.stack([k, v], axis=2).astype(kv_pool.dtype)  # [B, Q, 2, kvh, hd]
+    return kv_pool.at[blocks, layer, :, :, offsets].set(kv, mode="drop", unique_indices=False)
+
+
+class Llama(nnx.Module):
+    """Decoder-only Llama-family transformer with stacked layer weights."""
+
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32):
+        self.cfg = cfg
+        expected = weight_shapes(cfg)
+        missing = sorted(set(expected) - set(arrays))
+        if missing:
+            raise ValueError(f"weights missing: {missing}")
+        for name, shape in expected.items():
+            if tuple(arrays[name].shape) != shape:
+                raise ValueError(f"weight {name} has shape {tuple(arrays[name].shape)}, expected {shape}")
+        as_param = lambda name: nnx.Param(jnp.asarray(arrays[name], dtype=dtype))  # noqa: E731
+        self.embed = as_param("embed")
+        self.final_norm = as_param("final_norm")
+        self.lm_head = None if cfg.tie_word_embeddings else as_param("lm_head")
+        self.layers = nnx.Dict({name.split(".", 1)[1]: as_param(name)
+                                for name in expected if name.startswith("layers.")})
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+
+    def __call__(self, tokens: jax.Array, meta: AttentionMetadata, kv_pool: jax.Array,
+                 *, attention_impl: str = "reference", logits: str = "last"
+                 ) -> tuple[jax.Array, jax.Array]:
+        """Runs the decoder on tokens[B, Q] and returns (logits, new kv_pool).
+
+        `logits="last"` returns [B, vocab] for each sequence's last valid new
+        token (the only one a generation step samples from); `"all"` returns
+        [B, Q, vocab].
+        """
+        cfg = self.cfg
+        B, Q = tokens.shape
+        h = self.embed[...][tokens]
+        inv_freq = self.inv_freq[...]
+        layer_weights = {name: p[...] for name, p in self.layers.items()}
+
+        def layer(carry, xs):
+            h, kv_pool = carry
+            w, layer_idx = xs
+            x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = apply_rope(q.reshape(B, Q, cfg.num_heads, cfg.head_dim), meta.positions, inv_freq)
+            k = apply_rope(k.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim), meta.positions, inv_freq)
+            v = v.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim)
+            kv_pool = write_kv(kv_pool, layer_idx, k, v, meta.slot_mapping)
+            attn = paged_attention(q, kv_pool, layer_idx, meta.block_tables, meta.kv_lens,
+                                   meta.q_lens, impl=attention_impl)
+            h = h + attn.reshape(B, Q, -1).astype(h.dtype) @ w["wo"]
+            x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+            h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+            return (h, kv_pool), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (h, kv_pool), _ = jax.lax.scan(layer, (h, kv_pool), (layer_weights, layer_ids))
+        if logits == "last":
+            last = jnp.maximum(meta.q_lens - 1, 0)
+            h = h[jnp.arange(B), last]
+        h = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (h @ head).astype(jnp.float32), kv_pool
+
+
+def split_model(model: Llama) -> tuple[nnx.GraphDef, nnx.State]:
+    """Splits once at load time; the step functions take (graphdef, state)."""
+    return nnx.split(model)
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
+            meta: AttentionMetadata, kv_pool: jax.Array, *, attention_impl: str = "reference",
+            logits: str = "last") -> tuple[jax.Array, jax.Array]:
+    """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool)."""
+    model = nnx.merge(graphdef, params)
+    return model(tokens, meta, kv_pool, attention_impl=attention_impl, logits=logits)
+
+
+def model_dtype(params: nnx.State) -> Any:
+    return jax.tree.leaves(params)[0].dtype
+

@@ -1,0 +1,45 @@
+"""Pure-jnp paged attention: the oracle every kernel is tested against.
+
+It gathers each sequence's K/V blocks out of the pool through its block table
+(a copy the Pallas kernels avoid) and runs masked dense attention in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30  # finite, so a row with no visible key gives zeros, not NaN
+
+
+def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
+                              block_tables: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
+                              *, sm_scale: float | None = None) -> jax.Array:
+    """See `pallas_kernels.paged_attention` for shapes and semantics."""
+    B, Q, H, D = q.shape
+    KVH, BS = kv_pool.shape[3], kv_pool.shape[4]
+    G = H // KVH
+    W = block_tables.shape[1]
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    # One gather per K and V: [B, W, KVH, BS, D] -> [B, KVH, W*BS, D]
+    k = kv_pool[block_tables, layer, 0].transpose(0, 2, 1, 3, 4).reshape(B, KVH, W * BS, D)
+    v = kv_pool[block_tables, layer, 1].transpose(0, 2, 1, 3, 4).reshape(B, KVH, W * BS, D)
+
+    key_pos = jnp.arange(W * BS)[None, :]                                   # [1, S]
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(Q)[None, :]            # [B, Q]
+    q_valid = jnp.arange(Q)[None, :] < q_lens[:, None]                      # [B, Q]
+    visible = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] < kv_lens[:, None, None])
+    visible &= q_valid[:, :, None]                                          # [B, Q, S]
+    # Blocks a sequence does not own may hold anything (NaN included): zero
+    # them so that 0 * NaN never reaches the output.
+    key_valid = key_pos < kv_lens[:, None]                                  # [B, S]
+    k = jnp.where(key_valid[:, None, :, None], k, 0).astype(jnp.float32)
+    v = jnp.where(key_valid[:, None, :, None], v, 0).astype(jnp.float32)
+
+    qg = q.astype(jnp.float32).reshape(B, Q, KVH, G, D)
+    scores = jnp.einsum("bqkgd,bksd->bkgqs", qg, k) * scale
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None], probs, 0.0)
+    out = jnp.einsum("bkgqs,bksd->bqkgd", probs, v)
+    return out.reshape(B, Q, H, D).astype(q.dtype)
