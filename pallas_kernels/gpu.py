@@ -1,0 +1,311 @@
+"""Pallas (Triton lowering) paged-attention kernels for GPU.
+
+Two kernels, both reading K/V straight out of the whole pool
+`kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` through the block table (no
+gather copy, no per-layer slice copy; `layer` is a traced scalar):
+
+* `paged_decode_gpu` (Q == 1): flash-decoding.  Grid (B, KVH, P).  Program
+  (b, h, p) takes the G query heads of KV head h as the M dimension of the
+  dot (padded to >= 16 rows for the Triton dot), loops over the physical
+  blocks of partition p of sequence b (block id read from the block table),
+  keeps an fp32 online softmax (m, l, acc) and writes the un-normalised
+  partial (acc, m, l).  A small jnp combine merges the P partials.  P is a
+  static heuristic that fills ~2 waves of an H100 (132 SMs) for small
+  batches with long contexts.
+* `paged_ragged_gpu` (Q >= 1, ragged q_lens): grid (B, KVH, row tiles).  The
+  Q tokens x G heads of one KV head are flattened to Q*G rows (row r is token
+  r // G), tiled by `block_m` rows; each tile loops over KV blocks 0..last
+  block visible to its last valid token (fully masked tiles are never
+  visited) with a causal + length mask and online softmax.
+
+Masking never multiplies by a mask: keys/values past kv_len are replaced with
+`where`, so NaN in blocks a sequence does not own (block 0 included) never
+reaches the output.  Rows with no visible key produce zeros.
+
+On a non-GPU backend the kernels run with `interpret=True` automatically.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # jax >= 0.6 naming; present in 0.10 and 0.11
+    from jax.experimental.pallas import triton as plgpu
+    _CompilerParams = plgpu.CompilerParams
+except (ImportError, AttributeError):  # pragma: no cover - very old jax
+    _CompilerParams = None
+
+MASK_VALUE = -1e30
+H100_SMS = 132
+_MIN_DOT = 16  # the Triton dot wants every dimension >= 16
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    if _CompilerParams is None or not _on_gpu():
+        return None
+    return _CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _prec(dtype):
+    # fp32 K/V: ask for full fp32 products (no TF32) so fp32 matches the oracle.
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _qk(q, k):
+    """[M, D] x [N, D] -> [M, N] fp32 scores (q, k already fp32 or bf16)."""
+    m, _ = q.shape
+    n, _ = k.shape
+    if m >= _MIN_DOT and n >= _MIN_DOT:
+        return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_prec(k.dtype),
+                               preferred_element_type=jnp.float32)
+    # Tiny tiles (block_size 8): broadcast-multiply-reduce instead of a dot.
+    return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+
+
+def _pv(p, v):
+    """[M, N] fp32 probs x [N, D] -> [M, D] fp32."""
+    m, n = p.shape
+    if m >= _MIN_DOT and n >= _MIN_DOT:
+        return lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                               precision=_prec(v.dtype), preferred_element_type=jnp.float32)
+    return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+
+
+# --------------------------------------------------------------------------
+# Decode (Q == 1), flash-decoding partitions.
+# --------------------------------------------------------------------------
+
+def num_partitions_heuristic(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                             num_sms: int = H100_SMS) -> int:
+    """Static partition count: ~2 CTAs per SM, each partition >= 256 tokens."""
+    programs = batch * num_kv_heads
+    want = -(-2 * num_sms // programs)
+    min_blocks_per_part = max(1, 256 // block_size)
+    most = max(1, max_blocks // min_blocks_per_part)
+    return int(max(1, min(want, most)))
+
+
+def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
+                   block_size: int, blocks_per_part: int, sm_scale: float):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    p = pl.program_id(2)
+    layer = layer_ref[0]
+    kv_len = lens_ref[b]
+    gp, d = q_ref.shape
+    q = (q_ref[...].astype(jnp.float32) * sm_scale)
+
+    n_blocks = (kv_len + block_size - 1) // block_size
+    start = p * blocks_per_part
+    end = jnp.minimum(start + blocks_per_part, n_blocks)
+
+    def body(j, carry):
+        acc, m_i, l_i = carry
+        blk = bt_ref[b, j]
+        k = kv_ref[blk, layer, 0, h]                      # [BS, D]
+        v = kv_ref[blk, layer, 1, h]
+        pos = j * block_size + jnp.arange(block_size, dtype=jnp.int32)
+        valid = pos < kv_len                              # [BS]
+        k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        s = _qk(q.astype(k.dtype), k)                     # [GP, BS] fp32
+        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp(m_i - m_new)
+        pr = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = l_i * alpha + jnp.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + _pv(pr, v)
+        return acc, m_new, l_new
+
+    init = (jnp.zeros((gp, d), jnp.float32),
+            jnp.full((gp,), MASK_VALUE, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    acc, m_i, l_i = lax.fori_loop(start, jnp.maximum(start, end), body, init)
+    o_ref[...] = acc
+    m_ref[...] = m_i
+    l_ref[...] = l_i
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_partitions", "num_warps",
+                                             "num_stages", "interpret"))
+def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
+                     num_partitions=None, num_warps=4, num_stages=2, interpret=None):
+    """Decode attention (Q == 1).  Same contract as `pallas_kernels.paged_attention`."""
+    B, Q, H, D = q.shape
+    if Q != 1:
+        raise ValueError(f"paged_decode_gpu needs Q == 1, got Q={Q}")
+    _, _, _, KVH, BS, Dk = kv_pool.shape
+    assert Dk == D and H % KVH == 0
+    G = H // KVH
+    W = block_tables.shape[1]
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    if interpret is None:
+        interpret = not _on_gpu()
+    P = num_partitions or num_partitions_heuristic(B, KVH, W, BS)
+    P = max(1, min(P, W))
+    bpp = -(-W // P)
+    GP = max(_MIN_DOT, _next_pow2(G))
+
+    eff_lens = jnp.where(q_lens > 0, kv_lens, 0).astype(jnp.int32)
+    qg = q.reshape(B, KVH, G, D)
+    if GP != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, GP - G), (0, 0)))
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    kernel = functools.partial(_decode_kernel, block_size=BS, blocks_per_part=bpp, sm_scale=scale)
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, P),
+        in_specs=[
+            full((1,)),
+            full((B, W)),
+            full((B,)),
+            pl.BlockSpec((None, None, GP, D), lambda b, h, p: (b, h, 0, 0)),
+            full(kv_pool.shape),                              # whole pool, read by block id
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, GP, D), lambda b, h, p: (b, h, p, 0, 0)),
+            pl.BlockSpec((None, None, None, GP), lambda b, h, p: (b, h, p, 0)),
+            pl.BlockSpec((None, None, None, GP), lambda b, h, p: (b, h, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, KVH, P, GP, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, KVH, P, GP), jnp.float32),
+            jax.ShapeDtypeStruct((B, KVH, P, GP), jnp.float32),
+        ],
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jpaged_decode_gpu",
+    )(layer_arr, block_tables.astype(jnp.int32), eff_lens, qg, kv_pool)
+    out = combine_partials(o, m, l)                       # [B, KVH, GP, D]
+    out = out[:, :, :G].reshape(B, 1, H, D)
+    return out.astype(q.dtype)
+
+
+def combine_partials(o, m, l):
+    """Merge flash-decoding partials [B, KVH, P, G, D] / [B, KVH, P, G] -> [B, KVH, G, D]."""
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_max) * (l > 0)                      # empty partitions weigh 0
+    l_tot = jnp.sum(w * l, axis=2)
+    o_tot = jnp.sum(w[..., None] * o, axis=2)
+    safe = jnp.where(l_tot > 0, l_tot, 1.0)
+    return jnp.where((l_tot > 0)[..., None], o_tot / safe[..., None], 0.0)
+
+
+# --------------------------------------------------------------------------
+# Ragged prefill / mixed (Q >= 1).
+# --------------------------------------------------------------------------
+
+def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
+                   block_size: int, block_m: int, group: int, sm_scale: float):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    t = pl.program_id(2)
+    layer = layer_ref[0]
+    kv_len = kvl_ref[b]
+    q_len = ql_ref[b]
+    d = q_ref.shape[-1]
+    q = (q_ref[...].astype(jnp.float32) * sm_scale)
+
+    rows = t * block_m + jnp.arange(block_m, dtype=jnp.int32)
+    tok = rows // group
+    row_valid = tok < q_len
+    q_pos = kv_len - q_len + tok                          # [M]
+    # Last KV position any valid row of this tile can see.
+    last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
+    last_pos = kv_len - q_len + last_tok
+    first_tok = (t * block_m) // group
+    n_blocks = jnp.where(first_tok < q_len, last_pos // block_size + 1, 0)
+
+    def body(j, carry):
+        acc, m_i, l_i = carry
+        blk = bt_ref[b, j]
+        k = kv_ref[blk, layer, 0, h]
+        v = kv_ref[blk, layer, 1, h]
+        pos = j * block_size + jnp.arange(block_size, dtype=jnp.int32)
+        kvalid = pos < kv_len
+        k = jnp.where(kvalid[:, None], k, jnp.zeros_like(k))
+        v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))
+        s = _qk(q.astype(k.dtype), k)                     # [M, BS]
+        vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :] & row_valid[:, None]
+        s = jnp.where(vis, s, MASK_VALUE)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp(m_i - m_new)
+        pr = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = l_i * alpha + jnp.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + _pv(pr, v)
+        return acc, m_new, l_new
+
+    init = (jnp.zeros((block_m, d), jnp.float32),
+            jnp.full((block_m,), MASK_VALUE, jnp.float32),
+            jnp.zeros((block_m,), jnp.float32))
+    acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
+    ok = l_i > 0
+    out = acc / jnp.where(ok, l_i, 1.0)[:, None]
+    o_ref[...] = jnp.where(ok[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "num_warps", "num_stages",
+                                             "interpret"))
+def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
+                     block_m=None, num_warps=4, num_stages=2, interpret=None):
+    """Ragged prefill / mixed attention (any Q).  Same contract as `paged_attention`."""
+    B, Q, H, D = q.shape
+    _, _, _, KVH, BS, Dk = kv_pool.shape
+    assert Dk == D and H % KVH == 0
+    G = H // KVH
+    W = block_tables.shape[1]
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    if interpret is None:
+        interpret = not _on_gpu()
+    rows = Q * G
+    if block_m is None:
+        block_m = min(64, max(_MIN_DOT, _next_pow2(rows)))
+    assert block_m & (block_m - 1) == 0, "block_m must be a power of two"
+    n_tiles = -(-rows // block_m)
+    R = n_tiles * block_m
+
+    # [B, Q, KVH, G, D] -> [B, KVH, Q*G, D] (row r = token r // G, head r % G)
+    qr = q.reshape(B, Q, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
+    if R != rows:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - rows), (0, 0)))
+    q_lens = jnp.where(kv_lens > 0, q_lens, 0).astype(jnp.int32)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    kernel = functools.partial(_ragged_kernel, block_size=BS, block_m=block_m, group=G,
+                               sm_scale=scale)
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, t: (0,) * len(shape))
+    out = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, n_tiles),
+        in_specs=[
+            full((1,)),
+            full((B, W)),
+            full((B,)),
+            full((B,)),
+            pl.BlockSpec((None, None, block_m, D), lambda b, h, t: (b, h, t, 0)),
+            full(kv_pool.shape),
+        ],
+        out_specs=pl.BlockSpec((None, None, block_m, D), lambda b, h, t: (b, h, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, KVH, R, D), q.dtype),
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jpaged_ragged_gpu",
+    )(layer_arr, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), q_lens, qr, kv_pool)
+    out = out[:, :, :rows].reshape(B, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, D)
+    return out
