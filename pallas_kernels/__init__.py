@@ -1,7 +1,18 @@
 """Paged-attention kernels: a jnp reference and Pallas kernels for GPU and TPU.
 
 Importable on its own (no dependency on jpaged).  One public entry point,
-`paged_attention`, dispatches by `impl`.
+`paged_attention`, dispatches by `impl`:
+
+* "reference": jnp gather + masked dense attention in fp32 (the oracle).
+* "gpu": Pallas/Triton.  Q == 1 -> `gpu.paged_decode_gpu` (flash-decoding over
+  `num_partitions` partitions + jnp combine); Q > 1 -> `gpu.paged_ragged_gpu`
+  (ragged prefill / mixed batches, causal, tiles over Q and KV blocks).
+* "tpu": Pallas/Mosaic TPU, `tpu.paged_attention_tpu`: one kernel for decode
+  and ragged prefill; pool stays in HBM, pages DMA'd double-buffered to VMEM.
+
+Off their backend the kernels run in interpret mode automatically (Triton
+kernels with `interpret=True`, TPU kernels in TPU interpret mode), which is
+how they are tested on CPU.  `default_impl()` picks by `jax.default_backend()`.
 """
 
 from __future__ import annotations
@@ -10,7 +21,13 @@ import jax
 
 from pallas_kernels.reference import paged_attention_reference
 
-IMPLS = ("reference",)
+IMPLS = ("reference", "gpu", "tpu")
+
+
+def default_impl() -> str:
+    """"gpu" on a GPU backend, "tpu" on TPU, else "reference"."""
+    backend = jax.default_backend()
+    return backend if backend in ("gpu", "tpu") else "reference"
 
 
 def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
@@ -32,18 +49,35 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
       q_lens: [B] int32, valid new tokens of row b (<= Q; 0 for padding rows).
         New token i of row b sits at position kv_lens[b] - q_lens[b] + i and
         attends causally to keys 0..that position.
-      impl: "reference" (jnp), or a Pallas kernel registered in IMPLS.
+      impl: "reference" (jnp), "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic),
+        see IMPLS / default_impl().  The kernels never gather or slice-copy the
+        pool: they read blocks of `layer` through the block table.
       sm_scale: softmax scale, default head_dim ** -0.5.
 
     Returns:
       [B, Q, num_heads, head_dim] in q's dtype; rows beyond q_lens are zero.
       num_heads must be a multiple of num_kv_heads (GQA; query head h reads KV
       head h // (num_heads // num_kv_heads)).
+
+    Blocks a sequence does not own (block 0 included) may hold anything, NaN
+    included; they never affect its output.  Rows with q_lens == 0 or
+    kv_lens == 0 are exactly zero.  Softmax and accumulation are fp32 in every
+    impl; kernels match the reference to ~1e-5 relative (fp32 K/V) and ~2e-2
+    (bf16 K/V and queries: probabilities are rounded to bf16 before the P.V
+    dot, as in any flash kernel).
     """
     if impl == "reference":
         return paged_attention_reference(q, kv_pool, layer, block_tables, kv_lens, q_lens,
                                          sm_scale=sm_scale)
+    if impl == "gpu":
+        from pallas_kernels import gpu
+        fn = gpu.paged_decode_gpu if q.shape[1] == 1 else gpu.paged_ragged_gpu
+        return fn(q, kv_pool, layer, block_tables, kv_lens, q_lens, sm_scale=sm_scale)
+    if impl == "tpu":
+        from pallas_kernels import tpu
+        return tpu.paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, q_lens,
+                                       sm_scale=sm_scale)
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "IMPLS"]
+__all__ = ["paged_attention", "paged_attention_reference", "IMPLS", "default_impl"]
