@@ -1,0 +1,290 @@
+"""Tokenizers for jpaged: built from GGUF metadata or a Hugging Face `tokenizer.json`.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust library, so no torch and no
+transformers on the serving path) and adds what generation needs on top: the ids
+that end a sequence, whether to prepend BOS, and the Jinja chat template, rendered
+the same way `transformers` renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+# GGUF token types (llama.cpp `llama_token_type`).
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+
+# Pre-tokenizer split regexes for the `tokenizer.ggml.pre` values we know, copied
+# from the reference tokenizer.json files (llama.cpp uses the same expressions).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEXES = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+}
+
+
+class Tokenizer:
+    """A byte-level BPE (or any `tokenizers`) tokenizer plus generation metadata.
+
+    Attributes:
+        bos_token_id: id of the beginning-of-sequence token, or None.
+        eos_token_ids: every id that ends generation (EOS, end-of-turn, ...).
+        pad_token_id: padding id, or None.
+        add_bos_token: prepend BOS in `encode(add_special_tokens=True)` (done here,
+            not by the backend's post-processor, because GGUF files state it as a flag).
+        chat_template: Jinja chat template, or None.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: list[int], pad_token_id: int | None = None,
+                 add_bos_token: bool = False, chat_template: str | None = None,
+                 special_tokens: dict[str, str | None] | None = None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.pad_token_id = pad_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        # bos_token / eos_token / ... strings, passed to the chat template like transformers does.
+        self.special_tokens = dict(special_tokens or {})
+
+    # ---------------------------------------------------------------- basics
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # ---------------------------------------------------------- chat template
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Renders `messages` with the chat template, as transformers' `apply_chat_template(tokenize=False)`."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        context = {k: v for k, v in self.special_tokens.items() if v is not None}
+        context.update(kwargs)
+        return _compile_template(self.chat_template).render(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **context)
+
+    # ---------------------------------------------------------- serialisation
+    def to_json(self) -> str:
+        """Everything needed to rebuild this tokenizer (for the weight cache)."""
+        return json.dumps({
+            "backend": self.backend.to_str(),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": self.eos_token_ids,
+            "pad_token_id": self.pad_token_id,
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+            "special_tokens": self.special_tokens,
+        })
+
+    @classmethod
+    def from_json(cls, s: str) -> "Tokenizer":
+        d = json.loads(s)
+        return cls(tokenizers.Tokenizer.from_str(d["backend"]), bos_token_id=d["bos_token_id"],
+                   eos_token_ids=d["eos_token_ids"], pad_token_id=d["pad_token_id"],
+                   add_bos_token=d["add_bos_token"], chat_template=d["chat_template"],
+                   special_tokens=d["special_tokens"])
+
+    # ------------------------------------------------------------------ GGUF
+    @classmethod
+    def from_gguf(cls, source: Any) -> "Tokenizer":
+        """Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
+
+        `source` is a `gguf.GGUFReader`, a path to a .gguf file, or a metadata dict
+        (key -> python value, as returned by `jpaged.weights.gguf_metadata`).
+        """
+        meta = _as_metadata(source)
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise NotImplementedError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+                "use a Hugging Face checkpoint directory with a tokenizer.json instead")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre"))
+        _add_gguf_added_tokens(backend, tokens, types)
+
+        def tok_id(key: str) -> int | None:
+            v = meta.get(f"tokenizer.ggml.{key}")
+            return int(v) if v is not None else None
+
+        bos, eos, pad, unk = tok_id("bos_token_id"), tok_id("eos_token_id"), tok_id("padding_token_id"), \
+            tok_id("unknown_token_id")
+        # End-of-turn / end-of-message ids also stop generation (llama.cpp's "EOG" set).
+        eos_ids = [i for i in (eos, tok_id("eot_token_id"), tok_id("eom_token_id")) if i is not None]
+        name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, pad_token_id=pad,
+                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   special_tokens={"bos_token": name(bos), "eos_token": name(eos),
+                                   "pad_token": name(pad), "unk_token": name(unk)})
+
+    # -------------------------------------------------------------------- HF
+    @classmethod
+    def from_hf_dir(cls, path: str | pathlib.Path) -> "Tokenizer":
+        """Loads `tokenizer.json` (+ tokenizer_config.json, generation_config.json, chat_template.jinja)."""
+        path = pathlib.Path(path)
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        def token_str(v: Any) -> str | None:  # tokenizer_config stores strings or AddedToken dicts
+            return v.get("content") if isinstance(v, dict) else v
+
+        special = {k: token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        ids = {k: backend.token_to_id(v) if v is not None else None for k, v in special.items()}
+        bos = ids["bos_token"] if ids["bos_token"] is not None else model_cfg.get("bos_token_id")
+        eos_ids = [ids["eos_token"]] if ids["eos_token"] is not None else []
+        for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
+            eos_ids += source if isinstance(source, list) else [source] if source is not None else []
+
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        elif (path / "chat_template.json").exists():
+            template = _read_json(path / "chat_template.json").get("chat_template", template)
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+        # tokenizer.json's post-processor usually adds BOS itself; only add it by hand
+        # when the config asks for BOS and the backend does not already do it.
+        add_bos = bool(cfg.get("add_bos_token", False)) and bos is not None \
+            and backend.encode("a", add_special_tokens=True).ids[:1] != [bos]
+        return cls(backend, bos_token_id=bos, eos_token_ids=[i for i in eos_ids if i is not None],
+                   pad_token_id=ids["pad_token"], add_bos_token=add_bos, chat_template=template,
+                   special_tokens=special)
+
+
+# ------------------------------------------------------------------ helpers
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _as_metadata(source: Any) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return source
+    from jpaged.weights import gguf_metadata  # local import: weights imports this module
+    if isinstance(source, (str, pathlib.Path)):
+        import gguf
+        source = gguf.GGUFReader(str(source))
+    return gguf_metadata(source)
+
+
+@lru_cache(maxsize=None)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str | None
+                    ) -> tokenizers.Tokenizer:
+    """A GPT-2 style byte-level BPE over the GGUF vocabulary."""
+    alphabet = set(_bytes_to_unicode().values())
+    byte_char = _bytes_to_unicode()
+    # Tokens outside the byte alphabet (rare, mislabelled specials) are respelled so the
+    # BPE model accepts them; the same thing transformers' GGUF converter does.
+    vocab = {t if set(t) <= alphabet else "".join(byte_char[b] for b in t.encode()): i
+             for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    backend.normalizer = None
+    return backend
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer matching llama.cpp's `tokenizer.ggml.pre` name."""
+    if pre == "smollm":
+        # SmolLM/SmolLM2 tokenizer.json: every digit is its own pre-token, then GPT-2's regex.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in _SPLIT_REGEXES:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    # "gpt2", "default" and unknown names: GPT-2's own regex.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens become special added tokens; user-defined ones plain added tokens.
+
+    Without this, `<|im_start|>` in a prompt would be cut into byte pieces.
+    """
+    alphabet = set(_bytes_to_unicode().values())
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and set(t) <= alphabet]
+    if control:
+        backend.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
+    if user:
+        backend.add_tokens(user)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(template: str) -> Any:
+    """Compiles a chat template in the same sandboxed Jinja setup as transformers."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        # Jinja's own tojson HTML-escapes; templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)

