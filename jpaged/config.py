@@ -1,0 +1,37 @@
+"""The engine's configuration: one ml_collections ConfigDict with every knob.
+
+Experiment files under configs/ start from `default_config()` and override
+fields; every field can also be overridden on the command line as
+`--config.field=value`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    # Model: "smollm2-135m" (embedded GGUF), a .gguf path, or a HF checkpoint dir.
+    c.model = "smollm2-135m"
+    c.load_format = "auto"          # auto | gguf | hf | dummy (random weights)
+    c.dtype = "float32"             # float32 | bfloat16: weights, activations and KV
+    c.cache_dir = ""                # converted-weights cache; "" -> $JPAGED_CACHE_DIR or ~/.cache/jpaged
+    # KV pool
+    c.block_size = 16               # tokens per block, 1..256
+    c.num_blocks = 0                # 0 -> sized from kv_memory_fraction
+    c.kv_memory_fraction = 0.3      # of the memory left after the weights
+    # Scheduling
+    c.scheduler = "continuous"      # continuous | static
+    c.max_num_seqs = 16             # sequences running at once
+    c.max_num_batched_tokens = 1024 # prompt tokens per prefill step (longer prompts are chunked)
+    c.max_model_len = 2048          # prompt + generated tokens per sequence
+    # Default sampling (each request may override)
+    c.max_new_tokens = 128
+    c.temperature = 0.0
+    c.top_p = 1.0
+    c.top_k = 0
+    c.seed = 0
+    # Kernels: reference | pallas_gpu | pallas_tpu | auto (by backend)
+    c.attention_impl = "auto"
+    return c

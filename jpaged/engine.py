@@ -1,0 +1,266 @@
+"""The offline engine: `LLM(config).generate(prompts)`, like vLLM's LLM class.
+
+Each step: the scheduler picks rows, the model runner runs one batched jitted
+forward + sample over all of them (one host<->device round trip), and the
+engine appends tokens, applies stop conditions and frees finished sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+
+import pallas_kernels
+from jpaged.config import default_config
+from jpaged.kv_cache import BlockAllocator, bytes_per_block, num_blocks_for
+from jpaged.model import Llama, split_model
+from jpaged.model_runner import ModelRunner
+from jpaged.scheduler import Scheduler
+from jpaged.sequence import SamplingParams, Sequence, Status
+from jpaged.weights import load_weights
+
+ATTENTION_IMPLS = {"reference": "reference", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+
+def resolve_attention_impl(name: str) -> str:
+    if name == "auto":
+        return {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "reference")
+    if name not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS) + ['auto']}, got {name!r}")
+    return ATTENTION_IMPLS[name]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | error
+    error: str | None
+    ttft_ms: float | None
+    latency_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Accumulated over a generate() call; the summary table is derived from these."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    device_seconds: float = 0.0
+    host_seconds: float = 0.0
+    peak_blocks_used: int = 0
+    slots_allocated: int = 0  # summed over steps
+    slots_filled: int = 0
+
+    @property
+    def kv_waste(self) -> float:
+        return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
+
+
+class LLM:
+    """Loads a model, sizes the KV pool and serves batches of requests."""
+
+    def __init__(self, config: ml_collections.ConfigDict | None = None, **overrides: Any):
+        cfg = default_config()
+        if config is not None:
+            cfg.update(config)
+        cfg.update(overrides)
+        self.config = cfg
+        self.dtype = jnp.dtype(cfg.dtype)
+        loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
+                              cache_dir=cfg.cache_dir or None)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.graphdef, self.params = split_model(Llama(loaded.config, loaded.arrays, self.dtype))
+        weight_bytes = sum(a.nbytes for a in loaded.arrays.values())
+        loaded.arrays = {}  # the device copy in self.params is the one we keep
+        self.num_blocks = num_blocks_for(
+            self.model_config, block_size=cfg.block_size, dtype=self.dtype,
+            num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
+            weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len)
+        self.attention_impl = resolve_attention_impl(cfg.attention_impl)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
+                                  num_blocks=self.num_blocks, block_size=cfg.block_size,
+                                  kv_dtype=self.dtype, attention_impl=self.attention_impl,
+                                  max_model_len=cfg.max_model_len)
+        self.scheduler = Scheduler(self.allocator, policy=cfg.scheduler,
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+        self._rng = np.random.default_rng(cfg.seed)
+        self._next_id = 0
+        self._active: dict[int, Sequence] = {}
+        self.stats = StepStats()
+
+    # ----------------------------------------------------------------- requests
+    def default_sampling_params(self) -> SamplingParams:
+        c = self.config
+        return SamplingParams(max_tokens=c.max_new_tokens, temperature=c.temperature,
+                              top_p=c.top_p, top_k=c.top_k)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+
+    def _eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+
+    def add_request(self, prompt_token_ids: list[int] | None, params: SamplingParams,
+                    prompt: str | None = None, error: str | None = None) -> int:
+        """Queues one request; an invalid one is finished at once with an error."""
+        request_id = self._next_id
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        seq = Sequence(request_id, prompt_token_ids or [], params, self.config.block_size,
+                       prompt=prompt, seed=seed)
+        self._active[request_id] = seq
+        error = error or self._validate(seq)
+        if error:
+            seq.finish("error", error)
+        else:
+            self.scheduler.add(seq)
+        return request_id
+
+    def _validate(self, seq: Sequence) -> str | None:
+        try:
+            seq.params.validate()
+        except ValueError as e:
+            return str(e)
+        ids, vocab = seq.prompt_token_ids, self.model_config.vocab_size
+        if not ids:
+            return "empty prompt: at least one token is required"
+        if len(ids) >= self.config.max_model_len:
+            return (f"prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
+                    "(room is needed for at least one generated token)")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}"
+        if seq.block_table.blocks_needed(len(ids) + 1) > self.num_blocks - 1:
+            return f"prompt needs more KV blocks than the pool has ({self.num_blocks - 1})"
+        return None
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None, str | None]:
+        """(prompt text, token ids, error) for a raw string, token ids, or a chat
+        request {"messages": [...]} / {"prompt": "user message"}."""
+        try:
+            if isinstance(prompt, dict):
+                messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+                text = self._require_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+                return text, self.tokenizer.encode(text, add_special_tokens=False), None
+            if isinstance(prompt, str):
+                return prompt, self._require_tokenizer().encode(prompt), None
+            return None, [int(t) for t in prompt], None
+        except Exception as e:  # one bad request must not take the batch down
+            return None, None, f"invalid prompt: {type(e).__name__}: {e}"
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return self.tokenizer
+
+    # -------------------------------------------------------------------- steps
+    def step(self) -> list[Sequence]:
+        """Runs one scheduled step; returns sequences that finished in it."""
+        t0 = time.perf_counter()
+        rows, prefill = self.scheduler.schedule()
+        device_seconds = 0.0
+        if rows:
+            t1 = time.perf_counter()
+            next_tokens = self.runner.run(rows, prefill)
+            device_seconds = time.perf_counter() - t1
+            eos = self._eos_ids()
+            for row, token in zip(rows, next_tokens):
+                if row.num_new:
+                    self._advance(row.seq, row.num_new, int(token), eos)
+        self._record(rows, prefill, device_seconds, time.perf_counter() - t0)
+        running = {id(s) for s in self.scheduler.running}
+        finished = [s for s in self._active.values() if s.is_done and id(s) not in running]
+        for seq in finished:
+            del self._active[seq.seq_id]
+        return finished
+
+    def _advance(self, seq: Sequence, num_new: int, token: int, eos: set[int]) -> None:
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens < seq.num_tokens:
+            return  # a prefill chunk: its sample is not the next token
+        seq.output_token_ids.append(token)
+        seq.status = Status.DECODING
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        p = seq.params
+        if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        else:
+            return
+        seq.finish(reason)
+        self.scheduler.finish(seq)
+
+    def _record(self, rows, prefill: bool, device_seconds: float, step_seconds: float) -> None:
+        s = self.stats
+        s.steps += bool(rows)
+        s.prefill_steps += bool(rows) and prefill
+        s.device_seconds += device_seconds
+        s.host_seconds += step_seconds - device_seconds
+        s.peak_blocks_used = max(s.peak_blocks_used, self.allocator.num_used_blocks)
+        bs = self.config.block_size
+        s.slots_allocated += self.allocator.num_used_blocks * bs
+        s.slots_filled += sum(min(q.num_computed_tokens, len(q.block_table.block_ids) * bs)
+                              for q in self.scheduler.running)
+
+    # --------------------------------------------------------------- batch API
+    def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order.
+
+        A prompt is a raw string, a list of token ids, or a chat request
+        {"messages": [...]} / {"prompt": "a user message"} (rendered with the
+        model's chat template).
+        """
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        ids = []
+        for prompt, params in zip(prompts, sampling_params):
+            text, token_ids, error = self._tokenize(prompt)
+            ids.append(self.add_request(token_ids, params, prompt=text, error=error))
+        self.stats = StepStats()
+        done: dict[int, Sequence] = {}
+        with tqdm.tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+            while len(done) < len(ids):
+                for seq in self.step():
+                    done[seq.seq_id] = seq
+                    bar.update(1)
+        return [self._output(done[i]) for i in ids]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None and seq.output_token_ids:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        ms = lambda t: None if t is None else 1000 * (t - seq.arrival_time)  # noqa: E731
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=text, token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+            error=seq.error, ttft_ms=ms(seq.first_token_time), latency_ms=ms(seq.finish_time))
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations

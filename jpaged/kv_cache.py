@@ -1,0 +1,133 @@
+"""The paged KV pool: one device array, a host free list and per-sequence block tables.
+
+Pool layout, chosen block-major so that one block (all layers, K and V) is one
+contiguous slab: copy-on-write and swap move a block with one slice.
+
+    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+
+Block 0 is the null block: padded block-table entries and padding tokens point
+at it, and it is never handed out.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.model import ModelConfig
+
+NULL_BLOCK = 0
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has no free block left."""
+
+
+class BlockAllocator:
+    """O(1) free-list allocator over physical blocks 1..num_blocks-1."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
+        self._in_use = np.zeros(num_blocks, dtype=bool)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeBlocksError("KV pool exhausted: no free block")
+        block = self._free.popleft()
+        self._in_use[block] = True
+        return block
+
+    def free(self, block: int) -> None:
+        if block == NULL_BLOCK or not self._in_use[block]:
+            raise ValueError(f"block {block} is not allocated (double free?)")
+        self._in_use[block] = False
+        self._free.append(block)
+
+    def is_allocated(self, block: int) -> bool:
+        return bool(self._in_use[block])
+
+
+@dataclasses.dataclass
+class BlockTable:
+    """One sequence's map from logical block to physical block; grows a block at a time."""
+
+    block_size: int
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Extra blocks required to hold num_tokens tokens in total."""
+        return max(0, math.ceil(num_tokens / self.block_size) - len(self.block_ids))
+
+    def grow(self, num_tokens: int, allocator: BlockAllocator) -> None:
+        for _ in range(self.blocks_needed(num_tokens)):
+            self.block_ids.append(allocator.allocate())
+
+    def release(self, allocator: BlockAllocator) -> None:
+        for block in reversed(self.block_ids):
+            allocator.free(block)
+        self.block_ids.clear()
+
+    def physical(self, position: int) -> tuple[int, int]:
+        """(physical block, offset) of a logical token position."""
+        return self.block_ids[position // self.block_size], position % self.block_size
+
+    def slots(self, start: int, end: int) -> np.ndarray:
+        """Flat pool slots (block * block_size + offset) of positions [start, end)."""
+        pos = np.arange(start, end)
+        blocks = np.asarray(self.block_ids, dtype=np.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def free_device_memory(weight_bytes: int) -> int:
+    """Bytes left for the KV pool after the weights: device stats on GPU/TPU,
+    available system memory on the CPU (where weights were already loaded)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return int(info["MemAvailable"])
+
+
+def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_blocks: int,
+                   kv_memory_fraction: float, weight_bytes: int, max_num_seqs: int,
+                   max_model_len: int) -> int:
+    """Pool size: explicit `num_blocks`, else a fraction of the memory left after the
+    weights, capped at what max_num_seqs sequences of max_model_len can ever use."""
+    if num_blocks > 0:
+        return num_blocks
+    budget = int(free_device_memory(weight_bytes) * kv_memory_fraction)
+    by_budget = budget // bytes_per_block(cfg, block_size, dtype)
+    useful = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    return int(max(2, min(by_budget, useful)))
+
+
+def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> jax.Array:
+    if not 1 <= block_size <= 256:
+        raise ValueError(f"block_size must be in [1, 256], got {block_size}")
+    shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+    return jnp.zeros(shape, dtype=dtype)

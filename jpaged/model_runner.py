@@ -1,0 +1,92 @@
+"""Turns a scheduled batch into padded device arrays and runs the jitted step.
+
+Shapes are padded to powers of two (rows, new tokens per row, block-table
+width), so the number of compilations stays small and is counted.  The KV pool
+is donated to every step: XLA writes the new K/V into the same buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.decode import generate_step
+from jpaged.kv_cache import create_kv_pool
+from jpaged.model import ModelConfig
+from jpaged.sampling import SamplingArrays
+from jpaged.sequence import Sequence
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a step: `num_new` tokens of `seq` starting at its computed count.
+    num_new == 0 makes it a padding row (static batching keeps finished members)."""
+
+    seq: Sequence
+    num_new: int
+
+
+class ModelRunner:
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
+                 num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
+                 max_model_len: int):
+        self.params = params
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.kv_pool = create_kv_pool(model_cfg, num_blocks, block_size, kv_dtype)
+        step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
+        self._step = jax.jit(step, donate_argnums=(1,))
+        self.compiled_shapes: set[tuple] = set()
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self.compiled_shapes)
+
+    def run(self, rows: list[Row], prefill: bool) -> np.ndarray:
+        """One forward + sample over `rows`; returns the sampled token of each row."""
+        B = bucket(len(rows))
+        Q = bucket(max(r.num_new for r in rows), 8) if prefill else 1
+        W = min(bucket(max(len(r.seq.block_table.block_ids) for r in rows), 4),
+                bucket(self.max_blocks_per_seq))
+        tokens = np.zeros((B, Q), np.int32)
+        block_tables = np.zeros((B, W), np.int32)
+        context_lens = np.zeros(B, np.int32)
+        q_lens = np.zeros(B, np.int32)
+        for i, row in enumerate(rows):
+            seq = row.seq
+            start = seq.num_computed_tokens
+            ids = seq.block_table.block_ids
+            block_tables[i, :len(ids)] = ids
+            if row.num_new:
+                tokens[i, :row.num_new] = seq.token_ids[start:start + row.num_new]
+                context_lens[i], q_lens[i] = start, row.num_new
+        sampling = self._sampling_arrays(rows, B)
+        self.compiled_shapes.add((B, Q, W, sampling is None))
+        next_tokens, self.kv_pool = self._step(self.params, self.kv_pool, tokens, block_tables,
+                                               context_lens, q_lens, sampling)
+        return np.asarray(next_tokens)[:len(rows)]
+
+    @staticmethod
+    def _sampling_arrays(rows: list[Row], B: int) -> SamplingArrays | None:
+        if all(r.seq.params.temperature == 0 for r in rows):
+            return None  # the all-greedy step skips the sort entirely
+        def column(get, dtype):
+            out = np.zeros(B, dtype)
+            out[:len(rows)] = [get(r.seq) for r in rows]
+            return out
+        return SamplingArrays(
+            temperature=column(lambda s: s.params.temperature, np.float32),
+            top_k=column(lambda s: s.params.top_k, np.int32),
+            top_p=column(lambda s: s.params.top_p, np.float32),
+            seed=column(lambda s: s.seed & 0xFFFFFFFF, np.uint32),
+            step=column(lambda s: len(s.output_token_ids), np.int32))
