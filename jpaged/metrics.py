@@ -1,0 +1,55 @@
+"""Run summaries: the numbers users judge an engine by."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
+    """Throughput, per-sequence latency and KV usage of one generate() call.
+
+    ms/tok of a sequence is its latency over its generated tokens (TTFT
+    included), averaged over sequences: what a user of that request felt.
+    """
+    ok = [o for o in outputs if o.finish_reason != "error"]
+    num_tokens = sum(len(o.token_ids) for o in ok)
+    ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None]) if ok else np.zeros(1)
+    stats = llm.stats
+    step_seconds = stats.device_seconds + stats.host_seconds
+    return {
+        "requests": len(outputs),
+        "errors": len(outputs) - len(ok),
+        "output_tokens": num_tokens,
+        "wall_s": wall_seconds,
+        "output_tok_per_s": num_tokens / wall_seconds if wall_seconds else 0.0,
+        "ms_per_tok": float(np.mean([o.latency_ms / len(o.token_ids) for o in ok if o.token_ids])) if ok else 0.0,
+        "ttft_mean_ms": float(ttft.mean()),
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
+        "peak_kv_blocks": stats.peak_blocks_used,
+        "kv_pool_blocks": llm.num_blocks - 1,
+        "kv_waste_pct": 100 * stats.kv_waste,
+        "steps": stats.steps,
+        "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
+        "compilations": llm.num_compilations,
+    }
+
+
+def format_summary(summary: dict[str, float]) -> str:
+    rows = [
+        ("requests (errors)", f"{summary['requests']} ({summary['errors']})"),
+        ("output tokens", f"{summary['output_tokens']}"),
+        ("wall time", f"{summary['wall_s']:.2f} s"),
+        ("total output tok/s", f"{summary['output_tok_per_s']:.1f}"),
+        ("avg ms/tok per sequence", f"{summary['ms_per_tok']:.1f}"),
+        ("TTFT mean / p50 / p99", f"{summary['ttft_mean_ms']:.0f} / {summary['ttft_p50_ms']:.0f} / "
+                                  f"{summary['ttft_p99_ms']:.0f} ms"),
+        ("peak KV blocks in use", f"{summary['peak_kv_blocks']} of {summary['kv_pool_blocks']}"),
+        ("KV waste", f"{summary['kv_waste_pct']:.1f} %"),
+        ("steps (host share)", f"{summary['steps']} ({summary['host_pct']:.1f} % host)"),
+        ("compilations", f"{summary['compilations']}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
