@@ -198,10 +198,9 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
 def _as_metadata(source: Any) -> dict[str, Any]:
     if isinstance(source, dict):
         return source
-    from jpaged.weights import gguf_metadata  # local import: weights imports this module
+    from jpaged.weights import gguf_metadata, read_gguf  # local import: weights imports this module
     if isinstance(source, (str, pathlib.Path)):
-        import gguf
-        source = gguf.GGUFReader(str(source))
+        return read_gguf(source)[0]
     return gguf_metadata(source)
 
 

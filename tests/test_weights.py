@@ -12,8 +12,8 @@ import pytest
 
 from jpaged.model import Llama, ModelConfig, weight_shapes
 from jpaged.tokenizer import Tokenizer
-from jpaged.weights import (dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir,
-                            load_weights)
+from jpaged.weights import (dummy_weights, embedded_gguf_path, gguf_metadata, load_gguf,
+                            load_hf_dir, load_weights, read_gguf)
 
 # HF parameter name pattern -> (our name, transpose?) used to build the expected arrays.
 _HF_TO_OURS = {
@@ -151,6 +151,12 @@ def test_gguf_weights_match_transformers(smollm_gguf):
                                         "num_key_value_heads": cfg.num_kv_heads})
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
     tensors = {t.name: t for t in reader.tensors}
+
+    # Our fast GGUF parser agrees with the gguf package's reader.
+    meta, ours_tensors = read_gguf(embedded_gguf_path())
+    want_meta = {k: v for k, v in gguf_metadata(reader).items() if not k.startswith("GGUF.")}
+    assert meta == want_meta
+    assert {n: t.tensor_type for n, t in ours_tensors.items()} == {n: t.tensor_type for n, t in tensors.items()}
 
     def theirs(name: str) -> np.ndarray:  # torch layout [out, in]
         t = tensors[name]
