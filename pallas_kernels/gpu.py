@@ -55,7 +55,9 @@ def _on_gpu() -> bool:
 
 
 def _compiler_params(num_warps: int, num_stages: int):
-    if _CompilerParams is None or not _on_gpu():
+    # Passing Triton CompilerParams is what selects the Triton lowering: with
+    # None, jax >= 0.8 lowers GPU Pallas kernels with Mosaic GPU instead.
+    if _CompilerParams is None:
         return None
     return _CompilerParams(num_warps=num_warps, num_stages=num_stages)
 

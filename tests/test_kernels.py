@@ -302,3 +302,31 @@ def test_impls_and_default():
     with pytest.raises(ValueError):
         pallas_kernels.paged_attention(*make_case(0, B=1, G=1, KVH=1, D=64, BS=8, kv_lens=[3]),
                                        impl="nope")
+
+
+# --------------------------------------------------------------------------
+# The GPU kernels must lower through the Pallas Triton backend (no GPU needed:
+# lowering to Triton IR runs on CPU; compiling/running it is not checked here).
+LOWER_CASES = [  # (kernel, D, G, BS, dtype, Q)
+    ("decode", 128, 4, 16, jnp.bfloat16, 1),
+    ("decode", 64, 3, 8, np.float32, 1),
+    ("decode", 128, 8, 128, jnp.bfloat16, 1),
+    ("ragged", 128, 4, 16, jnp.bfloat16, 16),
+    ("ragged", 64, 3, 8, np.float32, 7),
+    ("ragged", 128, 1, 128, jnp.bfloat16, 64),
+]
+
+
+@pytest.mark.parametrize("kernel,D,G,BS,dtype,Q", LOWER_CASES)
+def test_gpu_lowers_to_triton(kernel, D, G, BS, dtype, Q):
+    B, KVH, W, NB = 3, 2, 8, 30
+    q = jax.ShapeDtypeStruct((B, Q, KVH * G, D), dtype)
+    pool = jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D), dtype)
+    ints = jax.ShapeDtypeStruct((B,), jnp.int32)
+    bt = jax.ShapeDtypeStruct((B, W), jnp.int32)
+    fn = kgpu.paged_decode_gpu if kernel == "decode" else kgpu.paged_ragged_gpu
+    kw = dict(num_partitions=2) if kernel == "decode" else {}
+    lowered = jax.jit(lambda *a: fn(*a, interpret=False, **kw)).trace(
+        q, pool, 1, bt, ints, ints).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text

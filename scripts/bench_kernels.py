@@ -1,0 +1,248 @@
+"""Benchmark paged-attention decode kernels (batch x context grid).
+
+Per point (all K/V full length = context):
+  ours      pallas_kernels.paged_attention(impl=<--impl, default by backend>)
+  jax_ops   jax.experimental.pallas.ops.gpu.paged_attention (its own layout:
+            k/v_pages [KVH, pages, BS, D]; the pool is converted outside the
+            timed region).  GPU only unless --jax_ops_on_cpu.
+  reference pallas_kernels.reference (gather + masked dense, fp32)
+  contig    jax.nn.dot_product_attention over a contiguous [B, S, KVH, D]
+            cache (XLA or cuDNN, whatever jax picks): no paging at all, so
+            paging overhead = ours / contig - 1.
+  time is the median over --reps of (one jitted call that runs --iters
+  unrolled, data-dependent attention calls) / iters; the calls rotate over
+  several input sets living in disjoint pool blocks so the K/V bytes do not
+  fit in L2 (>= --rotate_mb of K/V across the sets).
+  GB/s = K/V bytes that must be read (B * ctx * KVH * D * 2 * itemsize) /
+  time; %copy = GB/s / device-to-device copy bandwidth measured in the same
+  run (read + write of a --copy_mb buffer).
+
+Writes <out>.md and <out>.csv (default benchmarks/kernels/results_<device>).
+
+  python scripts/bench_kernels.py                      # on a GPU
+  python scripts/bench_kernels.py --smoke              # tiny CPU run (interpret)
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+from pallas_kernels.reference import paged_attention_reference  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64", "256"], "Batch sizes.")
+flags.DEFINE_list("context_lens", ["512", "2048", "8192", "32768"], "Context lengths (tokens).")
+flags.DEFINE_integer("head_dim", 128, "Head dim.")
+flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
+flags.DEFINE_integer("gqa", 4, "Query heads per KV head.")
+flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
+flags.DEFINE_string("dtype", "bfloat16", "K/V and q dtype.")
+flags.DEFINE_integer("iters", 20, "Unrolled attention calls per timed jitted call.")
+flags.DEFINE_integer("reps", 10, "Timed repetitions (median is reported).")
+flags.DEFINE_string("impl", None, "Our impl: gpu / tpu / reference (default by backend).")
+flags.DEFINE_list("variants", ["ours", "jax_ops", "reference", "contig"], "What to time.")
+flags.DEFINE_float("max_kv_gb", 12.0, "Skip points whose K/V (one input set) exceeds this.")
+flags.DEFINE_float("rotate_mb", 256.0, "Rotate input sets until this much K/V is touched.")
+flags.DEFINE_integer("max_sets", 8, "Most input sets to rotate over.")
+flags.DEFINE_float("copy_mb", 1024.0, "Buffer size for the device copy bandwidth test.")
+flags.DEFINE_bool("smoke", False, "Tiny grid that runs on CPU (interpret mode).")
+flags.DEFINE_bool("jax_ops_on_cpu", False, "Also run jax's shipped GPU kernel in interpret mode.")
+flags.DEFINE_enum("contig_impl", None, ["xla", "cudnn"],
+                  "jax.nn.dot_product_attention implementation for the contiguous baseline.")
+flags.DEFINE_string("out", None, "Output path prefix (.md / .csv appended).")
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", s).strip("_").lower()
+
+
+def timeit(fn, *args, reps: int) -> float:
+    """Median wall time of fn(*args) with the result blocked on (seconds)."""
+    jax.block_until_ready(fn(*args))                      # compile + warm
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(mb: float, reps: int) -> float:
+    """Device-to-device copy GB/s (bytes read + bytes written)."""
+    n = int(mb * 2 ** 20) // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    iters = 10
+
+    @jax.jit
+    def f(x):
+        for _ in range(iters):
+            x = x + 1.0                                   # read n*4, write n*4
+        return x
+
+    t = timeit(f, x, reps=reps) / iters
+    return 2 * n * 4 / t / 1e9
+
+
+def make_sets(rng, *, B, ctx, n_sets, H, KVH, D, BS, dtype):
+    """One pool holding n_sets disjoint input sets (full-length sequences)."""
+    W = -(-ctx // BS)
+    nb = 1 + n_sets * B * W
+    pool = jnp.asarray(rng.standard_normal((nb, 1, 2, KVH, BS, D), np.float32), dtype)
+    perm = 1 + rng.permutation(nb - 1)
+    bts = jnp.asarray(perm.reshape(n_sets, B, W).astype(np.int32))
+    qs = jnp.asarray(rng.standard_normal((n_sets, B, 1, H, D), np.float32), dtype)
+    kv_lens = jnp.full((B,), ctx, jnp.int32)
+    q_lens = jnp.ones((B,), jnp.int32)
+    return pool, bts, qs, kv_lens, q_lens
+
+
+def looped(attn, iters: int, n_sets: int):
+    """jit(fn) running `iters` data-dependent calls, rotating over the sets."""
+    def run(qs, *per_set_and_shared):
+        acc = jnp.zeros((), jnp.float32)
+        for i in range(iters):
+            s = i % n_sets
+            q = qs[s] + (acc * 0).astype(qs.dtype)        # chain: no CSE, no reordering
+            out = attn(q, s, *per_set_and_shared)
+            acc = acc + out.reshape(-1)[0].astype(jnp.float32)
+        return acc
+    return jax.jit(run)
+
+
+def bench_point(rng, B, ctx, impl, variants, bw):
+    H, KVH, D, BS = FLAGS.num_kv_heads * FLAGS.gqa, FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.block_size
+    dtype = jnp.dtype(FLAGS.dtype)
+    kv_bytes = B * ctx * KVH * D * 2 * dtype.itemsize
+    row = dict(batch=B, context=ctx, kv_mb=round(kv_bytes / 2 ** 20, 2))
+    if kv_bytes > FLAGS.max_kv_gb * 2 ** 30:
+        row["note"] = "skipped: K/V larger than --max_kv_gb"
+        return row
+    n_sets = int(min(FLAGS.max_sets, max(1, math.ceil(FLAGS.rotate_mb * 2 ** 20 / kv_bytes))))
+    pool, bts, qs, kv_lens, q_lens = make_sets(rng, B=B, ctx=ctx, n_sets=n_sets, H=H, KVH=KVH,
+                                               D=D, BS=BS, dtype=dtype)
+    W = bts.shape[-1]
+    iters, reps = FLAGS.iters, FLAGS.reps
+    notes = []
+
+    def record(name, fn, *args):
+        try:
+            t = timeit(looped(fn, iters, n_sets), qs, *args, reps=reps) / iters
+        except Exception as e:  # noqa: BLE001 - report, keep going
+            notes.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            return
+        gbs = kv_bytes / t / 1e9
+        row[f"{name}_us"] = round(t * 1e6, 2)
+        row[f"{name}_GBps"] = round(gbs, 1)
+        row[f"{name}_pct_copy"] = round(100 * gbs / bw, 1)
+
+    if "ours" in variants:
+        record("ours", lambda q, s, pool, bts: pallas_kernels.paged_attention(
+            q, pool, 0, bts[s], kv_lens, q_lens, impl=impl), pool, bts)
+    if "reference" in variants:
+        record("reference", lambda q, s, pool, bts: paged_attention_reference(
+            q, pool, 0, bts[s], kv_lens, q_lens), pool, bts)
+    if "jax_ops" in variants and (jax.default_backend() == "gpu" or FLAGS.jax_ops_on_cpu):
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+        k_pages = jnp.transpose(pool[:, 0, 0], (1, 0, 2, 3))   # [KVH, pages, BS, D], untimed
+        v_pages = jnp.transpose(pool[:, 0, 1], (1, 0, 2, 3))
+        k_splits = math.gcd(W, 16)
+        ppcb = math.gcd(W // k_splits, 8)
+        interp = jax.default_backend() != "gpu"
+        record("jax_ops", lambda q, s, kp, vp, bts: jax_pa.paged_attention(
+            q[:, 0], kp, vp, bts[s], kv_lens, k_splits=k_splits, pages_per_compute_block=ppcb,
+            interpret=interp), k_pages, v_pages, bts)
+        del k_pages, v_pages
+    if "contig" in variants:
+        # contiguous caches for every set: [n_sets, B, S, KVH, D], built untimed
+        k_c = jnp.stack([pool[bts[s], 0, 0].transpose(0, 1, 3, 2, 4).reshape(B, W * BS, KVH, D)
+                         for s in range(n_sets)])
+        v_c = jnp.stack([pool[bts[s], 0, 1].transpose(0, 1, 3, 2, 4).reshape(B, W * BS, KVH, D)
+                         for s in range(n_sets)])
+        record("contig", lambda q, s, k_c, v_c: jax.nn.dot_product_attention(
+            q, k_c[s], v_c[s], implementation=FLAGS.contig_impl), k_c, v_c)
+        del k_c, v_c
+    if "ours_us" in row and "contig_us" in row:
+        row["paging_overhead_pct"] = round(100 * (row["ours_us"] / row["contig_us"] - 1), 1)
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row
+
+
+COLUMNS = ["batch", "context", "kv_mb"] + [
+    f"{v}_{m}" for v in ("ours", "jax_ops", "reference", "contig") for m in ("us", "GBps", "pct_copy")
+] + ["paging_overhead_pct", "note"]
+
+
+def main(argv):
+    del argv
+    if FLAGS.smoke:
+        FLAGS.batch_sizes = ["1", "3"]
+        FLAGS.context_lens = ["64", "200"]
+        FLAGS.head_dim, FLAGS.num_kv_heads, FLAGS.gqa, FLAGS.block_size = 64, 2, 4, 16
+        FLAGS.iters, FLAGS.reps = 2, 2
+        FLAGS.copy_mb, FLAGS.rotate_mb, FLAGS.max_sets = 16.0, 1.0, 2
+    impl = FLAGS.impl or ("gpu" if FLAGS.smoke and jax.default_backend() == "cpu"
+                          else pallas_kernels.default_impl())
+    dev = device_name()
+    backend = jax.default_backend()
+    out = FLAGS.out or os.path.join("benchmarks", "kernels",
+                                    f"results_{slug(dev)}" + ("_smoke" if FLAGS.smoke else ""))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+
+    bw = copy_bandwidth(FLAGS.copy_mb, FLAGS.reps)
+    print(f"device={dev} backend={backend} impl={impl} copy_bw={bw:.1f} GB/s", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for ctx in map(int, FLAGS.context_lens):
+        for B in map(int, FLAGS.batch_sizes):
+            row = bench_point(rng, B, ctx, impl, FLAGS.variants, bw)
+            print(row, flush=True)
+            rows.append(row)
+
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in COLUMNS})
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cfg = (f"head_dim={FLAGS.head_dim} num_kv_heads={FLAGS.num_kv_heads} gqa={FLAGS.gqa} "
+           f"block_size={FLAGS.block_size} dtype={FLAGS.dtype} iters={FLAGS.iters} reps={FLAGS.reps}")
+    lines = [f"# Paged-attention decode benchmark: {dev}", "",
+             f"{stamp}; backend={backend}; ours=impl \"{impl}\"; jax {jax.__version__}; {cfg}", "",
+             f"Device copy bandwidth (read+write, same run): {bw:.1f} GB/s", ""]
+    if FLAGS.smoke or backend == "cpu":
+        lines += ["**Smoke run on CPU: kernels run in interpret mode; the times say nothing "
+                  "about kernel performance.**", ""]
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "---|" * len(cols))
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}.md and {out}.csv")
+
+
+if __name__ == "__main__":
+    app.run(main)
