@@ -21,6 +21,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.block_size = 16               # tokens per block, 1..256
     c.num_blocks = 0                # 0 -> sized from kv_memory_fraction
     c.kv_memory_fraction = 0.3      # of the memory left after the weights
+    # Automatic prefix caching: full blocks are reused across requests by content
+    c.enable_prefix_caching = True
+    c.prefix_cache_index = "hash"   # hash (chained block digests) | radix (token-block tree)
     # Scheduling
     c.scheduler = "continuous"      # continuous | static
     c.max_num_seqs = 16             # sequences running at once

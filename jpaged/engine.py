@@ -19,7 +19,8 @@ import tqdm
 
 import pallas_kernels
 from jpaged.config import default_config
-from jpaged.kv_cache import BlockAllocator, bytes_per_block, num_blocks_for
+from jpaged.block_manager import BlockManager, CacheCounters
+from jpaged.kv_cache import bytes_per_block, copy_blocks, num_blocks_for
 from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import Scheduler
@@ -48,6 +49,9 @@ class RequestOutput:
     error: str | None
     ttft_ms: float | None
     latency_ms: float
+    # Every sample of the request (SamplingParams.n); the fields above are samples[0].
+    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,6 +68,17 @@ class StepStats:
     peak_blocks_used: int = 0
     slots_allocated: int = 0  # summed over steps
     slots_filled: int = 0
+    # Prefix cache (this generate() call): see BlockManager.CacheCounters.
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    cache_hit_blocks: int = 0
+    shared_blocks_peak: int = 0
+    evictions: int = 0
+    cow_copies: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def kv_waste(self) -> float:
@@ -94,18 +109,36 @@ class LLM:
             weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
-        self.allocator = BlockAllocator(self.num_blocks)
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
+                                          enable_prefix_caching=cfg.enable_prefix_caching,
+                                          index=cfg.prefix_cache_index)
+        self.allocator = self.block_manager.allocator
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
                                   kv_dtype=self.dtype, attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len)
-        self.scheduler = Scheduler(self.allocator, policy=cfg.scheduler,
+        self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
+        self._next_child_id = 0  # samples 1..n-1 get negative ids
         self._active: dict[int, Sequence] = {}
         self.stats = StepStats()
+        self._cache_base = CacheCounters()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (only between generate() calls)."""
+        if self.scheduler.has_work:
+            raise RuntimeError("reset_prefix_cache() needs an idle engine")
+        cfg = self.config
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
+                                          enable_prefix_caching=cfg.enable_prefix_caching,
+                                          index=cfg.prefix_cache_index)
+        self.allocator = self.block_manager.allocator
+        self.scheduler.block_manager = self.block_manager
+        self.scheduler.allocator = self.allocator
+        self._cache_base = CacheCounters()
 
     # ----------------------------------------------------------------- requests
     def default_sampling_params(self) -> SamplingParams:
@@ -132,8 +165,16 @@ class LLM:
         error = error or self._validate(seq)
         if error:
             seq.finish("error", error)
-        else:
-            self.scheduler.add(seq)
+            return request_id
+        for i in range(1, params.n):  # parallel samples: seeds seed + i, forked after prefill
+            self._next_child_id -= 1
+            child = Sequence(self._next_child_id, seq.prompt_token_ids, params,
+                             self.config.block_size, prompt=prompt, seed=seed + i)
+            child.sample_index, child.group = i, seq.group
+            seq.group.append(child)
+            seq.forks.append(child)
+            self._active[child.seq_id] = child
+        self.scheduler.add(seq)
         return request_id
 
     def _validate(self, seq: Sequence) -> str | None:
@@ -150,6 +191,8 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             return f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}"
+        if seq.params.n > self.config.max_num_seqs:
+            return f"n={seq.params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
         if seq.block_table.blocks_needed(len(ids) + 1) > self.num_blocks - 1:
             return f"prompt needs more KV blocks than the pool has ({self.num_blocks - 1})"
         return None
@@ -178,9 +221,12 @@ class LLM:
         """Runs one scheduled step; returns sequences that finished in it."""
         t0 = time.perf_counter()
         rows, prefill = self.scheduler.schedule()
+        copies = self.block_manager.take_copies()
         device_seconds = 0.0
         if rows:
             t1 = time.perf_counter()
+            if copies:  # copy-on-write before the forward writes the copies
+                self.runner.kv_pool = copy_blocks(self.runner.kv_pool, copies)
             next_tokens = self.runner.run(rows, prefill)
             device_seconds = time.perf_counter() - t1
             eos = self._eos_ids()
@@ -196,6 +242,7 @@ class LLM:
 
     def _advance(self, seq: Sequence, num_new: int, token: int, eos: set[int]) -> None:
         seq.num_computed_tokens += num_new
+        self.block_manager.cache_full_blocks(seq)
         if seq.num_computed_tokens < seq.num_tokens:
             return  # a prefill chunk: its sample is not the next token
         seq.output_token_ids.append(token)
@@ -218,11 +265,18 @@ class LLM:
         s.prefill_steps += bool(rows) and prefill
         s.device_seconds += device_seconds
         s.host_seconds += step_seconds - device_seconds
-        s.peak_blocks_used = max(s.peak_blocks_used, self.allocator.num_used_blocks)
+        bm = self.block_manager
+        s.peak_blocks_used = max(s.peak_blocks_used, bm.num_used_blocks)
         bs = self.config.block_size
-        s.slots_allocated += self.allocator.num_used_blocks * bs
-        s.slots_filled += sum(min(q.num_computed_tokens, len(q.block_table.block_ids) * bs)
-                              for q in self.scheduler.running)
+        s.slots_allocated += bm.num_used_blocks * bs
+        # Shared blocks hold tokens of several sequences: cap at the slots held.
+        s.slots_filled += min(bm.num_used_blocks * bs,
+                              sum(min(q.num_computed_tokens, len(q.block_table.block_ids) * bs)
+                                  for q in self.scheduler.running))
+        c = bm.counters.minus(self._cache_base)
+        s.prompt_tokens, s.cached_prompt_tokens = c.prompt_tokens, c.cached_tokens
+        s.cache_hit_blocks, s.evictions, s.cow_copies = c.hit_blocks, c.evictions, c.cow_copies
+        s.shared_blocks_peak = max(s.shared_blocks_peak, bm.num_shared_blocks)
 
     # --------------------------------------------------------------- batch API
     def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -239,27 +293,41 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         ids = []
+        self.stats = StepStats()
+        self._cache_base = dataclasses.replace(self.block_manager.counters)
         for prompt, params in zip(prompts, sampling_params):
             text, token_ids, error = self._tokenize(prompt)
+            if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+                params = dataclasses.replace(params, cache_salt=str(prompt["cache_salt"]))
             ids.append(self.add_request(token_ids, params, prompt=text, error=error))
-        self.stats = StepStats()
         done: dict[int, Sequence] = {}
+        remaining = {i: len(self._active[i].group) for i in ids}
         with tqdm.tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            while len(done) < len(ids):
+            while remaining:
                 for seq in self.step():
                     done[seq.seq_id] = seq
-                    bar.update(1)
+                    rid = seq.group[0].seq_id
+                    remaining[rid] -= 1
+                    if not remaining[rid]:
+                        del remaining[rid]
+                        bar.update(1)
         return [self._output(done[i]) for i in ids]
 
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None and seq.output_token_ids:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         ms = lambda t: None if t is None else 1000 * (t - seq.arrival_time)  # noqa: E731
+        samples = [dict(text=self._decode(s.output_token_ids), token_ids=list(s.output_token_ids),
+                        finish_reason=s.finish_reason) for s in seq.group]
+        last = max((s.finish_time for s in seq.group if s.finish_time is not None), default=None)
         return RequestOutput(
             request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            text=text, token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
-            error=seq.error, ttft_ms=ms(seq.first_token_time), latency_ms=ms(seq.finish_time))
+            text=samples[0]["text"], token_ids=samples[0]["token_ids"], finish_reason=seq.finish_reason,
+            error=seq.error, ttft_ms=ms(seq.first_token_time), latency_ms=ms(last),
+            samples=samples, num_cached_tokens=seq.num_cached_tokens)
 
     @property
     def num_compilations(self) -> int:

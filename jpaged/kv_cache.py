@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 
 import jax
@@ -131,3 +132,20 @@ def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jn
         raise ValueError(f"block_size must be in [1, 256], got {block_size}")
     shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
     return jnp.zeros(shape, dtype=dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(kv_pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    # Gather every source first, then scatter: a block that is both a source
+    # and a destination in one batch is read before it is overwritten.
+    return kv_pool.at[dst].set(kv_pool[src])
+
+
+def copy_blocks(kv_pool: jax.Array, copies: list[tuple[int, int]]) -> jax.Array:
+    """Copy-on-write on the device: one jitted, donated pool update for all
+    (src, dst) block copies of a step.  The count is padded to a power of two
+    with null-block self-copies so few shapes compile."""
+    n = 1 << (len(copies) - 1).bit_length()
+    pairs = np.zeros((n, 2), np.int32)  # padding: NULL_BLOCK -> NULL_BLOCK
+    pairs[:len(copies)] = copies
+    return _copy_blocks(kv_pool, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))

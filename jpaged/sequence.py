@@ -27,6 +27,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1                      # parallel samples of this prompt (share its prefill)
+    cache_salt: str | None = None   # prefix-cache namespace: no reuse across salts
+    adapter_id: str | int | None = None  # part of the prefix-cache key (LoRA etc.)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -37,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
 
 
 class Sequence:
@@ -58,6 +63,27 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
+        # Prefix caching and parallel sampling.
+        self.num_cached_tokens = 0     # prompt tokens reused from the cache at first admission
+        self.block_keys: list = []     # prefix-index handle of each full, computed block
+        self.forks: list[Sequence] = []  # samples 1..n-1, forked once the prompt is prefilled
+        self.sample_index = 0
+        self.group: list[Sequence] = [self]  # all samples of this request, in order
+
+    @property
+    def extra_keys(self) -> tuple:
+        """Prefix-cache key parts besides the tokens."""
+        return (self.params.adapter_id, self.params.cache_salt)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before the next sample: a request with pending forks
+        stops one short, so that every sample computes the last prompt token itself."""
+        return self.num_tokens - 1 if self.forks else self.num_tokens
+
+    @property
+    def num_seats(self) -> int:
+        return 1 + len(self.forks)
 
     @property
     def token_ids(self) -> list[int]:

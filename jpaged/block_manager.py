@@ -1,0 +1,229 @@
+"""Block manager: reference-counted physical blocks, automatic prefix caching, copy-on-write.
+
+API (the scheduler is its only writer):
+
+  allocate() -> block      a block with refcount 1: a free one, else the
+                           least recently used cached one is evicted
+  free(block)              refcount - 1; at 0 a cached block stays cached
+                           (evictable), an uncached one returns to the free list
+  share(block)             refcount + 1 (revives a cached block at refcount 0)
+  cow(block) -> block      the block itself if the caller may write into it,
+                           else a private copy (the device copy is queued;
+                           take_copies() hands the step's copies to the engine)
+  match(seq)               the longest run of cached full blocks for seq's tokens
+  cache_full_blocks(seq)   registers seq's newly filled, computed blocks
+
+A block may be written only when its refcount is 1 and it is not in the prefix
+index: cached content is immutable, so a request whose whole prompt is cached
+copies its last block before recomputing the last prompt token (for its
+logits) instead of writing into the shared block.
+
+Eviction: blocks at refcount 0 that are cached sit in one OrderedDict in
+release order; eviction pops its head (least recently used).  A sequence
+releases its blocks last-to-first, so among blocks released together the
+deepest (end of the longest prefix) is evicted first.  Every operation is O(1):
+nothing scans the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, NoFreeBlocksError
+from jpaged.prefix_cache import ROOT, make_index
+
+
+@dataclasses.dataclass
+class CacheCounters:
+    """Cumulative prefix-cache counters (the engine reports per-generate deltas)."""
+
+    prompt_tokens: int = 0        # tokens to prefill at admissions (resumes included)
+    cached_tokens: int = 0        # of those, found in the cache (not recomputed)
+    hit_blocks: int = 0           # cached blocks reused at admissions
+    evictions: int = 0
+    cow_copies: int = 0
+    peak_shared_blocks: int = 0   # most blocks with refcount > 1 at once
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def minus(self, base: "CacheCounters") -> "CacheCounters":
+        out = CacheCounters(**{f.name: getattr(self, f.name) - getattr(base, f.name)
+                               for f in dataclasses.fields(self)})
+        out.peak_shared_blocks = self.peak_shared_blocks
+        return out
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 index: str = "hash", allocator: BlockAllocator | None = None):
+        self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks)
+        self.num_blocks = self.allocator.num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.index = make_index(index)
+        self.refcount = [0] * self.num_blocks
+        self._handle: dict[int, Any] = {}  # block -> its index handle, for cached blocks
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._copies: list[tuple[int, int]] = []
+        self.num_shared_blocks = 0  # blocks with refcount > 1
+        self.counters = CacheCounters()
+
+    # ------------------------------------------------------------- accounting
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocate() can return: free ones plus evictable cached ones."""
+        return self.allocator.num_free_blocks + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._handle)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._handle
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable blocks, next victim first (for tests and debugging)."""
+        return list(self._evictable)
+
+    # -------------------------------------------------------------- block API
+    def allocate(self) -> int:
+        if self.allocator.num_free_blocks == 0:
+            if not self._evictable:
+                raise NoFreeBlocksError("KV pool exhausted: no free or evictable block")
+            self._evict_one()
+        block = self.allocator.allocate()
+        self.refcount[block] = 1
+        return block
+
+    def _evict_one(self) -> None:
+        block, _ = self._evictable.popitem(last=False)
+        self.index.remove(self._handle.pop(block), block)
+        self.allocator.free(block)
+        self.counters.evictions += 1
+
+    def free(self, block: int) -> None:
+        rc = self.refcount[block]
+        if block == NULL_BLOCK or rc <= 0:
+            raise ValueError(f"block {block} is not referenced (double free?)")
+        rc -= 1
+        self.refcount[block] = rc
+        if rc == 1:
+            self.num_shared_blocks -= 1
+        elif rc == 0:
+            if block in self._handle:
+                self._evictable[block] = None  # most recently used end
+            else:
+                self.allocator.free(block)
+
+    def share(self, block: int) -> None:
+        rc = self.refcount[block]
+        if rc == 0:
+            if block not in self._evictable:
+                raise ValueError(f"block {block} is neither referenced nor cached")
+            del self._evictable[block]
+        elif rc == 1:
+            self.num_shared_blocks += 1
+            self.counters.peak_shared_blocks = max(self.counters.peak_shared_blocks,
+                                                   self.num_shared_blocks)
+        self.refcount[block] = rc + 1
+
+    def needs_cow(self, block: int) -> bool:
+        return self.refcount[block] > 1 or block in self._handle
+
+    def cow(self, block: int) -> int:
+        """A block the caller may write: `block` itself when it holds the only
+        reference to an uncached block, else a fresh copy (refcount moved)."""
+        if not self.needs_cow(block):
+            return block
+        new = self.allocate()  # cannot evict `block`: its refcount is >= 1
+        self._copies.append((block, new))
+        self.free(block)
+        self.counters.cow_copies += 1
+        return new
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies to run on the device before the next forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ---------------------------------------------------------- prefix cache
+    def _block_tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
+        return tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def match(self, seq) -> tuple[list[Any], list[int]]:
+        """(handles, blocks) of the longest cached run of seq's leading full blocks.
+        Changes nothing: the caller shares the blocks once it admits seq."""
+        if not self.enable_prefix_caching:
+            return [], []
+        token_ids, extra = seq.token_ids, seq.extra_keys
+        handles, blocks = [], []
+        parent = ROOT
+        for i in range(len(token_ids) // self.block_size):
+            hit = self.index.lookup(parent, self._block_tokens(token_ids, i), extra)
+            if hit is None:
+                break
+            parent, block = hit
+            handles.append(parent)
+            blocks.append(block)
+        return handles, blocks
+
+    def cache_full_blocks(self, seq) -> None:
+        """Registers the blocks of seq that are full and computed (prefill or decode)."""
+        if not self.enable_prefix_caching:
+            return
+        table, keys = seq.block_table.block_ids, seq.block_keys
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if len(keys) >= num_full:
+            return
+        token_ids, extra = seq.token_ids, seq.extra_keys
+        for i in range(len(keys), num_full):
+            block = table[i]
+            handle = self._handle.get(block)
+            if handle is None:
+                parent = keys[i - 1] if i else ROOT
+                handle, inserted = self.index.insert(parent, self._block_tokens(token_ids, i), extra, block)
+                if inserted:
+                    self._handle[block] = handle
+                # else: the same content is cached in another block; ours stays private.
+            keys.append(handle)
+
+    def record_admission(self, num_tokens: int, num_cached_tokens: int, num_hit_blocks: int) -> None:
+        c = self.counters
+        c.prompt_tokens += num_tokens
+        c.cached_tokens += num_cached_tokens
+        c.hit_blocks += num_hit_blocks
+
+    def check_invariants(self) -> None:
+        """Slow consistency check for tests: every block is exactly one of free,
+        referenced, or cached at refcount 0."""
+        free = set(self.allocator._free)
+        assert len(free) == len(self.allocator._free), "duplicate in free list"
+        assert NULL_BLOCK not in free and self.refcount[NULL_BLOCK] == 0
+        shared = 0
+        for b in range(1, self.num_blocks):
+            rc = self.refcount[b]
+            assert rc >= 0
+            shared += rc > 1
+            if b in free:
+                assert rc == 0 and b not in self._handle and b not in self._evictable, b
+                assert not self.allocator.is_allocated(b)
+            else:
+                assert self.allocator.is_allocated(b), b
+                assert rc > 0 or b in self._evictable, f"leaked block {b}"
+            if b in self._evictable:
+                assert rc == 0 and b in self._handle
+        assert shared == self.num_shared_blocks
+        assert len(self.index) == len(self._handle)
