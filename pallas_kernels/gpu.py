@@ -50,6 +50,12 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+def _check_pow2(*dims):
+    for x in dims:
+        if x & (x - 1):
+            raise ValueError(f"Triton kernels need power-of-two block_size/head_dim, got {x}")
+
+
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -102,29 +108,29 @@ def num_partitions_heuristic(batch: int, num_kv_heads: int, max_blocks: int, blo
 
 
 def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
-                   block_size: int, blocks_per_part: int, sm_scale: float):
+                   block_size: int, pages_per_iter: int, iters_per_part: int, sm_scale: float):
     b = pl.program_id(0)
     h = pl.program_id(1)
     p = pl.program_id(2)
     layer = layer_ref[0]
     kv_len = lens_ref[b]
     gp, d = q_ref.shape
-    q = (q_ref[...].astype(jnp.float32) * sm_scale)
+    tk = pages_per_iter * block_size
+    q = q_ref[...].astype(jnp.float32) * sm_scale
 
     n_blocks = (kv_len + block_size - 1) // block_size
-    start = p * blocks_per_part
-    end = jnp.minimum(start + blocks_per_part, n_blocks)
+    n_iters = (n_blocks + pages_per_iter - 1) // pages_per_iter
+    start = p * iters_per_part
+    end = jnp.minimum(start + iters_per_part, n_iters)
 
-    def body(j, carry):
+    def body(it, carry):
         acc, m_i, l_i = carry
-        blk = bt_ref[b, j]
-        k = kv_ref[blk, layer, 0, h]                      # [BS, D]
-        v = kv_ref[blk, layer, 1, h]
-        pos = j * block_size + jnp.arange(block_size, dtype=jnp.int32)
-        valid = pos < kv_len                              # [BS]
+        k, v = _load_pages(kv_ref, bt_ref, b, it, layer, h, pages_per_iter, tk, d)
+        pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
+        valid = pos < kv_len                              # [TK]
         k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        s = _qk(q.astype(k.dtype), k)                     # [GP, BS] fp32
+        s = _qk(q.astype(k.dtype), k)                     # [GP, TK] fp32
         s = jnp.where(valid[None, :], s, MASK_VALUE)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
@@ -142,10 +148,27 @@ def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_r
     l_ref[...] = l_i
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_partitions", "num_warps",
-                                             "num_stages", "interpret"))
+def _load_pages(kv_ref, bt_ref, b, it, layer, h, pages_per_iter, tk, d):
+    """K and V [TK, D] of pages it*ppi .. it*ppi+ppi-1 of row b, straight from the pool."""
+    if pages_per_iter == 1:
+        blk = bt_ref[b, it]
+        return kv_ref[blk, layer, 0, h], kv_ref[blk, layer, 1, h]
+    ids = bt_ref[b, pl.ds(it * pages_per_iter, pages_per_iter)]   # [ppi] block ids
+    k = kv_ref[ids, layer, 0, h].reshape(tk, d)                   # gather-load, no copy
+    v = kv_ref[ids, layer, 1, h].reshape(tk, d)
+    return k, v
+
+
+def default_pages_per_iter(block_size: int) -> int:
+    """Pages loaded per loop iteration: ~64 tokens (K+V tile 32 KiB in bf16, D=128)."""
+    return max(1, 64 // block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_partitions", "pages_per_iter",
+                                             "num_warps", "num_stages", "interpret"))
 def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                     num_partitions=None, num_warps=4, num_stages=2, interpret=None):
+                     num_partitions=None, pages_per_iter=None, num_warps=4, num_stages=2,
+                     interpret=None):
     """Decode attention (Q == 1).  Same contract as `pallas_kernels.paged_attention`."""
     B, Q, H, D = q.shape
     if Q != 1:
@@ -157,10 +180,18 @@ def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if interpret is None:
         interpret = not _on_gpu()
+    _check_pow2(BS, D)
+    ppi = pages_per_iter or default_pages_per_iter(BS)
+    ppi = max(1, min(_next_pow2(ppi), _next_pow2(W)))
+    n_it = -(-W // ppi)                                   # loop iterations of a full row
     P = num_partitions or num_partitions_heuristic(B, KVH, W, BS)
-    P = max(1, min(P, W))
-    bpp = -(-W // P)
+    P = max(1, min(P, n_it))
+    ipp = -(-n_it // P)                                   # iterations per partition
+    Wp = P * ipp * ppi
     GP = max(_MIN_DOT, _next_pow2(G))
+    block_tables = block_tables.astype(jnp.int32)
+    if Wp != W:  # pad with the null block so every page-vector load stays in bounds
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, Wp - W)))
 
     eff_lens = jnp.where(q_lens > 0, kv_lens, 0).astype(jnp.int32)
     qg = q.reshape(B, KVH, G, D)
@@ -168,14 +199,15 @@ def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, GP - G), (0, 0)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    kernel = functools.partial(_decode_kernel, block_size=BS, blocks_per_part=bpp, sm_scale=scale)
+    kernel = functools.partial(_decode_kernel, block_size=BS, pages_per_iter=ppi,
+                               iters_per_part=ipp, sm_scale=scale)
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, KVH, P),
         in_specs=[
             full((1,)),
-            full((B, W)),
+            full((B, Wp)),
             full((B,)),
             pl.BlockSpec((None, None, GP, D), lambda b, h, p: (b, h, 0, 0)),
             full(kv_pool.shape),                              # whole pool, read by block id
@@ -193,7 +225,7 @@ def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jpaged_decode_gpu",
-    )(layer_arr, block_tables.astype(jnp.int32), eff_lens, qg, kv_pool)
+    )(layer_arr, block_tables, eff_lens, qg, kv_pool)
     out = combine_partials(o, m, l)                       # [B, KVH, GP, D]
     out = out[:, :, :G].reshape(B, 1, H, D)
     return out.astype(q.dtype)
@@ -214,7 +246,8 @@ def combine_partials(o, m, l):
 # --------------------------------------------------------------------------
 
 def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
-                   block_size: int, block_m: int, group: int, sm_scale: float):
+                   block_size: int, pages_per_iter: int, block_m: int, group: int,
+                   sm_scale: float):
     b = pl.program_id(0)
     h = pl.program_id(1)
     t = pl.program_id(2)
@@ -232,14 +265,13 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
     last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
     last_pos = kv_len - q_len + last_tok
     first_tok = (t * block_m) // group
-    n_blocks = jnp.where(first_tok < q_len, last_pos // block_size + 1, 0)
+    tk = pages_per_iter * block_size
+    n_iters = jnp.where(first_tok < q_len, last_pos // tk + 1, 0)   # causal skip
 
-    def body(j, carry):
+    def body(it, carry):
         acc, m_i, l_i = carry
-        blk = bt_ref[b, j]
-        k = kv_ref[blk, layer, 0, h]
-        v = kv_ref[blk, layer, 1, h]
-        pos = j * block_size + jnp.arange(block_size, dtype=jnp.int32)
+        k, v = _load_pages(kv_ref, bt_ref, b, it, layer, h, pages_per_iter, tk, d)
+        pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
         kvalid = pos < kv_len
         k = jnp.where(kvalid[:, None], k, jnp.zeros_like(k))
         v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))
@@ -256,16 +288,17 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
     init = (jnp.zeros((block_m, d), jnp.float32),
             jnp.full((block_m,), MASK_VALUE, jnp.float32),
             jnp.zeros((block_m,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
+    acc, m_i, l_i = lax.fori_loop(0, n_iters, body, init)
     ok = l_i > 0
     out = acc / jnp.where(ok, l_i, 1.0)[:, None]
     o_ref[...] = jnp.where(ok[:, None], out, 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "pages_per_iter", "num_warps",
+                                             "num_stages", "interpret"))
 def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                     block_m=None, num_warps=4, num_stages=2, interpret=None):
+                     block_m=None, pages_per_iter=None, num_warps=4, num_stages=2,
+                     interpret=None):
     """Ragged prefill / mixed attention (any Q).  Same contract as `paged_attention`."""
     B, Q, H, D = q.shape
     _, _, _, KVH, BS, Dk = kv_pool.shape
@@ -275,6 +308,13 @@ def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if interpret is None:
         interpret = not _on_gpu()
+    _check_pow2(BS, D)
+    ppi = pages_per_iter or default_pages_per_iter(BS)
+    ppi = max(1, min(_next_pow2(ppi), _next_pow2(W)))
+    Wp = -(-W // ppi) * ppi
+    block_tables = block_tables.astype(jnp.int32)
+    if Wp != W:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, Wp - W)))
     rows = Q * G
     if block_m is None:
         block_m = min(64, max(_MIN_DOT, _next_pow2(rows)))
@@ -289,15 +329,15 @@ def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
     q_lens = jnp.where(kv_lens > 0, q_lens, 0).astype(jnp.int32)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    kernel = functools.partial(_ragged_kernel, block_size=BS, block_m=block_m, group=G,
-                               sm_scale=scale)
+    kernel = functools.partial(_ragged_kernel, block_size=BS, pages_per_iter=ppi, block_m=block_m,
+                               group=G, sm_scale=scale)
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, t: (0,) * len(shape))
     out = pl.pallas_call(
         kernel,
         grid=(B, KVH, n_tiles),
         in_specs=[
             full((1,)),
-            full((B, W)),
+            full((B, Wp)),
             full((B,)),
             full((B,)),
             pl.BlockSpec((None, None, block_m, D), lambda b, h, t: (b, h, t, 0)),
@@ -308,6 +348,6 @@ def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jpaged_ragged_gpu",
-    )(layer_arr, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), q_lens, qr, kv_pool)
+    )(layer_arr, block_tables, kv_lens.astype(jnp.int32), q_lens, qr, kv_pool)
     out = out[:, :, :rows].reshape(B, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, D)
     return out
