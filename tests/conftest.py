@@ -1,0 +1,118 @@
+"""Shared, expensive fixtures: tiny random HF checkpoints and one embedded SmolLM2 engine.
+
+Everything here is session-scoped so the whole suite builds each model once.
+The tiny checkpoints are not cached by jpaged (HF dirs are read memory-mapped),
+so they need no cache dir; the embedded model uses the default converted-weights
+cache so that repeated runs skip the GGUF conversion.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+# Tiny models: 2 layers, GQA (4 query heads over 2 KV heads), vocabulary 256.
+TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                   bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _randomize(model, torch, seed: int) -> None:
+    """Weights with real spread: matrices N(0, 0.2), norms 1 + N(0, 0.1), biases N(0, 0.1).
+
+    Transformers' init (std 0.02, norms 1, biases 0) gives nearly flat logits,
+    whose argmax flips on rounding noise; spread-out weights make greedy decoding
+    decisive, so an exact token comparison is meaningful rather than flaky.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.2 * noise)
+
+
+def _make_tiny(kind: str, root: pathlib.Path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    if kind == "qwen2":  # q/k/v bias, tied embeddings
+        cfg = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:  # llama 3 RoPE scaling, untied lm_head
+        cfg = transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
+        model = transformers.LlamaForCausalLM(cfg)
+    _randomize(model, torch, seed=1 if kind == "qwen2" else 0)
+    model = model.float().eval()
+    out = root / kind
+    model.save_pretrained(out, safe_serialization=True)
+    return out, model
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_root):
+    """(checkpoint dir, HF torch model) of a tiny random Llama with llama3 rope_scaling, untied."""
+    return _make_tiny("llama", tiny_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_root):
+    """(checkpoint dir, HF torch model) of a tiny random Qwen2 with q/k/v bias, tied embeddings."""
+    return _make_tiny("qwen2", tiny_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_llama):
+    return str(tiny_llama[0])
+
+
+# Engine settings for the tiny Llama: small pool and lengths keep compiles cheap.
+TINY_ENGINE = dict(load_format="hf", max_model_len=128, block_size=16, num_blocks=64,
+                   max_num_seqs=8, max_num_batched_tokens=128, attention_impl="reference")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama_dir):
+    """A shared engine on the tiny Llama (greedy default, 24 new tokens)."""
+    from jpaged.engine import LLM
+    return LLM(model=tiny_llama_dir, **TINY_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llm(tiny_llama_dir):
+    """Factory for engines on the tiny Llama with overrides of TINY_ENGINE."""
+    from jpaged.engine import LLM
+
+    def make(**overrides):
+        return LLM(model=tiny_llama_dir, **{**TINY_ENGINE, **overrides})
+    return make
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids 3.., avoiding bos/eos/pad)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+# The embedded SmolLM2: one engine for the whole session.
+SMOLLM_ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=96,
+                     max_num_seqs=8, max_num_batched_tokens=256, attention_impl="reference")
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    from jpaged.engine import LLM
+    return LLM(**SMOLLM_ENGINE)

@@ -1,0 +1,148 @@
+"""jpaged against Hugging Face transformers (torch, CPU, fp32) on the same weights.
+
+Tolerance: logits agree to max |diff| <= 1e-4 (fp32, |logits| up to ~10).
+Greedy tokens must be identical; each test also checks that the reference's
+greedy path has no near-tie (top-2 logit gap far above the logit tolerance),
+so identical tokens are a real check and not luck.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from jpaged.decode import create_kv_pool, forward_step
+from jpaged.sequence import SamplingParams
+
+torch = pytest.importorskip("torch")
+
+LOGIT_ATOL = 1e-4
+NEW_TOKENS = 24
+PROMPT_LENGTHS = [5, 17, 40]
+
+
+def hf_greedy(model, prompt: list[int], n: int, eos_token_id=None) -> tuple[list[int], float]:
+    """HF greedy continuation of `prompt` and the smallest top-2 logit gap along it."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, eos_token_id=eos_token_id, pad_token_id=0)
+        logits = model(out).logits[0, len(prompt) - 1:-1]
+    top2 = torch.topk(logits, 2).values
+    return out[0, len(prompt):].tolist(), float((top2[:, 0] - top2[:, 1]).min())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_pair(request):
+    """(jpaged LLM, HF model) for the tiny Llama (llama3 RoPE, untied) and Qwen2 (bias, tied)."""
+    from conftest import TINY_ENGINE
+    from jpaged.engine import LLM
+    path, hf = request.getfixturevalue(f"tiny_{request.param}")
+    if request.param == "llama":
+        return request.getfixturevalue("tiny_llm"), hf
+    return LLM(model=str(path), **TINY_ENGINE), hf
+
+
+def test_tiny_config_features(tiny_pair):
+    llm, hf = tiny_pair
+    cfg = llm.model_config
+    if cfg.architecture == "qwen2":
+        assert cfg.attention_bias and cfg.tie_word_embeddings and cfg.rope_scaling is None
+    else:
+        assert dict(cfg.rope_scaling)["rope_type"] == "llama3" and not cfg.tie_word_embeddings
+        assert cfg.rope_theta == 500000.0
+
+
+def test_tiny_greedy_matches_hf_generate(tiny_pair):
+    llm, hf = tiny_pair
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        want, gap = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert len(want) == NEW_TOKENS and out.finish_reason == "length"
+        assert gap > 2 * LOGIT_ATOL, f"reference path has a near-tie ({gap:.2e}): pick other prompts"
+        assert out.token_ids == want, f"prompt of {len(prompt)} tokens"
+        assert out.prompt_token_ids == prompt
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_tiny_logits_match_hf(tiny_pair, block_size):
+    """forward_step(logits="all") over a whole batch of ragged prompts, scattered
+    non-contiguously in the pool, equals HF's per-prompt logits."""
+    llm, hf = tiny_pair
+    prompts = random_prompts(PROMPT_LENGTHS, seed=2)
+    B, Q = len(prompts), 48
+    W = -(-Q // block_size)
+    pool = create_kv_pool(llm.model_config, num_blocks=B * W + 2, block_size=block_size,
+                          dtype=jnp.float32)
+    # Interleave the sequences' blocks (and skip block 0, the null block).
+    tables = np.array([[1 + b + B * j for j in range(W)] for b in range(B)], np.int32)
+    tokens = np.zeros((B, Q), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    q_lens = np.array([len(p) for p in prompts], np.int32)
+    logits, pool = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(tokens), jnp.asarray(tables),
+                                jnp.zeros(B, jnp.int32), jnp.asarray(q_lens), logits="all")
+    logits = np.asarray(logits)
+    assert logits.shape == (B, Q, llm.model_config.vocab_size)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0].numpy()
+        np.testing.assert_allclose(logits[b, :len(p)], want, rtol=0, atol=LOGIT_ATOL,
+                                   err_msg=f"prompt {b} ({len(p)} tokens)")
+
+    # A decode step on top of the cached prompts: the next token's logits.
+    nxt = np.array([[int(np.argmax(logits[b, len(p) - 1]))] for b, p in enumerate(prompts)], np.int32)
+    step, _ = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(nxt), jnp.asarray(tables),
+                           jnp.asarray(q_lens), jnp.ones(B, jnp.int32), logits="last")
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([p + [int(nxt[b, 0])]])).logits[0, -1].numpy()
+        np.testing.assert_allclose(np.asarray(step[b]), want, rtol=0, atol=LOGIT_ATOL)
+
+
+# ------------------------------------------------------------- embedded SmolLM2
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Explain what a GPU is."}],
+    [{"role": "user", "content": "List three colors."}],
+]
+SMOL_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_smollm():
+    """transformers' own load of the SAME GGUF (dequantised to fp32) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jpaged.weights import embedded_gguf_path
+    path = embedded_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    return tok, model
+
+
+def _hf_chat_ids(tok, chat) -> list[int]:
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_smollm_greedy_matches_transformers_gguf(smollm_llm, hf_smollm):
+    tok, model = hf_smollm
+    outs = smollm_llm.generate([{"messages": c} for c in CHATS], SamplingParams(max_tokens=SMOL_TOKENS))
+    eos = smollm_llm.tokenizer.eos_token_ids
+    for chat, out in zip(CHATS, outs):
+        ids = _hf_chat_ids(tok, chat)
+        assert out.prompt_token_ids == ids, "chat template / tokenizer disagree with transformers"
+        want, gap = hf_greedy(model, ids, SMOL_TOKENS, eos_token_id=eos)
+        if out.token_ids != want:
+            n = next(i for i, (a, b) in enumerate(zip(out.token_ids + [-1], want + [-1])) if a != b)
+            pytest.fail(f"diverges at generated token {n}: jpaged {out.token_ids[n:n + 4]} vs "
+                        f"HF {want[n:n + 4]}; smallest HF top-2 gap on the path {gap:.3e}")
+        assert out.finish_reason == ("stop" if want[-1] in eos else "length")
+        assert out.text == tok.decode(want, skip_special_tokens=True)
