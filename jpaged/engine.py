@@ -223,12 +223,14 @@ class LLM:
         rows, prefill = self.scheduler.schedule()
         copies = self.block_manager.take_copies()
         device_seconds = 0.0
+        if copies:  # copy-on-write, before the forward writes into the copies
+            t1 = time.perf_counter()
+            self.runner.kv_pool = copy_blocks(self.runner.kv_pool, copies)
+            device_seconds += time.perf_counter() - t1
         if rows:
             t1 = time.perf_counter()
-            if copies:  # copy-on-write before the forward writes the copies
-                self.runner.kv_pool = copy_blocks(self.runner.kv_pool, copies)
             next_tokens = self.runner.run(rows, prefill)
-            device_seconds = time.perf_counter() - t1
+            device_seconds += time.perf_counter() - t1
             eos = self._eos_ids()
             for row, token in zip(rows, next_tokens):
                 if row.num_new:

@@ -34,6 +34,13 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "steps": stats.steps,
         "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
         "compilations": llm.num_compilations,
+        "prefix_cache": bool(getattr(llm.config, "enable_prefix_caching", False)),
+        "prompt_tokens": getattr(stats, "prompt_tokens", 0),
+        "cached_prompt_tokens": getattr(stats, "cached_prompt_tokens", 0),
+        "cache_hit_pct": 100 * getattr(stats, "cache_hit_rate", 0.0),
+        "shared_blocks_peak": getattr(stats, "shared_blocks_peak", 0),
+        "evictions": getattr(stats, "evictions", 0),
+        "cow_copies": getattr(stats, "cow_copies", 0),
     }
 
 
@@ -51,5 +58,11 @@ def format_summary(summary: dict[str, float]) -> str:
         ("steps (host share)", f"{summary['steps']} ({summary['host_pct']:.1f} % host)"),
         ("compilations", f"{summary['compilations']}"),
     ]
+    if "cache_hit_pct" in summary:
+        rows.append(("prefix cache hit rate",
+                     f"{summary['cache_hit_pct']:.1f} % ({summary['cached_prompt_tokens']} of "
+                     f"{summary['prompt_tokens']} prompt tokens)" if summary["prefix_cache"] else "off"))
+        rows.append(("shared blocks (peak) / evictions / CoW",
+                     f"{summary['shared_blocks_peak']} / {summary['evictions']} / {summary['cow_copies']}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

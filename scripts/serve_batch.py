@@ -6,7 +6,8 @@
 
 A prompts line is {"prompt": "a user message"} or {"messages": [...]}, rendered
 with the model's chat template, with optional per-request max_tokens,
-temperature, top_p, top_k, seed and stop_token_ids.
+temperature, top_p, top_k, seed, stop_token_ids, n (parallel samples) and
+cache_salt (prefix-cache namespace: no KV reuse across salts).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ DEFAULT_PROMPTS = [
     "Name one fruit.",
     "What are the key differences between supervised and unsupervised learning?",
 ]
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "cache_salt")
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts).")
