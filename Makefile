@@ -27,3 +27,38 @@ bench-kernels: $(STAMP)
 
 clean:
 	rm -rf .venv .pytest_cache
+
+# Experiments (scripts/bench_*.py): each prints its table and writes CSV + PNG
+# under benchmarks/results/.  Pass flags with ARGS='--flag=value ...'.
+.PHONY: bench-sweep bench-waste bench-latency bench-memory-wall bench-alloc bench-snapshot \
+        bench-block-size bench-serving bench-throughput bench-all
+
+bench-sweep: $(STAMP)
+	$(PY) scripts/bench_sweep.py $(ARGS)
+
+bench-waste: $(STAMP)
+	$(PY) scripts/bench_waste.py $(ARGS)
+
+bench-latency: $(STAMP)
+	$(PY) scripts/bench_latency.py $(ARGS)
+
+bench-memory-wall: $(STAMP)
+	$(PY) scripts/bench_memory_wall.py $(ARGS)
+
+bench-alloc: $(STAMP)
+	$(PY) scripts/bench_alloc_table.py $(ARGS)
+
+bench-snapshot: $(STAMP)
+	$(PY) scripts/bench_snapshot.py $(ARGS)
+
+bench-block-size: $(STAMP)
+	$(PY) scripts/bench_block_size.py $(ARGS)
+
+bench-serving: $(STAMP)
+	$(PY) scripts/bench_serving.py $(ARGS)
+
+bench-throughput: $(STAMP)
+	$(PY) scripts/bench_throughput.py $(ARGS)
+
+bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wall bench-sweep \
+           bench-block-size bench-serving bench-throughput
