@@ -17,6 +17,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.load_format = "auto"          # auto | gguf | hf | dummy (random weights)
     c.dtype = "float32"             # float32 | bfloat16: weights, activations and KV
     c.cache_dir = ""                # converted-weights cache; "" -> $JPAGED_CACHE_DIR or ~/.cache/jpaged
+    c.compilation_cache = True      # persist compiled steps under <cache_dir>/xla (fast restarts)
     # KV pool
     c.block_size = 16               # tokens per block, 1..256
     c.num_blocks = 0                # 0 -> sized from kv_memory_fraction
