@@ -176,8 +176,9 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_
     ppcb = max(1, min(ppcb, W))
     n_steps = -(-W // ppcb)
     rows = Q * G
+    sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)   # 8 fp32, 16 bf16 rows per tile
     if block_m is None:
-        block_m = min(_round_up(rows, 8), 128)
+        block_m = min(_round_up(rows, sublanes), 128)
     n_tiles = -(-rows // block_m)
     R = n_tiles * block_m
 

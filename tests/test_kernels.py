@@ -160,8 +160,8 @@ def test_gpu_decode_all_partitions_empty_and_q0():
     args = make_case(seed, B=3, G=4, KVH=1, D=64, BS=16, kv_lens=[40, 0, 17], q_lens=[0, 0, 1])
     out = kgpu.paged_decode_gpu(*args, num_partitions=2)
     check(out, args, np.float32, seed, "gpu decode q0")
-    args = make_case(seed, B=2, G=4, KVH=1, D=64, BS=16, kv_lens=[0, 0])
-    assert (np.asarray(kgpu.paged_decode_gpu(*args)) == 0).all()
+    zero = (args[0], args[1], args[2], args[3], jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32))
+    assert (np.asarray(kgpu.paged_decode_gpu(*zero, num_partitions=2)) == 0).all()
 
 
 # --------------------------------------------------------------------------
@@ -198,22 +198,22 @@ def test_gpu_ragged_small_block_m():
 
 # --------------------------------------------------------------------------
 # TPU (Mosaic, interpret mode + race detector): decode and ragged.
-# (D, G, BS, B, max_len, dtype, pages_per_compute_block)
+# (D, G, KVH, BS, B, max_len, dtype, pages_per_compute_block)
 TPU_DECODE_CASES = [
-    (128, 4, 16, 3, 1040, jnp.bfloat16, None),   # long: many double-buffered steps
-    (64, 3, 8, 5, 100, np.float32, 3),
-    (64, 8, 32, 4, 128, np.float32, 1),
-    (128, 1, 128, 2, 300, jnp.bfloat16, 2),
+    (128, 4, 1, 32, 2, 1040, jnp.bfloat16, 8),   # long: many double-buffered steps
+    (64, 3, 2, 8, 5, 100, np.float32, 3),
+    (64, 8, 2, 32, 4, 128, np.float32, 1),
+    (128, 1, 2, 128, 2, 300, jnp.bfloat16, None),
 ]
 
 
-@pytest.mark.parametrize("D,G,BS,B,max_len,dtype,ppcb", TPU_DECODE_CASES)
-def test_tpu_decode(D, G, BS, B, max_len, dtype, ppcb):
+@pytest.mark.parametrize("D,G,KVH,BS,B,max_len,dtype,ppcb", TPU_DECODE_CASES)
+def test_tpu_decode(D, G, KVH, BS, B, max_len, dtype, ppcb):
     seed = _seed()
     rng = np.random.default_rng(seed)
     kv_lens = lens_profile(rng, B, BS, max_len)
     kv_lens[0] = max_len
-    args = make_case(seed, B=B, G=G, KVH=2, D=D, BS=BS, kv_lens=kv_lens, dtype=dtype)
+    args = make_case(seed, B=B, G=G, KVH=KVH, D=D, BS=BS, kv_lens=kv_lens, dtype=dtype)
     out = run_tpu(args, pages_per_compute_block=ppcb)
     check(out, args, dtype, seed, f"tpu decode ppcb={ppcb}")
 
@@ -232,6 +232,19 @@ def test_tpu_ragged(D, G, BS, dtype, Q, rows, ppcb, block_m):
                      Q=Q, dtype=dtype)
     out = run_tpu(args, pages_per_compute_block=ppcb, block_m=block_m)
     check(out, args, dtype, seed, "tpu ragged")
+
+
+def test_tpu_two_cores_no_race():
+    """Parallel grid axes split over 2 simulated TensorCores (megacore-like)."""
+    seed = _seed()
+    rows = [(40, 1), (0, 0), (33, 9)]
+    kv_lens, q_lens = zip(*rows)
+    args = make_case(seed, B=3, G=2, KVH=2, D=64, BS=16, kv_lens=kv_lens, q_lens=q_lens, Q=9)
+    out = ktpu.paged_attention_tpu(*args, pages_per_compute_block=1, interpret=pltpu.InterpretParams(
+        detect_races=True, num_cores_or_threads=2))
+    out = jax.block_until_ready(out)
+    assert not _tpu_interp.races.races_found
+    check(out, args, np.float32, seed, "tpu 2 cores")
 
 
 def test_tpu_race_detector_is_live():
@@ -330,3 +343,28 @@ def test_gpu_lowers_to_triton(kernel, D, G, BS, dtype, Q):
         q, pool, 1, bt, ints, ints).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+TPU_LOWER_CASES = [  # (D, G, BS, dtype, Q)
+    (128, 4, 16, jnp.bfloat16, 1),
+    (128, 8, 32, jnp.bfloat16, 1),
+    (128, 4, 16, jnp.bfloat16, 16),
+    (64, 1, 8, np.float32, 1),
+]
+
+
+@pytest.mark.parametrize("D,G,BS,dtype,Q", TPU_LOWER_CASES)
+def test_tpu_lowers_to_mosaic(monkeypatch, D, G, BS, dtype, Q):
+    """jax-side Mosaic lowering for a TPU v5e target (no TPU needed; the final
+    libtpu compile, which checks layouts, is not run here)."""
+    from jax._src.pallas.mosaic import tpu_info
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    B, KVH, W, NB = 3, 2, 16, 60
+    q = jax.ShapeDtypeStruct((B, Q, KVH * G, D), dtype)
+    pool = jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D), dtype)
+    ints = jax.ShapeDtypeStruct((B,), jnp.int32)
+    bt = jax.ShapeDtypeStruct((B, W), jnp.int32)
+    text = jax.jit(lambda *a: ktpu.paged_attention_tpu(*a, interpret=False)).trace(
+        q, pool, 1, bt, ints, ints).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
