@@ -10,6 +10,10 @@ Importable on its own (no dependency on jpaged).  One public entry point,
 * "tpu": Pallas/Mosaic TPU, `tpu.paged_attention_tpu`: one kernel for decode
   and ragged prefill; pool stays in HBM, pages DMA'd double-buffered to VMEM.
 
+Shape limits: "gpu" needs power-of-two block_size and head_dim (Triton
+tensors); any GQA ratio works.  "tpu" on real hardware wants head_dim a
+multiple of 128 (64 works) and block_size a multiple of 8 (fp32) / 16 (bf16).
+
 Off their backend the kernels run in interpret mode automatically (Triton
 kernels with `interpret=True`, TPU kernels in TPU interpret mode), which is
 how they are tested on CPU.  `default_impl()` picks by `jax.default_backend()`.
