@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from conftest import import_torch, random_prompts
 from jpaged.decode import create_kv_pool, forward_step
 from jpaged.sequence import SamplingParams
 
-torch = pytest.importorskip("torch")
+torch = import_torch()
 
 LOGIT_ATOL = 1e-4
 NEW_TOKENS = 24

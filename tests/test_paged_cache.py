@@ -1,0 +1,149 @@
+"""The paged KV cache: layout independence, batching, chunking, in-place updates, compile counts.
+
+All on the tiny random Llama (greedy; ignore_eos so every length is known).
+The reference for every comparison is the same request run alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import assert_all_blocks_free, random_prompts
+from jpaged.model_runner import bucket
+from jpaged.sequence import SamplingParams
+
+# Prompt lengths straddle the 16- and 64-token block boundaries; answers cross more.
+LENGTHS = [3, 15, 16, 17, 63, 64, 65]
+MAX_TOKENS = [30, 20, 33, 16, 40, 1, 9]
+PROMPTS = random_prompts(LENGTHS, seed=10)
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llm):
+    """Tokens of each request run on its own (block_size 16, the shared engine)."""
+    outs = [tiny_llm.generate([p], sp)[0] for p, sp in zip(PROMPTS, PARAMS)]
+    for o, n in zip(outs, MAX_TOKENS):
+        assert o.finish_reason == "length" and len(o.token_ids) == n
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def contiguous(make_tiny_llm):
+    """The whole batch on a contiguous cache: one block of max_model_len per sequence."""
+    llm = make_tiny_llm(block_size=128, num_blocks=len(PROMPTS) + 1)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert llm.stats.peak_blocks_used <= len(PROMPTS)  # one block per sequence
+    return [o.token_ids for o in outs]
+
+
+def test_contiguous_equals_alone(contiguous, alone):
+    assert contiguous == alone
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_paged_equals_contiguous(make_tiny_llm, contiguous, block_size):
+    blocks_per_seq = -(-128 // block_size)
+    llm = make_tiny_llm(block_size=block_size, num_blocks=len(PROMPTS) * blocks_per_seq + 1)
+    outs = llm.generate(PROMPTS, PARAMS)
+    for i, (o, want) in enumerate(zip(outs, contiguous)):
+        assert o.token_ids == want, f"request {i} (prompt {LENGTHS[i]}, block_size {block_size})"
+    if block_size < 64:  # sequences really were spread over many blocks
+        assert llm.stats.peak_blocks_used > 2 * len(PROMPTS)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_batching_equals_alone(make_tiny_llm, alone, policy):
+    llm = make_tiny_llm(scheduler=policy, max_num_seqs=3)
+    outs = llm.generate(PROMPTS, PARAMS)
+    for i, (o, want) in enumerate(zip(outs, alone)):
+        assert o.finish_reason == "length"
+        assert o.token_ids == want, f"request {i} under {policy} batching"
+    assert_all_blocks_free(llm)
+
+
+def test_continuous_refills_slots(make_tiny_llm):
+    """Continuous batching admits a waiting request as soon as a slot frees up;
+    static waits for the whole batch: it must take strictly more steps."""
+    steps = {}
+    for policy in ("continuous", "static"):
+        llm = make_tiny_llm(scheduler=policy, max_num_seqs=3, max_num_batched_tokens=256)
+        llm.generate(PROMPTS, PARAMS)
+        steps[policy] = llm.stats.steps
+    assert steps["continuous"] < steps["static"], steps
+
+
+@pytest.mark.parametrize("budget", [7, 16])
+def test_chunked_prefill_equals_alone(make_tiny_llm, alone, budget):
+    """max_num_batched_tokens below the prompt lengths: prompts are prefilled in chunks."""
+    llm = make_tiny_llm(max_num_batched_tokens=budget, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert llm.stats.prefill_steps >= -(-max(LENGTHS) // budget)
+    for i, (o, want) in enumerate(zip(outs, alone)):
+        assert o.token_ids == want, f"request {i} with prefill chunks of {budget}"
+
+
+def test_preemption_equals_alone(make_tiny_llm, tiny_llm):
+    """A pool too small for the running batch forces recompute preemption; the
+    preempted sequences resume and still produce the same tokens."""
+    prompts = random_prompts([15, 14, 13, 12], seed=11)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # each grows 1 -> 4 blocks
+    want = [tiny_llm.generate([p], params)[0].token_ids for p in prompts]
+    for caching in (False, True):
+        llm = make_tiny_llm(num_blocks=9, max_num_seqs=4, enable_prefix_caching=caching)
+        outs = llm.generate(prompts, params)
+        assert llm.scheduler.num_preemptions > 0
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert o.finish_reason == "length"
+            assert o.token_ids == w, f"request {i} after preemption (prefix caching {caching})"
+        assert_all_blocks_free(llm)
+
+
+def test_pool_donated_and_updated_in_place(make_tiny_llm):
+    llm = make_tiny_llm(num_blocks=2048)  # a 16 MiB pool: much larger than any temporary
+    runner = llm.runner
+    pool_bytes = runner.kv_pool.nbytes
+    assert pool_bytes == llm.kv_pool_bytes
+    ptr = runner.kv_pool.unsafe_buffer_pointer()
+    lowered = []
+    step = runner._step
+
+    def spy(*args):
+        if not lowered:
+            lowered.append(step.lower(*args))
+        return step(*args)
+
+    runner._step = spy
+    try:
+        out = llm.generate([PROMPTS[2], PROMPTS[4]], SamplingParams(max_tokens=5, ignore_eos=True))
+    finally:
+        runner._step = step
+    assert all(len(o.token_ids) == 5 for o in out)
+    assert runner.kv_pool.unsafe_buffer_pointer() == ptr, "the pool was copied, not updated in place"
+    assert float(np.abs(np.asarray(runner.kv_pool[1:])).sum()) > 0  # and it holds the new K/V
+
+    mem = lowered[0].compile().memory_analysis()
+    assert mem.alias_size_in_bytes >= pool_bytes, (mem.alias_size_in_bytes, pool_bytes)
+    assert mem.temp_size_in_bytes < pool_bytes / 4, (mem.temp_size_in_bytes, pool_bytes)
+
+
+def test_compilations_are_bounded(make_tiny_llm):
+    """Shapes are bucketed: rows B in {1, 2, 4} (max_num_seqs 4), prefill tokens per
+    row Q in {8, 16, 32} (max_num_batched_tokens 32), decode Q = 1, and block-table
+    width W = 4 (max_model_len 64 / block 16): at most 3 * 3 + 3 = 12 shapes."""
+    llm = make_tiny_llm(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    lengths = [1, 2, 5, 7, 8, 9, 13, 20, 31, 33, 40, 47, 50, 60, 62]
+    max_tokens = [3, 17, 1, 9, 30, 2, 12, 7, 25, 4, 11, 16, 5, 8, 10]
+    outs = llm.generate(random_prompts(lengths, seed=3),
+                        [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens])
+    for o, n, m in zip(outs, lengths, max_tokens):
+        assert o.finish_reason == "length"
+        assert len(o.token_ids) == min(m, 64 - n)  # max_model_len caps the answer
+    bound = len({bucket(b) for b in range(1, 5)}) * (len({bucket(q, 8) for q in range(1, 33)}) + 1)
+    assert bound == 12
+    assert llm.num_compilations <= bound, sorted(llm.runner.compiled_shapes)
+    # The runner's own count is honest: jit compiled exactly that many executables.
+    assert llm.runner._step._cache_size() == llm.num_compilations
