@@ -52,7 +52,7 @@ def _seed() -> int:
 
 
 def make_case(seed, *, B, G, KVH, D, BS, kv_lens, q_lens=None, Q=1, extra_w=1,
-              dtype=np.float32, layer=1, nan=True):
+              dtype=np.float32, layer=1, nan=True, width=None, num_blocks=None):
     """Random pool/tables; everything a sequence must not read is NaN."""
     rng = np.random.default_rng(seed)
     kv_lens = np.asarray(kv_lens, np.int32)
@@ -61,8 +61,9 @@ def make_case(seed, *, B, G, KVH, D, BS, kv_lens, q_lens=None, Q=1, extra_w=1,
         q_lens = np.where(kv_lens > 0, 1, 0)
     q_lens = np.asarray(q_lens, np.int32)
     n_blk = -(-kv_lens // BS)
-    W = max(1, int(n_blk.max())) + extra_w                  # padded table entries
-    NB = 1 + int(n_blk.sum()) + 3                           # + null block + spares
+    W = width or max(1, int(n_blk.max())) + extra_w         # padded table entries
+    NB = num_blocks or 1 + int(n_blk.sum()) + 3             # + null block + spares
+    assert W >= n_blk.max() and NB >= 1 + n_blk.sum()
     pool = rng.standard_normal((NB, NUM_LAYERS, 2, KVH, BS, D)).astype(np.float32)
     if nan:
         mask = np.ones((NB, NUM_LAYERS, 2, KVH, BS, D), bool)   # True = poison
@@ -184,6 +185,30 @@ def test_gpu_ragged(D, G, BS, dtype, Q, rows):
                      Q=Q, dtype=dtype)
     out = kgpu.paged_ragged_gpu(*args)
     check(out, args, dtype, seed, "gpu ragged")
+
+
+def test_ragged_fuzz_fixed_shapes():
+    """Random ragged (kv_len, q_len) draws at fixed shapes (one compile per
+    kernel): decode rows, pure prefill, chunked prefill, padding rows."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    B, Q, BS, max_len = 6, 16, 16, 200
+    W = -(-max_len // BS)
+    for draw in range(3):
+        kv = rng.integers(0, max_len + 1, B)
+        kv[0] = int(rng.integers(1, max_len // BS + 1)) * BS     # exact block boundary
+        kv[1] = int(rng.integers(1, Q + 1))                      # pure prefill row below
+        ql = np.minimum(kv, rng.integers(1, Q + 1, B))           # chunked prefill rows
+        ql[1] = kv[1]
+        ql[2] = 1                                                # a decode row
+        ql = np.where(kv > 0, np.maximum(ql, 1), 0)              # kv == 0 -> padding row
+        rng.shuffle(perm := np.arange(B))
+        kv, ql = kv[perm], ql[perm]
+        args = make_case(seed + draw, B=B, G=2, KVH=2, D=64, BS=BS, kv_lens=kv, q_lens=ql, Q=Q,
+                         width=W, num_blocks=1 + B * W)
+        check(kgpu.paged_ragged_gpu(*args), args, np.float32, seed, f"gpu fuzz {kv} {ql}")
+        check(run_tpu(args, pages_per_compute_block=4, block_m=32), args, np.float32, seed,
+              f"tpu fuzz {kv} {ql}")
 
 
 def test_gpu_ragged_small_block_m():
