@@ -8,6 +8,7 @@ engine appends tokens, applies stop conditions and frees finished sequences.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import time
 from typing import Any, Iterable
 
@@ -25,14 +26,14 @@ from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import Scheduler
 from jpaged.sequence import SamplingParams, Sequence, Status
-from jpaged.weights import load_weights
+from jpaged.weights import default_cache_dir, load_weights
 
 ATTENTION_IMPLS = {"reference": "reference", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
 def resolve_attention_impl(name: str) -> str:
     if name == "auto":
-        return {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "reference")
+        return pallas_kernels.default_impl()
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS) + ['auto']}, got {name!r}")
     return ATTENTION_IMPLS[name]
@@ -95,6 +96,9 @@ class LLM:
         cfg.update(overrides)
         self.config = cfg
         self.dtype = jnp.dtype(cfg.dtype)
+        if cfg.compilation_cache:
+            xla_cache = pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla"
+            jax.config.update("jax_compilation_cache_dir", str(xla_cache))
         loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
                               cache_dir=cfg.cache_dir or None)
         self.loaded = loaded
