@@ -1,0 +1,96 @@
+"""scripts/serve_batch.py end to end, and the runtime's independence from torch."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jpaged.sequence import SamplingParams
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REQUESTS = [
+    {"prompt": "What is 2 + 2?"},
+    {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a color."}],
+     "max_tokens": 4, "seed": 5, "temperature": 0.7},
+    {"prompt": "Name one fruit.", "max_tokens": 6},
+]
+FIELDS = {"prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error", "ttft_ms", "latency_ms"}
+SMALL = ["--config.max_new_tokens=8", "--config.max_model_len=256", "--config.num_blocks=48",
+         "--config.max_num_seqs=4", "--config.attention_impl=reference"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    prompts, output = tmp / "prompts.jsonl", tmp / "out.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    # -X importtime lists every module the script imports (on stderr).
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
+         *SMALL, f"--prompts={prompts}", f"--output={output}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    return proc, lines
+
+
+def test_output_jsonl_fields(served):
+    _, lines = served
+    assert len(lines) == len(REQUESTS)
+    limits = [8, 4, 6]  # config default, then per-request max_tokens
+    for rec, limit in zip(lines, limits):
+        assert FIELDS <= set(rec), FIELDS - set(rec)
+        assert rec["error"] is None and rec["finish_reason"] in ("stop", "length")
+        assert 1 <= len(rec["token_ids"]) <= limit
+        if rec["finish_reason"] == "length":
+            assert len(rec["token_ids"]) == limit
+        assert isinstance(rec["text"], str) and rec["text"].strip()
+        assert rec["prompt_token_ids"] and all(isinstance(t, int) for t in rec["prompt_token_ids"])
+        assert "<|im_start|>" in rec["prompt"]  # rendered with the chat template
+        assert 0 < rec["ttft_ms"] <= rec["latency_ms"]
+    assert "Be terse." in lines[1]["prompt"]  # the messages request kept its system turn
+
+
+def test_served_tokens_match_the_library(served, smollm_llm):
+    """The script's greedy answer equals LLM.generate's on the same chat prompt."""
+    _, lines = served
+    out = smollm_llm.generate([REQUESTS[0]], SamplingParams(max_tokens=8))[0]
+    assert out.prompt_token_ids == lines[0]["prompt_token_ids"]
+    assert out.token_ids == lines[0]["token_ids"] and out.text == lines[0]["text"]
+
+
+def test_summary_table_printed(served):
+    proc, _ = served
+    out = proc.stdout
+    for row in ("requests (errors)", "output tokens", "wall time", "TTFT mean / p50 / p99",
+                "peak KV blocks in use", "compilations"):
+        assert row in out, f"summary row {row!r} missing"
+    assert re.search(r"requests \(errors\)\s+3 \(0\)", out)
+    assert "KV pool: 48 blocks x 16 tokens" in out
+
+
+def test_serve_never_imports_torch(served):
+    proc, _ = served
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "jpaged.engine" in imported  # importtime really listed the imports
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
+
+
+def test_runtime_never_imports_torch():
+    code = (
+        "import sys\n"
+        "from jpaged.engine import LLM\n"
+        "from jpaged.sequence import SamplingParams\n"
+        "llm = LLM(max_model_len=64, num_blocks=12, max_num_seqs=2, attention_impl='reference')\n"
+        "out = llm.generate([{'prompt': 'Hi'}, [1, 2, 3]], SamplingParams(max_tokens=3))\n"
+        "assert all(o.token_ids and o.error is None for o in out), out\n"
+        "print('TORCH_MODULES', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TORCH_MODULES []" in proc.stdout, proc.stdout
