@@ -71,22 +71,26 @@ class ModelRunner:
                 tokens[i, :row.num_new] = seq.token_ids[start:start + row.num_new]
                 context_lens[i], q_lens[i] = start, row.num_new
         sampling = self._sampling_arrays(rows, B)
-        self.compiled_shapes.add((B, Q, W, sampling is None))
+        self.compiled_shapes.add((B, Q, W, jax.tree.structure(sampling)))
         next_tokens, self.kv_pool = self._step(self.params, self.kv_pool, tokens, block_tables,
                                                context_lens, q_lens, sampling)
         return np.asarray(next_tokens)[:len(rows)]
 
     @staticmethod
     def _sampling_arrays(rows: list[Row], B: int) -> SamplingArrays | None:
-        if all(r.seq.params.temperature == 0 for r in rows):
-            return None  # the all-greedy step skips the sort entirely
-        def column(get, dtype):
+        """None when every row is greedy: that step skips sampling entirely."""
+        params = [r.seq.params for r in rows]
+        if all(p.temperature == 0 for p in params):
+            return None
+
+        def column(values, dtype):
             out = np.zeros(B, dtype)
-            out[:len(rows)] = [get(r.seq) for r in rows]
+            out[:len(values)] = values
             return out
+        filtered = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
         return SamplingArrays(
-            temperature=column(lambda s: s.params.temperature, np.float32),
-            top_k=column(lambda s: s.params.top_k, np.int32),
-            top_p=column(lambda s: s.params.top_p, np.float32),
-            seed=column(lambda s: s.seed & 0xFFFFFFFF, np.uint32),
-            step=column(lambda s: len(s.output_token_ids), np.int32))
+            temperature=column([p.temperature for p in params], np.float32),
+            seed=column([r.seq.seed & 0xFFFFFFFF for r in rows], np.uint32),
+            step=column([len(r.seq.output_token_ids) for r in rows], np.int32),
+            top_k=column([p.top_k for p in params], np.int32) if filtered else None,
+            top_p=column([p.top_p for p in params], np.float32) if filtered else None)
