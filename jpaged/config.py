@@ -30,6 +30,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.max_num_seqs = 16             # sequences running at once
     c.max_num_batched_tokens = 1024 # prompt tokens per prefill step (longer prompts are chunked)
     c.max_model_len = 2048          # prompt + generated tokens per sequence
+    # Oversubscription: sequences are admitted while blocks are free; when a running
+    # one needs a block and none is left, the latest-arrived running sequence is
+    # preempted: "recompute" drops its K/V (it prefills prompt + output again on
+    # resume), "swap" copies its blocks to a host pool of swap_space_gb (falling
+    # back to recompute for a victim that does not fit there).
+    c.preemption_mode = "recompute"  # recompute | swap
+    c.swap_space_gb = 4.0           # host memory for swapped-out blocks
     # Default sampling (each request may override)
     c.max_new_tokens = 128
     c.temperature = 0.0

@@ -21,10 +21,11 @@ import tqdm
 import pallas_kernels
 from jpaged.config import default_config
 from jpaged.block_manager import BlockManager, CacheCounters
-from jpaged.kv_cache import bytes_per_block, copy_blocks, num_blocks_for
+from jpaged.kv_cache import (HostSwapSpace, bytes_per_block, copy_blocks, gather_blocks, num_blocks_for,
+                              scatter_blocks, swap_capacity_blocks)
 from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
-from jpaged.scheduler import Scheduler
+from jpaged.scheduler import PreemptionCounters, Scheduler
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.weights import default_cache_dir, load_weights
 
@@ -76,6 +77,17 @@ class StepStats:
     shared_blocks_peak: int = 0
     evictions: int = 0
     cow_copies: int = 0
+    # Preemption (this generate() call): see Scheduler.PreemptionCounters.
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    swap_preemptions: int = 0
+    swap_fallbacks: int = 0        # swap victims recomputed because the host pool was full
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_seconds: float = 0.0      # device<->host copies (part of device_seconds)
+    swap_blocks_peak: int = 0      # most host blocks in use at once
 
     @property
     def cache_hit_rate(self) -> float:
@@ -121,15 +133,22 @@ class LLM:
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
                                   kv_dtype=self.dtype, attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len)
+        block_shape = tuple(self.runner.kv_pool.shape[1:])
+        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        self.swap_space = HostSwapSpace(
+            swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if cfg.preemption_mode == "swap" else 0,
+            block_shape, self.runner.kv_pool.dtype)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   preemption_mode=cfg.preemption_mode, swap_space=self.swap_space)
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._next_child_id = 0  # samples 1..n-1 get negative ids
         self._active: dict[int, Sequence] = {}
         self.stats = StepStats()
         self._cache_base = CacheCounters()
+        self._preempt_base = PreemptionCounters()
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (only between generate() calls)."""
@@ -225,8 +244,14 @@ class LLM:
         """Runs one scheduled step; returns sequences that finished in it."""
         t0 = time.perf_counter()
         rows, prefill = self.scheduler.schedule()
+        swap_out, swap_in = self.scheduler.take_swaps()
         copies = self.block_manager.take_copies()
         device_seconds = 0.0
+        if swap_out or swap_in:  # before the copies and the forward rewrite victims' blocks
+            t1 = time.perf_counter()
+            self._swap(swap_out, swap_in)
+            device_seconds += time.perf_counter() - t1
+            self.stats.swap_seconds += time.perf_counter() - t1
         if copies:  # copy-on-write, before the forward writes into the copies
             t1 = time.perf_counter()
             self.runner.kv_pool = copy_blocks(self.runner.kv_pool, copies)
@@ -245,6 +270,20 @@ class LLM:
         for seq in finished:
             del self._active[seq.seq_id]
         return finished
+
+    def _swap(self, swap_out, swap_in) -> None:
+        """One jitted gather of every victim's blocks (device -> host pool), then one
+        jitted, donated scatter of every resumed sequence's blocks into its new ones."""
+        host, s = self.swap_space, self.stats
+        if swap_out:
+            ids = [b for r in swap_out for b in r.block_ids]
+            host.store([x for r in swap_out for x in r.slots], gather_blocks(self.runner.kv_pool, ids))
+            s.swapped_out_bytes += len(ids) * host.block_bytes
+        if swap_in:
+            ids = [b for r in swap_in for b in r.block_ids]
+            data = host.load([x for r in swap_in for x in r.slots])
+            self.runner.kv_pool = scatter_blocks(self.runner.kv_pool, ids, data)
+            s.swapped_in_bytes += len(ids) * host.block_bytes
 
     def _advance(self, seq: Sequence, num_new: int, token: int, eos: set[int]) -> None:
         seq.num_computed_tokens += num_new
@@ -283,6 +322,10 @@ class LLM:
         s.prompt_tokens, s.cached_prompt_tokens = c.prompt_tokens, c.cached_tokens
         s.cache_hit_blocks, s.evictions, s.cow_copies = c.hit_blocks, c.evictions, c.cow_copies
         s.shared_blocks_peak = max(s.shared_blocks_peak, bm.num_shared_blocks)
+        p = self.scheduler.counters.minus(self._preempt_base)
+        for f in dataclasses.fields(p):
+            setattr(s, f.name, getattr(p, f.name))
+        s.swap_blocks_peak = max(s.swap_blocks_peak, self.swap_space.num_used_blocks)
 
     # --------------------------------------------------------------- batch API
     def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -301,6 +344,7 @@ class LLM:
         ids = []
         self.stats = StepStats()
         self._cache_base = dataclasses.replace(self.block_manager.counters)
+        self._preempt_base = dataclasses.replace(self.scheduler.counters)
         for prompt, params in zip(prompts, sampling_params):
             text, token_ids, error = self._tokenize(prompt)
             if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:

@@ -149,3 +149,90 @@ def copy_blocks(kv_pool: jax.Array, copies: list[tuple[int, int]]) -> jax.Array:
     pairs = np.zeros((n, 2), np.int32)  # padding: NULL_BLOCK -> NULL_BLOCK
     pairs[:len(copies)] = copies
     return _copy_blocks(kv_pool, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+
+
+# ----------------------------------------------------------------------- swap
+class HostSwapSpace:
+    """Host-memory (numpy) pool that preempted sequences' blocks are swapped to.
+
+    `capacity` blocks of the device block shape; the array is allocated on the
+    first swap-out (np.empty: pages are committed only as they are written).
+    Slot accounting (allocate/free) is the scheduler's; the engine moves data
+    with `store` (device -> host) and `load` (host -> device).
+    """
+
+    def __init__(self, capacity: int, block_shape: tuple[int, ...], dtype):
+        self.capacity = max(0, int(capacity))
+        self.block_shape = tuple(block_shape)
+        self.dtype = np.dtype(dtype)
+        self._free: collections.deque[int] = collections.deque(range(self.capacity))
+        self.data: np.ndarray | None = None
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.block_shape) * self.dtype.itemsize
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n host slots, or None (taking nothing) when fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
+    def _array(self) -> np.ndarray:
+        if self.data is None:
+            self.data = np.empty((self.capacity, *self.block_shape), self.dtype)
+        return self.data
+
+    def store(self, slots: list[int], blocks: np.ndarray) -> None:
+        self._array()[np.asarray(slots, np.int64)] = blocks
+
+    def load(self, slots: list[int]) -> np.ndarray:
+        return self._array()[np.asarray(slots, np.int64)]
+
+
+def swap_capacity_blocks(swap_space_gb: float, block_bytes: int) -> int:
+    return int(swap_space_gb * 2**30) // block_bytes
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+@jax.jit
+def _gather_blocks(kv_pool: jax.Array, ids: jax.Array) -> jax.Array:
+    return kv_pool[ids]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(kv_pool: jax.Array, ids: jax.Array, blocks: jax.Array) -> jax.Array:
+    return kv_pool.at[ids].set(blocks)
+
+
+def gather_blocks(kv_pool: jax.Array, block_ids: list[int]) -> np.ndarray:
+    """Swap-out: the given device blocks, copied to host, in one jitted gather.
+    The count is padded to a power of two (with the null block) so few shapes compile."""
+    ids = np.zeros(_pow2(len(block_ids)), np.int32)
+    ids[:len(block_ids)] = block_ids
+    return np.asarray(_gather_blocks(kv_pool, jnp.asarray(ids)))[:len(block_ids)]
+
+
+def scatter_blocks(kv_pool: jax.Array, block_ids: list[int], blocks: np.ndarray) -> jax.Array:
+    """Swap-in: writes host `blocks` into device `block_ids` with one jitted, donated
+    `kv_pool.at[ids].set(blocks)`; padding rows (power-of-two count) go to the null block."""
+    n = _pow2(len(block_ids))
+    ids = np.zeros(n, np.int32)
+    ids[:len(block_ids)] = block_ids
+    data = np.zeros((n, *kv_pool.shape[1:]), kv_pool.dtype)
+    data[:len(block_ids)] = blocks
+    return _scatter_blocks(kv_pool, jnp.asarray(ids), jnp.asarray(data))

@@ -41,6 +41,14 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "shared_blocks_peak": getattr(stats, "shared_blocks_peak", 0),
         "evictions": getattr(stats, "evictions", 0),
         "cow_copies": getattr(stats, "cow_copies", 0),
+        "preemption_mode": str(getattr(llm.config, "preemption_mode", "recompute")),
+        "preemptions": getattr(stats, "preemptions", 0),
+        "recompute_preemptions": getattr(stats, "recompute_preemptions", 0),
+        "swap_preemptions": getattr(stats, "swap_preemptions", 0),
+        "swap_fallbacks": getattr(stats, "swap_fallbacks", 0),
+        "swapped_out_mib": getattr(stats, "swapped_out_bytes", 0) / 2**20,
+        "swapped_in_mib": getattr(stats, "swapped_in_bytes", 0) / 2**20,
+        "swap_s": getattr(stats, "swap_seconds", 0.0),
     }
 
 
@@ -64,5 +72,13 @@ def format_summary(summary: dict[str, float]) -> str:
                      f"{summary['prompt_tokens']} prompt tokens)" if summary["prefix_cache"] else "off"))
         rows.append(("shared blocks (peak) / evictions / CoW",
                      f"{summary['shared_blocks_peak']} / {summary['evictions']} / {summary['cow_copies']}"))
+    if "preemptions" in summary:
+        rows.append((f"preemptions ({summary['preemption_mode']})",
+                     f"{summary['preemptions']} (recompute {summary['recompute_preemptions']}, swap "
+                     f"{summary['swap_preemptions']}, swap->recompute fallbacks {summary['swap_fallbacks']})"))
+        if summary["swap_preemptions"] or summary["swapped_out_mib"]:
+            rows.append(("swapped out / in", f"{summary['swapped_out_mib']:.1f} / "
+                                             f"{summary['swapped_in_mib']:.1f} MiB "
+                                             f"({summary['swap_s']:.2f} s copying)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

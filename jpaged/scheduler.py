@@ -15,24 +15,72 @@ writes positions [computed, computed + n) every block they fall in is made
 private (copy-on-write).  A request with n > 1 samples prefills its prompt but
 the last token once, then forks: the samples share every prompt block and each
 computes the last prompt token (and so samples its own first token) itself.
+
+Oversubscription and preemption: a sequence is admitted while the pool has
+blocks for its first chunk (nothing is reserved for its future tokens).  When a
+running sequence needs a block and none is free even after evicting unused
+cached blocks, the latest-arrived running sequence is preempted (the requester
+itself when it is the latest), by recompute or by swap (preemption_mode; see
+_preempt).  Swapped sequences resume, in arrival order, before any new
+admission, and nothing is admitted or resumed in a step that preempted.  The
+earliest arrival is never a victim while others run, so the system always makes
+progress; a sequence that cannot fit even in an empty pool ends with an error.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import dataclasses
 import time
 
 from jpaged.block_manager import BlockManager
-from jpaged.kv_cache import BlockAllocator
+from jpaged.kv_cache import BlockAllocator, HostSwapSpace
 from jpaged.model_runner import Row
 from jpaged.sequence import Sequence, Status
 
 
+@dataclasses.dataclass
+class SwapOut:
+    """Device blocks of a preempted sequence to copy into host slots."""
+    seq: Sequence
+    block_ids: list[int]
+    slots: list[int]
+
+
+@dataclasses.dataclass
+class SwapIn:
+    """Host slots of a resumed sequence to copy into its new device blocks."""
+    seq: Sequence
+    slots: list[int]
+    block_ids: list[int]
+    status: Status
+
+
+@dataclasses.dataclass
+class PreemptionCounters:
+    """Cumulative (the engine reports per-generate deltas)."""
+
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    swap_preemptions: int = 0
+    swap_fallbacks: int = 0        # swap victims recomputed: the host pool was full
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+    def minus(self, base: "PreemptionCounters") -> "PreemptionCounters":
+        return PreemptionCounters(**{f.name: getattr(self, f.name) - getattr(base, f.name)
+                                     for f in dataclasses.fields(self)})
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager | BlockAllocator, *, policy: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, block_size: int = 16):
+                 max_num_batched_tokens: int, block_size: int = 16, preemption_mode: str = "recompute",
+                 swap_space: HostSwapSpace | None = None):
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {policy!r}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if isinstance(block_manager, BlockAllocator):  # a bare allocator: no prefix caching
             block_manager = BlockManager(block_manager.num_blocks, block_size,
                                          enable_prefix_caching=False, allocator=block_manager)
@@ -43,18 +91,29 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: list[Sequence] = []  # arrival order
+        self.preemption_mode = preemption_mode
+        self.swap_space = swap_space
+        self.counters = PreemptionCounters()
+        self._swap_out: list[SwapOut] = []
+        self._swap_in: list[SwapIn] = []
+        self._preempted_now = False
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.preemptions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> tuple[list[Row], bool]:
         """Rows of the next step and whether it is a prefill step.  Block copies
-        the rows depend on are left in block_manager.take_copies()."""
+        the rows depend on are left in block_manager.take_copies(), swaps in take_swaps()."""
+        self._preempted_now = False
         if self.policy == "static" and self.running and all(s.is_done for s in self.running):
             self._end_static_batch()
         rows = self._schedule_prefill()
@@ -76,12 +135,19 @@ class Scheduler:
                     rows.append(Row(seq, n))
                     budget -= n
         rows = [r for r in rows if r.seq.status is Status.PREFILLING]
+        if self._preempted_now or not self._schedule_swap_in():
+            return rows
         may_admit = self.policy == "continuous" or not self.running
         while (may_admit and self.waiting and budget > 0
                and len(self.running) + self.waiting[0].num_seats <= self.max_num_seqs):
             seq = self.waiting[0]
             n = self._try_admit(seq, budget)
             if n is None:
+                if not self.running:  # not even an empty pool holds its first chunk
+                    self.waiting.popleft()
+                    self._fail(seq, f"request of {seq.num_tokens} tokens cannot fit in the KV pool "
+                                    f"({self.allocator.num_blocks - 1} blocks)")
+                    continue
                 break
             self.waiting.popleft()
             seq.status = Status.PREFILLING
@@ -150,14 +216,26 @@ class Scheduler:
         return [r for r in rows if r.num_new == 0 or r.seq.status is Status.DECODING]
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
-        """Makes room for num_tokens of seq, preempting later arrivals if needed;
-        a sequence that cannot fit even alone ends with an error."""
+        """Makes room for num_tokens of seq, preempting the latest-arrived running
+        sequence while the pool is short (seq itself when it is the latest: False).
+        A sequence that needs more blocks than the whole pool ends with an error."""
+        bs = seq.block_table.block_size
+        if -(-num_tokens // bs) > self.allocator.num_blocks - 1:
+            self._fail(seq, f"sequence of {num_tokens} tokens needs more KV blocks than the "
+                            f"whole pool has ({self.allocator.num_blocks - 1})")
+            return False
         while not self._prepare_write(seq, num_tokens):
-            if self._preempt_latest(exclude=seq) is None:
-                self._release(seq)
-                self.running.remove(seq)
-                seq.finish("error", f"sequence of {seq.num_tokens} tokens needs more KV blocks "
-                                    f"than the whole pool has ({self.allocator.num_blocks - 1})")
+            others = [s for s in self.running if s is not seq and not s.is_done]
+            if not others and not any(s.is_done for s in self.running):
+                # Alone in the pool and still short (copy-on-write needs a spare block).
+                self._fail(seq, f"sequence of {num_tokens} tokens cannot fit in the KV pool "
+                                f"({self.allocator.num_blocks - 1} blocks) even alone")
+                return False
+            # Finished static-batch members hold blocks until their batch ends:
+            # then seq waits for them (preempting itself) instead of failing.
+            victim = max(others + [seq], key=lambda s: s.arrival_time)
+            self._preempt(victim)
+            if victim is seq:
                 return False
         return True
 
@@ -181,21 +259,103 @@ class Scheduler:
         seq.block_table.release(self.block_manager)  # last block first: deepest evicted first
         seq.block_keys = []
 
-    def _preempt_latest(self, exclude: Sequence) -> Sequence | None:
-        """Recompute preemption: drop the latest-arrived running sequence's blocks
-        (they stay cached) and requeue it first; on resume it prefills prompt +
-        generated tokens, reusing what is still cached."""
-        candidates = [s for s in self.running if s is not exclude and not s.is_done]
-        if not candidates:
-            return None
-        victim = max(candidates, key=lambda s: s.arrival_time)
+    def _preempt(self, victim: Sequence) -> None:
+        """Takes victim off the running list.  recompute: its blocks are dropped
+        (cached ones stay cached) and it is requeued first; on resume it prefills
+        prompt + generated tokens in one pass, reusing what is still cached.
+        swap: its computed blocks are queued for a device->host copy (run by the
+        engine before anything writes the pool again) and it waits in `swapped`
+        until there is room; recompute when the host pool is full."""
         self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.counters.preemptions += 1
+        self._preempted_now = True
+        pending = next((r for r in self._swap_in if r.seq is victim), None)
+        if pending is not None:  # swapped in by this very schedule(): nothing was written yet
+            self._swap_in.remove(pending)
+            self._release(victim)
+            self._park(victim, pending.slots, pending.status)
+            self.counters.swap_preemptions += 1
+            return
+        if self.preemption_mode == "swap":
+            n = -(-victim.num_computed_tokens // victim.block_table.block_size)
+            slots = self.swap_space.allocate(n) if n and self.swap_space is not None else None
+            if slots is not None:
+                self._swap_out.append(SwapOut(victim, victim.block_table.block_ids[:n], slots))
+                status = victim.status
+                self._release(victim)
+                self._park(victim, slots, status)
+                self.counters.swap_preemptions += 1
+                return
+            if n:
+                self.counters.swap_fallbacks += 1  # no room in host memory
         self._release(victim)
         victim.num_computed_tokens = 0
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
-        self.num_preemptions += 1
-        return victim
+        self.counters.recompute_preemptions += 1
+
+    def _park(self, seq: Sequence, slots: list[int], status: Status) -> None:
+        seq.swap_slots, seq.swap_status = slots, status
+        seq.status = Status.SWAPPED
+        bisect.insort(self.swapped, seq, key=lambda s: s.arrival_time)
+
+    def _schedule_swap_in(self) -> bool:
+        """Resumes swapped sequences, earliest arrival first, into whatever blocks
+        are free now (the engine copies their host blocks in before the step).
+        True when none is left waiting in host memory."""
+        bm = self.block_manager
+        while self.swapped:
+            seq = self.swapped[0]
+            if len(self.running) + seq.num_seats > self.max_num_seqs:
+                return False
+            n = len(seq.swap_slots)
+            # Room for the restored blocks and for its next token.
+            need = max(n, -(-(seq.num_computed_tokens + 1) // seq.block_table.block_size))
+            if need > bm.num_free_blocks:
+                if not self.running:  # an empty pool cannot hold it: it never will
+                    self.swapped.pop(0)
+                    self._fail(seq, f"swapped-out sequence of {seq.num_tokens} tokens cannot fit "
+                                    f"in the KV pool ({self.allocator.num_blocks - 1} blocks)")
+                    continue
+                return False
+            self.swapped.pop(0)
+            blocks = [bm.allocate() for _ in range(n)]  # private: the host copy is the content
+            seq.block_table.block_ids = blocks
+            seq.block_keys = []
+            self._swap_in.append(SwapIn(seq, seq.swap_slots, list(blocks), seq.swap_status))
+            seq.status, seq.swap_slots, seq.swap_status = seq.swap_status, [], None
+            self.running.append(seq)
+        return True
+
+    def take_swaps(self) -> tuple[list["SwapOut"], list["SwapIn"]]:
+        """This step's block moves, for the engine to run before the step's copies
+        and forward: swap-outs first (device -> host: the victims' blocks may be
+        rewritten by this step), then swap-ins (host -> device).  The swap-ins'
+        host slots are freed here; their data stays until the next schedule()."""
+        outs, ins = self._swap_out, self._swap_in
+        self._swap_out, self._swap_in = [], []
+        for r in ins:
+            self.swap_space.free(r.slots)
+        self.counters.swapped_out_blocks += sum(len(r.block_ids) for r in outs)
+        self.counters.swapped_in_blocks += sum(len(r.block_ids) for r in ins)
+        return outs, ins
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """Ends seq (and samples it has not forked yet) with an error, freeing what it holds."""
+        if seq in self.running:
+            self.running.remove(seq)
+        pending = next((r for r in self._swap_in if r.seq is seq), None)
+        if pending is not None:
+            self._swap_in.remove(pending)
+            self.swap_space.free(pending.slots)
+        if seq.swap_slots:
+            self.swap_space.free(seq.swap_slots)
+            seq.swap_slots = []
+        self._release(seq)
+        for s in [seq] + seq.forks:
+            s.finish("error", error)
+        seq.forks = []
 
     def finish(self, seq: Sequence) -> None:
         """Called once seq is DONE: continuous frees its slot and blocks now; a

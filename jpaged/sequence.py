@@ -1,4 +1,8 @@
-"""A request and its lifecycle: WAITING -> PREFILLING -> DECODING -> DONE."""
+"""A request and its lifecycle: WAITING -> PREFILLING -> DECODING -> DONE.
+
+Preemption sends a running sequence back to WAITING (recompute: its K/V is
+dropped) or to SWAPPED (its computed blocks wait in host memory); either way it
+resumes where it left off."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ class Status(enum.Enum):
     WAITING = enum.auto()
     PREFILLING = enum.auto()
     DECODING = enum.auto()
+    SWAPPED = enum.auto()   # preempted, K/V in host memory (swap_slots)
     DONE = enum.auto()
 
 
@@ -69,6 +74,10 @@ class Sequence:
         self.forks: list[Sequence] = []  # samples 1..n-1, forked once the prompt is prefilled
         self.sample_index = 0
         self.group: list[Sequence] = [self]  # all samples of this request, in order
+        # Preemption.
+        self.num_preemptions = 0
+        self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
+        self.swap_status: Status | None = None  # status to resume with after swap-in
 
     @property
     def extra_keys(self) -> tuple:
