@@ -209,7 +209,16 @@ def greedy(max_tokens: int, ignore_eos: bool = False):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
 
 
+def cold_prefix_cache(llm: Any) -> None:
+    """Empties the engine's prefix cache (if it has one) so a timed run cannot reuse
+    prompt blocks left by a warm-up run; sharing within the run stays on."""
+    if hasattr(llm, "reset_prefix_cache") and not llm.scheduler.has_work:
+        llm.reset_prefix_cache()
+
+
 def timed_generate(llm: Any, prompts: Sequence[Any], params: Any) -> tuple[list, float]:
+    """llm.generate with a cold prefix cache; returns (outputs, wall seconds)."""
+    cold_prefix_cache(llm)
     t0 = time.perf_counter()
     outs = llm.generate(list(prompts), params)
     return outs, time.perf_counter() - t0
@@ -328,7 +337,7 @@ def hf_continuous(model: Any, llm: Any, prompt_ids: list[list[int]], max_new_tok
     blocks = max_running * math.ceil(max_len / block_size) + 1
     cb = ContinuousBatchingConfig(
         page_size=block_size, num_blocks=blocks, max_requests_per_batch=max_running,
-        max_batch_tokens=max(2048, max_running * 16), allow_block_sharing=False,
+        max_batch_tokens=max(2048, max_running * 16),
         use_cuda_graph=False)
     t0 = time.perf_counter()
     with torch.inference_mode():

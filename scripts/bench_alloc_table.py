@@ -53,8 +53,12 @@ def main(argv):
     static_blocks = math.ceil(llm.config.max_model_len / bs)
     rows = []
     for i, s in seqs.items():
-        rows.append({"seq": i, "prompt": s.prompt[:34], "tokens": s.num_tokens, "blocks_used": peak[i],
-                     "slots_unused": peak[i] * bs - s.num_tokens, "static_blocks": static_blocks})
+        # The last sampled token's K/V is never written; a block allocated and freed
+        # within the finishing step is not seen between steps, hence the max().
+        kv = s.num_tokens - 1
+        used = max(peak[i], math.ceil(kv / bs))
+        rows.append({"seq": i, "prompt": s.prompt[:34], "tokens": s.num_tokens, "kv_tokens": kv,
+                     "blocks_used": used, "slots_unused": used * bs - kv, "static_blocks": static_blocks})
     print(f"pool capacity: {llm.num_blocks - 1} blocks of {bs} tokens")
     B.report("alloc", rows, title=f"Blocks used per request (block_size {bs}); static = "
                                   f"max_model_len {llm.config.max_model_len} reserved contiguously")
@@ -87,7 +91,7 @@ def main(argv):
             history.append({"tokens_in_cache": n, "blocks": nblocks,
                             "block_ids": " ".join(map(str, seq.block_table.block_ids))})
     print(f"\ngenerated: {len(seq.output_token_ids)}  total: {seq.num_tokens}  "
-          f"blocks: {len(history) and history[-1]['blocks']} (freed on finish)")
+          f"blocks at the end: {max((h['blocks'] for h in history), default=0)} (all freed on finish)")
     B.write_csv("table", history)
 
 
