@@ -230,7 +230,11 @@ class LLM:
                 return text, self.tokenizer.encode(text, add_special_tokens=False), None
             if isinstance(prompt, str):
                 return prompt, self._require_tokenizer().encode(prompt), None
-            return None, [int(t) for t in prompt], None
+            ids = list(prompt)
+            not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if not_ints:
+                return None, None, f"token ids must be integers, got {not_ints[:8]}"
+            return None, [int(t) for t in ids], None
         except Exception as e:  # one bad request must not take the batch down
             return None, None, f"invalid prompt: {type(e).__name__}: {e}"
 

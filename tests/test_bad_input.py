@@ -73,3 +73,10 @@ def test_longest_valid_prompt_generates_one_token(tiny_llm):
 def test_mismatched_params_list_raises(tiny_llm):
     with pytest.raises(ValueError, match="one SamplingParams per prompt"):
         tiny_llm.generate(GOOD, [OK])
+
+
+def test_non_integer_token_ids_are_rejected_not_truncated(tiny_llm):
+    from jpaged.sequence import SamplingParams
+    outs = tiny_llm.generate([[5, 3.7, 9], [5, 6, 7]], SamplingParams(max_tokens=3))
+    assert outs[0].finish_reason == "error" and "integers" in outs[0].error
+    assert outs[1].finish_reason in ("stop", "length") and len(outs[1].token_ids) > 0
