@@ -9,6 +9,11 @@ Importable on its own (no dependency on jpaged).  One public entry point,
   (ragged prefill / mixed batches, causal, tiles over Q and KV blocks).
 * "tpu": Pallas/Mosaic TPU, `tpu.paged_attention_tpu`: one kernel for decode
   and ragged prefill; pool stays in HBM, pages DMA'd double-buffered to VMEM.
+* "cpu": Q == 1 -> `cpu.paged_decode_cpu`, a C++ XLA FFI custom call (built
+  with g++ on first use) that reads K/V through the block table instead of
+  gathering them; Q > 1 (prefill is compute bound), a kernel that could not be
+  built (`cpu.available()` False, reason logged once) or dtypes other than
+  float32 / bfloat16 fall back to the reference.
 
 Shape limits: "gpu" needs power-of-two block_size and head_dim (Triton
 tensors); any GQA ratio works.  "tpu" on real hardware wants head_dim a
@@ -16,7 +21,8 @@ multiple of 128 (64 works) and block_size a multiple of 8 (fp32) / 16 (bf16).
 
 Off their backend the kernels run in interpret mode automatically (Triton
 kernels with `interpret=True`, TPU kernels in TPU interpret mode), which is
-how they are tested on CPU.  `default_impl()` picks by `jax.default_backend()`.
+how they are tested on CPU.  `default_impl()` picks by `jax.default_backend()`
+("cpu" on the CPU backend when the CPU kernel builds, else "reference").
 """
 
 from __future__ import annotations
@@ -25,13 +31,19 @@ import jax
 
 from pallas_kernels.reference import paged_attention_reference
 
-IMPLS = ("reference", "gpu", "tpu")
+IMPLS = ("reference", "gpu", "tpu", "cpu")
 
 
 def default_impl() -> str:
-    """"gpu" on a GPU backend, "tpu" on TPU, else "reference"."""
+    """"gpu" on a GPU backend, "tpu" on TPU, "cpu" on CPU if its kernel builds, else "reference"."""
     backend = jax.default_backend()
-    return backend if backend in ("gpu", "tpu") else "reference"
+    if backend in ("gpu", "tpu"):
+        return backend
+    if backend == "cpu":
+        from pallas_kernels import cpu
+        if cpu.available():
+            return "cpu"
+    return "reference"
 
 
 def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
@@ -53,7 +65,8 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
       q_lens: [B] int32, valid new tokens of row b (<= Q; 0 for padding rows).
         New token i of row b sits at position kv_lens[b] - q_lens[b] + i and
         attends causally to keys 0..that position.
-      impl: "reference" (jnp), "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic),
+      impl: "reference" (jnp), "gpu" (Pallas Triton), "tpu" (Pallas Mosaic) or
+        "cpu" (C++ FFI decode kernel, reference for Q > 1),
         see IMPLS / default_impl().  The kernels never gather or slice-copy the
         pool: they read blocks of `layer` through the block table.
       sm_scale: softmax scale, default head_dim ** -0.5.
@@ -81,6 +94,13 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
         from pallas_kernels import tpu
         return tpu.paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, q_lens,
                                        sm_scale=sm_scale)
+    if impl == "cpu":
+        from pallas_kernels import cpu
+        if cpu.supports(q, kv_pool):
+            return cpu.paged_decode_cpu(q, kv_pool, layer, block_tables, kv_lens, q_lens,
+                                        sm_scale=sm_scale)
+        return paged_attention_reference(q, kv_pool, layer, block_tables, kv_lens, q_lens,
+                                         sm_scale=sm_scale)
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
 
 

@@ -1,0 +1,285 @@
+// Decode-only (Q == 1) paged attention for XLA:CPU, as an XLA FFI custom call.
+//
+// Reads K/V straight from the pool through the block table (no gather copy).
+// One work item per (sequence b, kv head); the G query heads that share a KV
+// head are computed together, so each K/V row is streamed from memory once.
+// fp32 online softmax; K/V may be f32 or bf16 (converted on load), q/out f32
+// or bf16.  Work items run on XLA's intra-op thread pool; the calling thread
+// also claims items, so it never waits on a task that has not started.
+//
+// Semantics: see pallas_kernels.paged_attention (restricted to Q == 1).  Keys
+// at positions >= the visible length are never loaded, so unowned blocks and
+// the tail of the last block may hold anything (NaN included).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float load_f(float x) { return x; }
+inline float load_f(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void store_f(float* p, float x) { *p = x; }
+inline void store_f(uint16_t* p, float x) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it a quiet NaN
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Params {
+  const void* q;
+  const void* pool;
+  const int32_t* bt;
+  const int32_t* kv_lens;
+  const int32_t* q_lens;
+  void* out;
+  int64_t B, H, D, NB, L, KVH, BS, W, G;
+  int64_t layer;
+  float scale;
+};
+
+// Converts n contiguous elements of type T to f32 (a no-op copy for f32).
+template <typename T>
+inline const float* as_f32(const T* src, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = load_f(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_f32<float>(const float* src, int64_t, float*) {
+  return src;
+}
+
+template <typename QT, typename KT>
+void run_item(const Params& p, int64_t item, std::vector<float>& scratch) {
+  const int64_t b = item / p.KVH, kvh = item % p.KVH;
+  const int64_t G = p.G, D = p.D, BS = p.BS;
+  QT* out = static_cast<QT*>(p.out) + (b * p.H + kvh * G) * D;
+
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[b], p.W * BS);
+  const int64_t q_len = p.q_lens[b];
+  // The single query token sits at position kv_len - q_len; it sees keys
+  // 0 .. kv_len - q_len (and only keys < kv_len).
+  int64_t n_keys = std::min<int64_t>(kv_len, int64_t{p.kv_lens[b]} - q_len + 1);
+  if (q_len <= 0 || n_keys <= 0) {
+    for (int64_t i = 0; i < G * D; ++i) store_f(out + i, 0.0f);
+    return;
+  }
+
+  // scratch layout: q [G*D] | acc [G*D] | scores [G*BS] | m [G] | l [G] | kbuf [D] | vbuf [D]
+  scratch.resize(2 * G * D + G * BS + 2 * G + 2 * D);
+  float* qf = scratch.data();
+  float* acc = qf + G * D;
+  float* s = acc + G * D;
+  float* m = s + G * BS;
+  float* l = m + G;
+  float* kbuf = l + G;
+  float* vbuf = kbuf + D;
+
+  const QT* q = static_cast<const QT*>(p.q) + (b * p.H + kvh * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = load_f(q[i]) * p.scale;
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, -INFINITY);
+  std::fill(l, l + G, 0.0f);
+
+  const KT* pool = static_cast<const KT*>(p.pool);
+  const int32_t* bt = p.bt + b * p.W;
+  const int64_t head_stride = BS * D;                 // one (kv head) slab of a block
+  const int64_t kv_stride = p.KVH * head_stride;      // K -> V
+  const int64_t layer_stride = 2 * kv_stride;
+  const int64_t block_stride = p.L * layer_stride;
+  const int64_t n_blocks = (n_keys + BS - 1) / BS;
+
+  for (int64_t j = 0; j < n_blocks; ++j) {
+    int64_t phys = bt[j];
+    phys = std::min<int64_t>(std::max<int64_t>(phys, 0), p.NB - 1);
+    const int64_t n = std::min<int64_t>(BS, n_keys - j * BS);
+    const KT* kblk = pool + phys * block_stride + p.layer * layer_stride + kvh * head_stride;
+    const KT* vblk = kblk + kv_stride;
+
+    // Scores for the n valid keys of this block, all G heads.
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = as_f32<KT>(kblk + t * D, D, kbuf);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+        s[g * BS + t] = dot;
+      }
+    }
+    // Online softmax update.
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * BS;
+      float bm = m[g];
+      for (int64_t t = 0; t < n; ++t) bm = std::max(bm, sg[t]);
+      const float corr = std::exp(m[g] - bm);  // exp(-inf) = 0 on the first block
+      m[g] = bm;
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        sg[t] = std::exp(sg[t] - bm);
+        sum += sg[t];
+      }
+      l[g] = l[g] * corr + sum;
+      float* ag = acc + g * D;
+      if (corr != 1.0f) {
+        for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = as_f32<KT>(vblk + t * D, D, vbuf);
+      for (int64_t g = 0; g < G; ++g) {
+        const float pw = s[g * BS + t];
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += pw * v[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int64_t d = 0; d < D; ++d) store_f(out + g * D + d, acc[g * D + d] * inv);
+  }
+}
+
+using ItemFn = void (*)(const Params&, int64_t, std::vector<float>&);
+
+struct Shared {
+  Params p;
+  ItemFn fn;
+  int64_t n_items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+void work_loop(Shared& sh) {
+  std::vector<float> scratch;
+  for (;;) {
+    const int64_t i = sh.next.fetch_add(1);
+    if (i >= sh.n_items) break;
+    sh.fn(sh.p, i, scratch);
+  }
+}
+
+template <typename QT, typename KT>
+ItemFn pick() {
+  return &run_item<QT, KT>;
+}
+
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
+                           ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t max_threads) {
+  auto qd = q.dimensions();
+  auto pd = kv_pool.dimensions();
+  auto bd = block_tables.dimensions();
+  if (qd.size() != 4 || qd[1] != 1)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: q must be [B, 1, H, D]");
+  if (pd.size() != 6 || pd[2] != 2)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: kv_pool must be [NB, L, 2, KVH, BS, D]");
+  if (bd.size() != 2 || bd[0] != qd[0])
+    return ffi::Error::InvalidArgument("paged_decode_cpu: block_tables must be [B, W]");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: layer must be a scalar");
+  if (kv_lens.element_count() != static_cast<size_t>(qd[0]) ||
+      q_lens.element_count() != static_cast<size_t>(qd[0]))
+    return ffi::Error::InvalidArgument("paged_decode_cpu: kv_lens / q_lens must be [B]");
+  if (out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("paged_decode_cpu: output dtype must match q");
+
+  Params p;
+  p.B = qd[0];
+  p.H = qd[2];
+  p.D = qd[3];
+  p.NB = pd[0];
+  p.L = pd[1];
+  p.KVH = pd[3];
+  p.BS = pd[4];
+  p.W = bd[1];
+  if (pd[5] != p.D) return ffi::Error::InvalidArgument("paged_decode_cpu: head_dim mismatch");
+  if (p.KVH <= 0 || p.H % p.KVH != 0)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: num_heads % num_kv_heads != 0");
+  p.G = p.H / p.KVH;
+  p.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), std::max<int64_t>(p.L - 1, 0));
+  p.scale = sm_scale;
+  p.q = q.untyped_data();
+  p.pool = kv_pool.untyped_data();
+  p.bt = block_tables.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.q_lens = q_lens.typed_data();
+  p.out = out->untyped_data();
+
+  const int64_t n_items = p.B * p.KVH;
+  if (n_items == 0 || p.D == 0) return ffi::Error::Success();
+  if (p.NB == 0 || p.L == 0 || p.W == 0 || p.BS == 0) {
+    // Nothing can be visible: zero output.
+    std::memset(p.out, 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+
+  const auto qt = q.element_type(), kt = kv_pool.element_type();
+  ItemFn fn = nullptr;
+  if (qt == ffi::DataType::F32 && kt == ffi::DataType::F32) fn = pick<float, float>();
+  else if (qt == ffi::DataType::F32 && kt == ffi::DataType::BF16) fn = pick<float, uint16_t>();
+  else if (qt == ffi::DataType::BF16 && kt == ffi::DataType::F32) fn = pick<uint16_t, float>();
+  else if (qt == ffi::DataType::BF16 && kt == ffi::DataType::BF16) fn = pick<uint16_t, uint16_t>();
+  else return ffi::Error::InvalidArgument("paged_decode_cpu: q and kv_pool must be f32 or bf16");
+
+  int64_t threads = pool_threads.num_threads();
+  if (threads <= 0) threads = 1;
+  const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  threads = std::min(threads, hw);
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  threads = std::min(threads, n_items);
+
+  auto sh = std::make_shared<Shared>();
+  sh->p = p;
+  sh->fn = fn;
+  sh->n_items = n_items;
+  for (int64_t t = 1; t < threads; ++t) {
+    pool_threads.Schedule([sh]() {
+      sh->active.fetch_add(1);
+      work_loop(*sh);
+      sh->active.fetch_sub(1);
+    });
+  }
+  work_loop(*sh);
+  // Every item is claimed now; wait for workers still computing theirs.  A
+  // worker increments `active` before it claims an item, so once the caller
+  // has seen the queue exhausted, active == 0 means all items are done.
+  while (sh->active.load() != 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedDecodeCpu, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()       // q
+                                  .Arg<ffi::AnyBuffer>()       // kv_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
+                                  .Ret<ffi::AnyBuffer>()       // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("max_threads"));
