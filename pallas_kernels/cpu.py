@@ -10,8 +10,8 @@ output float32 or bfloat16.
 
 The source (`csrc/paged_decode_cpu.cc`) is compiled lazily on first use with
 g++ into `$JPAGED_CACHE_DIR/kernels/` (default `~/.cache/jpaged/kernels/`),
-under a name keyed by a hash of the source, the compiler flags, the compiler
-and the jax version; it is built into a temporary file and renamed into place,
+under a name keyed by a hash of the source, the compiler flags, the compiler,
+the jax version and the host CPU (-march=native); it is built into a temporary file and renamed into place,
 so concurrent processes never load a half-written library.  `available()` is
 False (reason logged once) when g++ is missing or the build or load fails;
 importing this module never compiles or fails.
@@ -53,6 +53,17 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++")
 
 
+def _cpu_id() -> bytes:
+    """The host CPU's model and feature flags: the build uses -march=native."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(dict.fromkeys(keep)).encode()
+    except OSError:
+        import platform
+        return (platform.machine() + platform.processor()).encode()
+
+
 def _build() -> pathlib.Path:
     cxx = _compiler()
     if cxx is None:
@@ -65,7 +76,7 @@ def _build() -> pathlib.Path:
     except (OSError, IndexError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"cannot run C++ compiler {cxx!r}: {e}") from e
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cxx_version.encode(),
-                                     jax.__version__.encode(), inc.encode()])).hexdigest()[:16]
+                                     jax.__version__.encode(), inc.encode(), _cpu_id()])).hexdigest()[:16]
     out_dir = _cache_dir()
     out = out_dir / f"paged_decode_cpu-{key}.so"
     if out.exists():

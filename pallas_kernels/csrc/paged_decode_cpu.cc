@@ -45,6 +45,27 @@ inline void store_f(uint16_t* p, float x) {  // round to nearest even
   *p = static_cast<uint16_t>(bits >> 16);
 }
 
+// exp(x) for x <= 0 (x = -inf included -> 0), branch-free so loops over it
+// vectorize: Cody-Waite range reduction + degree-6 polynomial, ~2 ulp.
+inline float exp_neg(float x) {
+  const bool tiny = !(x >= -87.0f);  // also true for NaN-free -inf
+  x = tiny ? -87.0f : x;
+  const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  float pl = 1.9875691500e-4f;
+  pl = pl * r + 1.3981999507e-3f;
+  pl = pl * r + 8.3334519073e-3f;
+  pl = pl * r + 4.1665795894e-2f;
+  pl = pl * r + 1.6666665459e-1f;
+  pl = pl * r + 5.0000001201e-1f;
+  pl = pl * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? 0.0f : pl * scale;
+}
+
 struct Params {
   const void* q;
   const void* pool;
@@ -114,6 +135,17 @@ void run_item(const Params& p, int64_t item, std::vector<float>& scratch) {
     const int64_t n = std::min<int64_t>(BS, n_keys - j * BS);
     const KT* kblk = pool + phys * block_stride + p.layer * layer_stride + kvh * head_stride;
     const KT* vblk = kblk + kv_stride;
+    if (j + 1 < n_blocks) {  // blocks are scattered: prefetch the next one's K/V rows
+      int64_t nxt = std::min<int64_t>(std::max<int64_t>(bt[j + 1], 0), p.NB - 1);
+      const int64_t nn = std::min<int64_t>(BS, n_keys - (j + 1) * BS);
+      const char* kn = reinterpret_cast<const char*>(
+          pool + nxt * block_stride + p.layer * layer_stride + kvh * head_stride);
+      const int64_t bytes = nn * D * static_cast<int64_t>(sizeof(KT));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(kn + kv_stride * sizeof(KT) + off);
+      }
+    }
 
     // Scores for the n valid keys of this block, all G heads.
     for (int64_t t = 0; t < n; ++t) {
@@ -131,11 +163,12 @@ void run_item(const Params& p, int64_t item, std::vector<float>& scratch) {
       float* sg = s + g * BS;
       float bm = m[g];
       for (int64_t t = 0; t < n; ++t) bm = std::max(bm, sg[t]);
-      const float corr = std::exp(m[g] - bm);  // exp(-inf) = 0 on the first block
+      const float corr = exp_neg(m[g] - bm);  // exp(-inf) = 0 on the first block
       m[g] = bm;
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
-        sg[t] = std::exp(sg[t] - bm);
+        sg[t] = exp_neg(sg[t] - bm);
         sum += sg[t];
       }
       l[g] = l[g] * corr + sum;
