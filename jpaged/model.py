@@ -162,11 +162,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x[B, Q, heads, head_dim] by its positions[B, Q] (HF rotate_half layout)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, Q, hd/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, Q, 1, head_dim/2] of positions[B, Q]: computed once per step."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x[B, Q, heads, head_dim] (HF rotate_half layout)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -215,16 +218,16 @@ class Llama(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
 
     def _layer(self, h: jax.Array, w: dict[str, jax.Array], layer_idx: int, kv_pool: jax.Array,
-               meta: AttentionMetadata, attention_impl: str) -> tuple[jax.Array, jax.Array]:
+               meta: AttentionMetadata, rope: tuple[jax.Array, jax.Array],
+               attention_impl: str) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         B, Q = h.shape[:2]
-        inv_freq = self.inv_freq[...]
         x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
         q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        q = apply_rope(q.reshape(B, Q, cfg.num_heads, cfg.head_dim), meta.positions, inv_freq)
-        k = apply_rope(k.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim), meta.positions, inv_freq)
+        q = apply_rope(q.reshape(B, Q, cfg.num_heads, cfg.head_dim), *rope)
+        k = apply_rope(k.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim), *rope)
         v = v.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim)
         kv_pool = write_kv(kv_pool, layer_idx, k, v, meta.slot_mapping)
         attn = paged_attention(q, kv_pool, layer_idx, meta.block_tables, meta.kv_lens,
@@ -245,9 +248,10 @@ class Llama(nnx.Module):
         """
         B, Q = tokens.shape
         h = self.embed[...][tokens]
+        rope = rope_angles(meta.positions, self.inv_freq[...])
         for layer_idx, weights in enumerate(self.layers):
             w = {name: p[...] for name, p in weights.items()}
-            h, kv_pool = self._layer(h, w, layer_idx, kv_pool, meta, attention_impl)
+            h, kv_pool = self._layer(h, w, layer_idx, kv_pool, meta, rope, attention_impl)
         if logits == "last":
             last = jnp.maximum(meta.q_lens - 1, 0)
             h = h[jnp.arange(B), last]

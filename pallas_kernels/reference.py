@@ -21,9 +21,12 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
     G = H // KVH
     W = block_tables.shape[1]
     scale = D ** -0.5 if sm_scale is None else sm_scale
-    # One gather per K and V: [B, W, KVH, BS, D] -> [B, KVH, W*BS, D]
-    k = kv_pool[block_tables, layer, 0].transpose(0, 2, 1, 3, 4).reshape(B, KVH, W * BS, D)
-    v = kv_pool[block_tables, layer, 1].transpose(0, 2, 1, 3, 4).reshape(B, KVH, W * BS, D)
+    # One gather per K and V, straight into [B, KVH, W, BS, D] (indices broadcast
+    # over (B, KVH, W)) so that no transpose copy follows: -> [B, KVH, W*BS, D].
+    blocks = block_tables[:, None, :]
+    heads = jnp.arange(KVH)[None, :, None]
+    k = kv_pool[blocks, layer, 0, heads].reshape(B, KVH, W * BS, D)
+    v = kv_pool[blocks, layer, 1, heads].reshape(B, KVH, W * BS, D)
 
     key_pos = jnp.arange(W * BS)[None, :]                                   # [1, S]
     q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(Q)[None, :]            # [B, Q]
