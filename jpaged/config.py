@@ -43,6 +43,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.top_p = 1.0
     c.top_k = 0
     c.seed = 0
-    # Kernels: reference | pallas_gpu | pallas_tpu | auto (by backend)
+    # Attention: reference (jnp) | cpu (C++ decode kernel) | pallas_gpu | pallas_tpu | auto (by backend)
     c.attention_impl = "auto"
     return c

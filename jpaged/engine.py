@@ -29,7 +29,7 @@ from jpaged.scheduler import PreemptionCounters, Scheduler
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.weights import default_cache_dir, load_weights
 
-ATTENTION_IMPLS = {"reference": "reference", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+ATTENTION_IMPLS = {"reference": "reference", "cpu": "cpu", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
 def resolve_attention_impl(name: str) -> str:

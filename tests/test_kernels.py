@@ -335,7 +335,7 @@ def test_dispatch_in_layer_scan(impl):
 
 
 def test_impls_and_default():
-    assert set(pallas_kernels.IMPLS) == {"reference", "gpu", "tpu"}
+    assert set(pallas_kernels.IMPLS) == {"reference", "cpu", "gpu", "tpu"}
     assert pallas_kernels.default_impl() in pallas_kernels.IMPLS
     with pytest.raises(ValueError):
         pallas_kernels.paged_attention(*make_case(0, B=1, G=1, KVH=1, D=64, BS=8, kv_lens=[3]),
