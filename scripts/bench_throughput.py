@@ -22,6 +22,9 @@ from flax import nnx
 from jpaged import bench as B
 
 _N = flags.DEFINE_integer("num_requests", 64, "Requests in the mixed workload.")
+_WORKLOAD = flags.DEFINE_enum("workload", "mixed", ["mixed", "demo"],
+                              "mixed: num_requests short/long chat prompts; demo: the 8 default "
+                              "prompts of serve_batch (num_requests is ignored).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Max new tokens per request.")
 _MAX_RUNNING = flags.DEFINE_integer("max_running", 64, "Sequences running at once (jpaged, HF CB).")
 _HF_BATCH = flags.DEFINE_integer("hf_batch", 32, "Static batch size of the transformers generate() peer.")
@@ -104,11 +107,14 @@ def time_decode_steps(llm, batch: int, steps: int) -> dict:
 
 def main(argv):
     del argv
-    B.header("throughput")
+    tag = "throughput" if _WORKLOAD.value == "mixed" else "throughput_demo"
+    B.header(tag)
     N, T, R = _N.value, _MAX_TOKENS.value, _MAX_RUNNING.value
     llm = B.make_llm(max_num_seqs=max(R, *(int(b) for b in _STEP_BATCHES.value)),
                      block_size=_BLOCK_SIZE.value, max_num_batched_tokens=2048)
-    prompts = B.chat(B.mixed_prompts(N))
+    if _WORKLOAD.value == "demo":
+        N = len(B.DEFAULT_PROMPTS)
+    prompts = B.chat(B.DEFAULT_PROMPTS if _WORKLOAD.value == "demo" else B.mixed_prompts(N))
     ids = B.token_ids(llm, prompts)
     params = B.greedy(T)
     print(f"workload: {N} requests, prompts {min(map(len, ids))}-{max(map(len, ids))} tokens, "
@@ -156,7 +162,7 @@ def main(argv):
             print(f"HF CB: {rows[-1]['output_tokens']} tokens in {w:.1f} s", flush=True)
     for r in rows:
         r["jpaged_speedup"] = rows[0]["tok_per_s"] / r["tok_per_s"]
-    B.report("throughput", rows,
+    B.report(tag, rows,
              ["engine", "requests", "output_tokens", "wall_s", "tok_per_s", "jpaged_speedup", "match_jpaged"],
              {"wall_s": ".1f", "tok_per_s": ".1f", "jpaged_speedup": ".2f"},
              title="Output throughput (same run, same weights / prompts / max tokens, greedy)")
@@ -170,7 +176,7 @@ def main(argv):
                       "matmul_floor_ms": mm, "step_over_floor": d["step_ms"] / mm,
                       "host_pct_of_step": 100 * (d["step_ms"] - d["device_ms"]) / d["step_ms"],
                       "steps_timed": d["steps_timed"]})
-    B.report("throughput_decode_step", steps,
+    B.report(f"{tag}_decode_step", steps,
              ["batch", "step_ms", "device_ms", "matmul_floor_ms", "step_over_floor", "host_pct_of_step", "steps_timed"],
              {"step_ms": ".2f", "device_ms": ".2f", "matmul_floor_ms": ".2f", "step_over_floor": ".2f",
               "host_pct_of_step": ".1f"},
@@ -187,7 +193,7 @@ def main(argv):
     checks.append(("host share < 10 % (whole workload)", host_pct < 10, f"{host_pct:.1f} %"))
     checks.append(("no compilation in the timed jpaged run", comp_timed == 0,
                    f"{comp_timed} (of {comp_total} shapes)"))
-    B.report("throughput_targets", [{"target": c, "met": "yes" if ok else "NO", "measured": m}
+    B.report(f"{tag}_targets", [{"target": c, "met": "yes" if ok else "NO", "measured": m}
                                     for c, ok, m in checks], title="Targets")
 
     fig, (a1, a2) = B.figure(2)
@@ -202,7 +208,7 @@ def main(argv):
     a2.set_xticks(x, [f"batch {s['batch']}" for s in steps])
     a2.set_ylabel("ms")
     a2.legend()
-    B.save_figure("throughput", fig, "jpaged vs transformers; decode step vs matmul floor")
+    B.save_figure(tag, fig, "jpaged vs transformers; decode step vs matmul floor")
 
 
 if __name__ == "__main__":

@@ -18,21 +18,11 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from jpaged.bench import DEFAULT_PROMPTS  # the latency demo's queue: short and long answers
 from jpaged.engine import LLM
 from jpaged.metrics import format_summary, summarize
 from jpaged.sequence import SamplingParams
 
-# The latency demo's queue: short answers and long ones.
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Explain in detail how the attention mechanism works in a transformer.",
-    "Is Python interpreted or compiled? Answer in one sentence.",
-    "Write a short story about a robot who learns to paint.",
-    "What is 2 + 2?",
-    "Describe the history of the Roman Empire in significant detail.",
-    "Name one fruit.",
-    "What are the key differences between supervised and unsupervised learning?",
-]
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "cache_salt")
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
