@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ class ModelRunner:
         step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
         self._step = jax.jit(step, donate_argnums=(1,))
         self.compiled_shapes: set[tuple] = set()
+        self.last_build_seconds = 0.0  # host time spent padding the last step's arrays
 
     @property
     def num_compilations(self) -> int:
@@ -54,6 +56,7 @@ class ModelRunner:
 
     def run(self, rows: list[Row], prefill: bool) -> np.ndarray:
         """One forward + sample over `rows`; returns the sampled token of each row."""
+        t0 = time.perf_counter()
         B = bucket(len(rows))
         Q = bucket(max(r.num_new for r in rows), 8) if prefill else 1
         W = min(bucket(max(len(r.seq.block_table.block_ids) for r in rows), 4),
@@ -71,6 +74,7 @@ class ModelRunner:
                 tokens[i, :row.num_new] = seq.token_ids[start:start + row.num_new]
                 context_lens[i], q_lens[i] = start, row.num_new
         sampling = self._sampling_arrays(rows, B)
+        self.last_build_seconds = time.perf_counter() - t0
         self.compiled_shapes.add((B, Q, W, jax.tree.structure(sampling)))
         next_tokens, self.kv_pool = self._step(self.params, self.kv_pool, tokens, block_tables,
                                                context_lens, q_lens, sampling)
