@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.reference import attention_dims
+
 try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
     _CompilerParams = plgpu.CompilerParams
@@ -170,14 +172,9 @@ def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
                      num_partitions=None, pages_per_iter=None, num_warps=4, num_stages=2,
                      interpret=None):
     """Decode attention (Q == 1).  Same contract as `pallas_kernels.paged_attention`."""
-    B, Q, H, D = q.shape
+    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
     if Q != 1:
         raise ValueError(f"paged_decode_gpu needs Q == 1, got Q={Q}")
-    _, _, _, KVH, BS, Dk = kv_pool.shape
-    assert Dk == D and H % KVH == 0
-    G = H // KVH
-    W = block_tables.shape[1]
-    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if interpret is None:
         interpret = not _on_gpu()
     _check_pow2(BS, D)
@@ -300,12 +297,7 @@ def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
                      block_m=None, pages_per_iter=None, num_warps=4, num_stages=2,
                      interpret=None):
     """Ragged prefill / mixed attention (any Q).  Same contract as `paged_attention`."""
-    B, Q, H, D = q.shape
-    _, _, _, KVH, BS, Dk = kv_pool.shape
-    assert Dk == D and H % KVH == 0
-    G = H // KVH
-    W = block_tables.shape[1]
-    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
     if interpret is None:
         interpret = not _on_gpu()
     _check_pow2(BS, D)

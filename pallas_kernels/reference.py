@@ -16,11 +16,7 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
                               block_tables: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
                               *, sm_scale: float | None = None) -> jax.Array:
     """See `pallas_kernels.paged_attention` for shapes and semantics."""
-    B, Q, H, D = q.shape
-    KVH, BS = kv_pool.shape[3], kv_pool.shape[4]
-    G = H // KVH
-    W = block_tables.shape[1]
-    scale = D ** -0.5 if sm_scale is None else sm_scale
+    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
     # One gather per K and V, straight into [B, KVH, W, BS, D] (indices broadcast
     # over (B, KVH, W)) so that no transpose copy follows: -> [B, KVH, W*BS, D].
     blocks = block_tables[:, None, :]
@@ -46,3 +42,15 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
     probs = jnp.where(visible[:, None, None], probs, 0.0)
     out = jnp.einsum("bkgqs,bksd->bqkgd", probs, v)
     return out.reshape(B, Q, H, D).astype(q.dtype)
+
+
+def attention_dims(q: jax.Array, kv_pool: jax.Array, block_tables: jax.Array,
+                   sm_scale: float | None) -> tuple[int, int, int, int, int, int, int, int, float]:
+    """(B, Q, H, D, KVH, BS, G, W, scale) of a paged_attention call, checked."""
+    B, Q, H, D = q.shape
+    KVH, BS, Dk = kv_pool.shape[3:]
+    if Dk != D or H % KVH:
+        raise ValueError(f"q {q.shape} does not fit pool {kv_pool.shape}: head_dim must match "
+                         "and num_heads must be a multiple of num_kv_heads")
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    return B, Q, H, D, KVH, BS, H // KVH, block_tables.shape[1], scale

@@ -36,6 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.reference import attention_dims
+
 MASK_VALUE = -1e30
 
 
@@ -164,12 +166,7 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_
     `interpret`: None -> real Mosaic on TPU, `pltpu.InterpretParams()` elsewhere;
     pass `pltpu.InterpretParams(detect_races=True)` to run the race detector.
     """
-    B, Q, H, D = q.shape
-    _, _, _, KVH, BS, Dk = kv_pool.shape
-    assert Dk == D and H % KVH == 0
-    G = H // KVH
-    W = block_tables.shape[1]
-    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
     if interpret is None:
         interpret = default_interpret()
     ppcb = pages_per_compute_block or _default_pages_per_cb(W, BS)
