@@ -71,7 +71,7 @@ class ModelRunner:
             ids = seq.block_table.block_ids
             block_tables[i, :len(ids)] = ids
             if row.num_new:
-                tokens[i, :row.num_new] = seq.token_ids[start:start + row.num_new]
+                tokens[i, :row.num_new] = seq.token_slice(start, start + row.num_new)
                 context_lens[i], q_lens[i] = start, row.num_new
         sampling = self._sampling_arrays(rows, B)
         self.last_build_seconds = time.perf_counter() - t0

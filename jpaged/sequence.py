@@ -98,6 +98,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a decode step
+        needs one token of it per row)."""
+        n = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:end] if start < n else []
+        return head + self.output_token_ids[max(start - n, 0):max(end - n, 0)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
