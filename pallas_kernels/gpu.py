@@ -70,28 +70,37 @@ def _compiler_params(num_warps: int, num_stages: int):
     return _CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _prec(dtype):
-    # fp32 K/V: ask for full fp32 products (no TF32) so fp32 matches the oracle.
-    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+def _fp32_dot_precision(interpret: bool):
+    """Dot precision for fp32 K/V: products as accurate as fp32, never plain TF32.
+
+    Compiled for a GPU this is TF32x3 (three tensor-core TF32 products, ~fp32
+    accuracy): Triton's exact-fp32 ("ieee") dot is a CUDA-core FMA loop that
+    spills kilobytes of registers to local memory (ptxas -v, sm_90, 64x64
+    tiles).  The interpreter runs on the CPU backend, which has no TF32x3
+    algorithm, so it computes the exact fp32 product instead.
+    """
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _qk(q, k):
+def _qk(q, k, fp32_precision):
     """[M, D] x [N, D] -> [M, N] fp32 scores (q, k already fp32 or bf16)."""
     m, _ = q.shape
     n, _ = k.shape
     if m >= _MIN_DOT and n >= _MIN_DOT:
-        return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_prec(k.dtype),
+        prec = fp32_precision if k.dtype == jnp.float32 else None
+        return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                preferred_element_type=jnp.float32)
     # Tiny tiles (block_size 8): broadcast-multiply-reduce instead of a dot.
     return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
 
 
-def _pv(p, v):
+def _pv(p, v, fp32_precision):
     """[M, N] fp32 probs x [N, D] -> [M, D] fp32."""
     m, n = p.shape
     if m >= _MIN_DOT and n >= _MIN_DOT:
+        prec = fp32_precision if v.dtype == jnp.float32 else None
         return lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                               precision=_prec(v.dtype), preferred_element_type=jnp.float32)
+                               precision=prec, preferred_element_type=jnp.float32)
     return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
 
@@ -110,35 +119,35 @@ def num_partitions_heuristic(batch: int, num_kv_heads: int, max_blocks: int, blo
 
 
 def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
-                   block_size: int, pages_per_iter: int, iters_per_part: int, sm_scale: float):
+                   block_size: int, block_k: int, iters_per_part: int, sm_scale: float,
+                   fp32_precision):
     b = pl.program_id(0)
     h = pl.program_id(1)
     p = pl.program_id(2)
     layer = layer_ref[0]
     kv_len = lens_ref[b]
     gp, d = q_ref.shape
-    tk = pages_per_iter * block_size
+    tk = block_k
     q = q_ref[...].astype(jnp.float32) * sm_scale
 
-    n_blocks = (kv_len + block_size - 1) // block_size
-    n_iters = (n_blocks + pages_per_iter - 1) // pages_per_iter
+    n_iters = (kv_len + tk - 1) // tk
     start = p * iters_per_part
     end = jnp.minimum(start + iters_per_part, n_iters)
 
     def body(it, carry):
         acc, m_i, l_i = carry
-        k, v = _load_pages(kv_ref, bt_ref, b, it, layer, h, pages_per_iter, tk, d)
+        k, v = _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, tk)
         pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
         valid = pos < kv_len                              # [TK]
         k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        s = _qk(q.astype(k.dtype), k)                     # [GP, TK] fp32
+        s = _qk(q.astype(k.dtype), k, fp32_precision)                     # [GP, TK] fp32
         s = jnp.where(valid[None, :], s, MASK_VALUE)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
         pr = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         l_new = l_i * alpha + jnp.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _pv(pr, v)
+        acc = acc * alpha[:, None] + _pv(pr, v, fp32_precision)
         return acc, m_new, l_new
 
     init = (jnp.zeros((gp, d), jnp.float32),
@@ -150,41 +159,76 @@ def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_r
     l_ref[...] = l_i
 
 
-def _load_pages(kv_ref, bt_ref, b, it, layer, h, pages_per_iter, tk, d):
-    """K and V [TK, D] of pages it*ppi .. it*ppi+ppi-1 of row b, straight from the pool."""
-    if pages_per_iter == 1:
+def _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, block_k):
+    """K and V [block_k, D] of key tile `it` of row b, read straight from the pool.
+
+    A tile is several whole pages (block_k > block_size: one gather-load of
+    the page vector, no copy), one page, or a slice of one page (block_k <
+    block_size: large pages are walked in pieces to bound registers and
+    shared memory).
+    """
+    d = kv_ref.shape[-1]
+    if block_k > block_size:
+        ppi = block_k // block_size
+        ids = bt_ref[b, pl.ds(it * ppi, ppi)]                     # [ppi] block ids
+        k = kv_ref[ids, layer, 0, h].reshape(block_k, d)          # gather-load, no copy
+        v = kv_ref[ids, layer, 1, h].reshape(block_k, d)
+        return k, v
+    if block_k == block_size:
         blk = bt_ref[b, it]
         return kv_ref[blk, layer, 0, h], kv_ref[blk, layer, 1, h]
-    ids = bt_ref[b, pl.ds(it * pages_per_iter, pages_per_iter)]   # [ppi] block ids
-    k = kv_ref[ids, layer, 0, h].reshape(tk, d)                   # gather-load, no copy
-    v = kv_ref[ids, layer, 1, h].reshape(tk, d)
-    return k, v
+    tiles_per_page = block_size // block_k
+    # lax.div/rem: `it` >= 0, so C semantics suffice (jnp's floor-mod adds sign fix-ups).
+    blk = bt_ref[b, lax.div(it, tiles_per_page)]
+    rows = pl.ds(pl.multiple_of(lax.rem(it, tiles_per_page) * block_k, block_k), block_k)
+    return kv_ref[blk, layer, 0, h, rows], kv_ref[blk, layer, 1, h, rows]
 
 
-def default_pages_per_iter(block_size: int) -> int:
-    """Pages loaded per loop iteration: ~64 tokens (K+V tile 32 KiB in bf16, D=128)."""
-    return max(1, 64 // block_size)
+def default_block_k(head_dim: int, itemsize: int) -> int:
+    """Keys per loop iteration: a ~16 KiB K tile (64 tokens of bf16 x 128).
+
+    Sized with `triton_aot` for sm_90: larger fp32 tiles spill registers and
+    (fp32, head_dim 128, 128 keys) need more shared memory than an SM has.
+    """
+    return max(_MIN_DOT, min(128, 16384 // (head_dim * itemsize)))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_partitions", "pages_per_iter",
+def default_block_m(rows: int, head_dim: int, itemsize: int) -> int:
+    """Query rows per ragged tile: 64, or 32 for fp32 x head_dim 128 (spills at 64)."""
+    cap = 64 if head_dim * itemsize <= 256 else 32
+    return min(cap, max(_MIN_DOT, _next_pow2(rows)))
+
+
+def _key_tiling(block_k, W, BS, head_dim, itemsize):
+    """(block_k, pages covered by one tile >= 1) for a [*, W] block table."""
+    tk = block_k or default_block_k(head_dim, itemsize)
+    tk = max(1, min(_next_pow2(tk), _next_pow2(W * BS)))
+    return tk, max(1, tk // BS)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_partitions", "block_k",
                                              "num_warps", "num_stages", "interpret"))
 def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                     num_partitions=None, pages_per_iter=None, num_warps=4, num_stages=2,
+                     num_partitions=None, block_k=None, num_warps=4, num_stages=2,
                      interpret=None):
-    """Decode attention (Q == 1).  Same contract as `pallas_kernels.paged_attention`."""
+    """Decode attention (Q == 1).  Same contract as `pallas_kernels.paged_attention`.
+
+    block_k: keys per loop iteration (a power of two; several pages, one page
+    or part of one), default `default_block_k`.  num_partitions: the
+    flash-decoding split, default `num_partitions_heuristic`.
+    """
     B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
     if Q != 1:
         raise ValueError(f"paged_decode_gpu needs Q == 1, got Q={Q}")
     if interpret is None:
         interpret = not _on_gpu()
     _check_pow2(BS, D)
-    ppi = pages_per_iter or default_pages_per_iter(BS)
-    ppi = max(1, min(_next_pow2(ppi), _next_pow2(W)))
-    n_it = -(-W // ppi)                                   # loop iterations of a full row
+    tk, pages_per_tile = _key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
+    n_it = -(-(W * BS) // tk)                             # key tiles of a full row
     P = num_partitions or num_partitions_heuristic(B, KVH, W, BS)
     P = max(1, min(P, n_it))
-    ipp = -(-n_it // P)                                   # iterations per partition
-    Wp = P * ipp * ppi
+    ipp = -(-n_it // P)                                   # tiles per partition
+    Wp = -(-W // pages_per_tile) * pages_per_tile
     GP = max(_MIN_DOT, _next_pow2(G))
     block_tables = block_tables.astype(jnp.int32)
     if Wp != W:  # pad with the null block so every page-vector load stays in bounds
@@ -196,8 +240,9 @@ def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, GP - G), (0, 0)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    kernel = functools.partial(_decode_kernel, block_size=BS, pages_per_iter=ppi,
-                               iters_per_part=ipp, sm_scale=scale)
+    kernel = functools.partial(_decode_kernel, block_size=BS, block_k=tk,
+                               iters_per_part=ipp, sm_scale=scale,
+                               fp32_precision=_fp32_dot_precision(interpret))
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))
     o, m, l = pl.pallas_call(
         kernel,
@@ -243,8 +288,8 @@ def combine_partials(o, m, l):
 # --------------------------------------------------------------------------
 
 def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
-                   block_size: int, pages_per_iter: int, block_m: int, group: int,
-                   sm_scale: float):
+                   block_size: int, block_k: int, block_m: int, group: int,
+                   sm_scale: float, fp32_precision):
     b = pl.program_id(0)
     h = pl.program_id(1)
     t = pl.program_id(2)
@@ -262,24 +307,24 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
     last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
     last_pos = kv_len - q_len + last_tok
     first_tok = (t * block_m) // group
-    tk = pages_per_iter * block_size
+    tk = block_k
     n_iters = jnp.where(first_tok < q_len, last_pos // tk + 1, 0)   # causal skip
 
     def body(it, carry):
         acc, m_i, l_i = carry
-        k, v = _load_pages(kv_ref, bt_ref, b, it, layer, h, pages_per_iter, tk, d)
+        k, v = _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, tk)
         pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
         kvalid = pos < kv_len
         k = jnp.where(kvalid[:, None], k, jnp.zeros_like(k))
         v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))
-        s = _qk(q.astype(k.dtype), k)                     # [M, BS]
+        s = _qk(q.astype(k.dtype), k, fp32_precision)                     # [M, BS]
         vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :] & row_valid[:, None]
         s = jnp.where(vis, s, MASK_VALUE)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
         pr = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         l_new = l_i * alpha + jnp.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _pv(pr, v)
+        acc = acc * alpha[:, None] + _pv(pr, v, fp32_precision)
         return acc, m_new, l_new
 
     init = (jnp.zeros((block_m, d), jnp.float32),
@@ -291,25 +336,29 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
     o_ref[...] = jnp.where(ok[:, None], out, 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "pages_per_iter", "num_warps",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "block_k", "num_warps",
                                              "num_stages", "interpret"))
 def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                     block_m=None, pages_per_iter=None, num_warps=4, num_stages=2,
+                     block_m=None, block_k=None, num_warps=4, num_stages=2,
                      interpret=None):
-    """Ragged prefill / mixed attention (any Q).  Same contract as `paged_attention`."""
+    """Ragged prefill / mixed attention (any Q).  Same contract as `paged_attention`.
+
+    block_m: query rows (tokens x heads of a KV head) per tile, default
+    `default_block_m`; block_k: keys per loop iteration, default
+    `default_block_k`.  Both powers of two.
+    """
     B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
     if interpret is None:
         interpret = not _on_gpu()
     _check_pow2(BS, D)
-    ppi = pages_per_iter or default_pages_per_iter(BS)
-    ppi = max(1, min(_next_pow2(ppi), _next_pow2(W)))
-    Wp = -(-W // ppi) * ppi
+    tk, pages_per_tile = _key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
+    Wp = -(-W // pages_per_tile) * pages_per_tile
     block_tables = block_tables.astype(jnp.int32)
     if Wp != W:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, Wp - W)))
     rows = Q * G
     if block_m is None:
-        block_m = min(64, max(_MIN_DOT, _next_pow2(rows)))
+        block_m = default_block_m(rows, D, kv_pool.dtype.itemsize)
     assert block_m & (block_m - 1) == 0, "block_m must be a power of two"
     n_tiles = -(-rows // block_m)
     R = n_tiles * block_m
@@ -321,8 +370,9 @@ def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
     q_lens = jnp.where(kv_lens > 0, q_lens, 0).astype(jnp.int32)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    kernel = functools.partial(_ragged_kernel, block_size=BS, pages_per_iter=ppi, block_m=block_m,
-                               group=G, sm_scale=scale)
+    kernel = functools.partial(_ragged_kernel, block_size=BS, block_k=tk, block_m=block_m,
+                               group=G, sm_scale=scale,
+                               fp32_precision=_fp32_dot_precision(interpret))
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, t: (0,) * len(shape))
     out = pl.pallas_call(
         kernel,

@@ -120,29 +120,31 @@ def lens_profile(rng, B, BS, max_len):
 
 # --------------------------------------------------------------------------
 # GPU decode (flash-decoding), covering selection.
-# (D, G, BS, B, max_len, dtype, num_partitions, pages_per_iter)
+# (D, G, BS, B, max_len, dtype, num_partitions, block_k); key tiles of several
+# pages (block_k > BS), one page, and parts of a page (block_k < BS) all occur.
 DECODE_CASES = [
     (64, 1, 8, 1, 1037, np.float32, None, None),    # long single sequence, many partitions
     (128, 3, 16, 5, 300, jnp.bfloat16, 3, None),
-    (64, 4, 32, 33, 256, np.float32, None, 2),      # batch 33, exact boundaries
+    (64, 4, 32, 33, 256, np.float32, None, 64),     # batch 33, exact boundaries
     (128, 8, 128, 2, 1100, jnp.bfloat16, None, None),
-    (128, 1, 32, 3, 96, jnp.bfloat16, 1, 1),
-    (64, 8, 16, 7, 160, np.float32, 4, 1),
+    (128, 1, 32, 3, 96, jnp.bfloat16, 1, 32),
+    (64, 8, 16, 7, 160, np.float32, 4, 16),
     (64, 3, 128, 4, 384, np.float32, 2, None),
-    (128, 4, 8, 9, 64, jnp.bfloat16, None, 1),      # [16, 8] tiles: no-dot fallback path
+    (128, 4, 8, 9, 64, jnp.bfloat16, None, 8),      # [16, 8] tiles: no-dot fallback path
+    (128, 4, 128, 3, 600, np.float32, 3, 16),       # 8 tiles per page, partitions mid-page
 ]
 
 
-@pytest.mark.parametrize("D,G,BS,B,max_len,dtype,P,ppi", DECODE_CASES)
-def test_gpu_decode(D, G, BS, B, max_len, dtype, P, ppi):
+@pytest.mark.parametrize("D,G,BS,B,max_len,dtype,P,block_k", DECODE_CASES)
+def test_gpu_decode(D, G, BS, B, max_len, dtype, P, block_k):
     seed = _seed()
     rng = np.random.default_rng(seed)
     kv_lens = lens_profile(rng, B, BS, max_len)
     if B == 1:
         kv_lens = [max_len]
     args = make_case(seed, B=B, G=G, KVH=2, D=D, BS=BS, kv_lens=kv_lens, dtype=dtype)
-    out = kgpu.paged_decode_gpu(*args, num_partitions=P, pages_per_iter=ppi)
-    check(out, args, dtype, seed, f"gpu decode P={P} ppi={ppi}")
+    out = kgpu.paged_decode_gpu(*args, num_partitions=P, block_k=block_k)
+    check(out, args, dtype, seed, f"gpu decode P={P} block_k={block_k}")
 
 
 def test_gpu_partition_heuristic():
@@ -217,8 +219,8 @@ def test_gpu_ragged_small_block_m():
     rows = [(30, 30), (45, 5), (3, 1), (0, 0)]
     kv_lens, q_lens = zip(*rows)
     args = make_case(seed, B=4, G=3, KVH=2, D=64, BS=16, kv_lens=kv_lens, q_lens=q_lens, Q=30)
-    out = kgpu.paged_ragged_gpu(*args, block_m=16, pages_per_iter=1)
-    check(out, args, np.float32, seed, "gpu ragged block_m=16 ppi=1")
+    out = kgpu.paged_ragged_gpu(*args, block_m=16, block_k=16)
+    check(out, args, np.float32, seed, "gpu ragged block_m=16 block_k=16")
 
 
 # --------------------------------------------------------------------------
