@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/smollm2_135m.py
 
-.PHONY: install serve test test-fast bench-kernels clean
+.PHONY: install serve test bench-kernels kernels-sm90 clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(PY) scripts/bench_kernels.py $(ARGS)
+
+# Registers / spills / shared memory of the GPU kernels compiled for sm_90 (no GPU needed).
+kernels-sm90: $(STAMP)
+	$(PY) scripts/report_triton_sm90.py $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache

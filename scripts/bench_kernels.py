@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import functools
 import math
 import os
 import re
@@ -56,6 +57,10 @@ flags.DEFINE_string("dtype", "bfloat16", "K/V and q dtype.")
 flags.DEFINE_integer("iters", 20, "Unrolled attention calls per timed jitted call.")
 flags.DEFINE_integer("reps", 10, "Timed repetitions (median is reported).")
 flags.DEFINE_string("impl", None, "Our impl: gpu / tpu / reference (default by backend).")
+flags.DEFINE_integer("block_k", None, "gpu: keys per loop iteration (default: the kernel's).")
+flags.DEFINE_integer("num_warps", None, "gpu: warps per CTA (default: the kernel's).")
+flags.DEFINE_integer("num_stages", None, "gpu: Triton pipeline stages (default: the kernel's).")
+flags.DEFINE_integer("num_partitions", None, "gpu: flash-decoding partitions (default: heuristic).")
 flags.DEFINE_list("variants", ["ours", "jax_ops", "reference", "contig"], "What to time.")
 flags.DEFINE_float("max_kv_gb", 12.0, "Skip points whose K/V (one input set) exceeds this.")
 flags.DEFINE_float("rotate_mb", 256.0, "Rotate input sets until this much K/V is touched.")
@@ -138,6 +143,17 @@ def looped(attn, iters: int, n_sets: int):
     return jax.jit(run)
 
 
+def ours(impl: str):
+    """Our decode attention; the gpu kernel with any launch overrides from the flags."""
+    if impl != "gpu":
+        return functools.partial(pallas_kernels.paged_attention, impl=impl)
+    from pallas_kernels import gpu
+    tuning = {name: getattr(FLAGS, name)
+              for name in ("block_k", "num_warps", "num_stages", "num_partitions")
+              if getattr(FLAGS, name) is not None}
+    return functools.partial(gpu.paged_decode_gpu, **tuning)
+
+
 def bench_point(rng, B, ctx, impl, variants, bw):
     H, KVH, D, BS = FLAGS.num_kv_heads * FLAGS.gqa, FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.block_size
     dtype = jnp.dtype(FLAGS.dtype)
@@ -165,8 +181,8 @@ def bench_point(rng, B, ctx, impl, variants, bw):
         row[f"{name}_pct_copy"] = round(100 * gbs / bw, 1)
 
     if "ours" in variants:
-        record("ours", lambda q, s, dep, pool, bts: pallas_kernels.paged_attention(
-            q, pool, 0, bts[s] + dep, kv_lens, q_lens, impl=impl), pool, bts)
+        record("ours", lambda q, s, dep, pool, bts: ours(impl)(
+            q, pool, 0, bts[s] + dep, kv_lens, q_lens), pool, bts)
     if "reference" in variants:
         record("reference", lambda q, s, dep, pool, bts: paged_attention_reference(
             q, pool, 0, bts[s] + dep, kv_lens, q_lens), pool, bts)
@@ -236,6 +252,9 @@ def main(argv):
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cfg = (f"head_dim={FLAGS.head_dim} num_kv_heads={FLAGS.num_kv_heads} gqa={FLAGS.gqa} "
            f"block_size={FLAGS.block_size} dtype={FLAGS.dtype} iters={FLAGS.iters} reps={FLAGS.reps}")
+    cfg += "".join(f" {n}={getattr(FLAGS, n)}" for n in ("block_k", "num_warps", "num_stages",
+                                                         "num_partitions")
+                   if getattr(FLAGS, n) is not None)
     lines = [f"# Paged-attention decode benchmark: {dev}", "",
              f"{stamp}; backend={backend}; ours=impl \"{impl}\"; jax {jax.__version__}; {cfg}", "",
              f"Device copy bandwidth (read+write, same run): {bw:.1f} GB/s", ""]

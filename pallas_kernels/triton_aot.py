@@ -1,0 +1,189 @@
+"""Compile the Pallas GPU kernels ahead of time for a CUDA arch, with no GPU.
+
+jax lowers a Pallas kernel to Triton IR (TTIR) in Python, on any machine.
+This module captures that TTIR and compiles it with the `triton` package
+(TTIR -> PTX -> cubin with the ptxas it bundles) for a target such as sm_90
+(H100/H200), then reads ptxas' resource report.  That catches, on a CPU-only
+machine, what interpret mode cannot: kernels Triton rejects, registers
+spilled to local memory, shared memory over the SM limit, and the occupancy
+(CTAs per SM) a launch configuration allows.
+
+It is a static check: nothing runs on a GPU.  jax on a GPU compiles the same
+TTIR with the Triton inside jaxlib/XLA rather than the `triton` package, so
+register counts can differ slightly between the two; a kernel that spills or
+fails here is worth fixing either way.
+
+    from pallas_kernels import gpu, triton_aot
+    kernels = triton_aot.capture_ttir(gpu.paged_decode_gpu, q, pool, 0, bt, lens, lens)
+    print(triton_aot.compile_for_cuda(kernels[0]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any, Callable
+
+import jax
+
+# sm_90 (H100/H200) limits, CUDA occupancy rules.
+SM90 = dict(regs_per_sm=65536, reg_alloc_unit=256, max_warps_per_sm=64, max_ctas_per_sm=32,
+            smem_per_sm=228 * 1024, smem_per_cta_max=227 * 1024, smem_reserved_per_cta=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernelIR:
+    """One pallas_call lowered by jax's Triton backend."""
+    name: str
+    ttir: str
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    """ptxas' report for one kernel compiled for `arch`, plus the occupancy it allows."""
+    name: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    shared_bytes: int
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM allowed by registers, shared memory and warps (sm_90 rules)."""
+        lim = SM90
+        regs_per_warp = math.ceil(self.registers * 32 / lim["reg_alloc_unit"]) * lim["reg_alloc_unit"]
+        by_regs = lim["regs_per_sm"] // (regs_per_warp * self.num_warps)
+        by_smem = lim["smem_per_sm"] // (self.shared_bytes + lim["smem_reserved_per_cta"])
+        by_warps = lim["max_warps_per_sm"] // self.num_warps
+        return int(min(by_regs, by_smem, by_warps, lim["max_ctas_per_sm"]))
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= SM90["smem_per_cta_max"] and self.ctas_per_sm >= 1
+
+
+@contextlib.contextmanager
+def _capture_triton_modules(sink: list):
+    """Record the TTIR module of every pallas_call jax lowers for a GPU."""
+    from jax._src.pallas.triton import lowering
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def hook(*args, **kwargs):
+        result = original(*args, **kwargs)
+        sink.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = hook
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+_LAUNCH_RE = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
+_MODULE_RE = re.compile(r"^module @([\w$.]+)", re.M)
+
+
+def capture_ttir(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[TritonKernelIR]:
+    """TTIR and launch config of each Pallas kernel in `fn(*args, **kwargs)`, lowered for CUDA.
+
+    `args` may be arrays or `jax.ShapeDtypeStruct`s; the kernels must not be
+    in interpret mode (pass `interpret=False` to ours).
+    """
+    modules: list[str] = []
+    with _capture_triton_modules(modules):
+        text = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    launch = {name: (int(stages), int(warps)) for name, stages, warps in _LAUNCH_RE.findall(text)}
+    kernels = []
+    for ttir in modules:
+        name = _MODULE_RE.search(ttir).group(1)
+        if name not in launch:
+            raise RuntimeError(f"no launch config for Triton kernel {name!r} in the lowered module "
+                               "(this jax version may lower Pallas GPU calls differently)")
+        stages, warps = launch[name]
+        kernels.append(TritonKernelIR(name, ttir, num_warps=warps, num_stages=stages))
+    return kernels
+
+
+_PTXAS_RE = {
+    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "registers": re.compile(r"Used (\d+) registers"),
+}
+
+
+def compile_for_cuda(kernel: TritonKernelIR, arch: int = 90) -> KernelResources:
+    """Compile `kernel` with the `triton` package for sm_<arch>; ptxas' resource report."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", arch, 32)
+    options = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, f"{kernel.name}.ttir")
+        with open(src, "w") as f:
+            f.write(kernel.ttir)
+        compiled = triton.compile(src, target=target, options=options)
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o",
+                                 os.path.join(tmp, "kernel.cubin")],
+                                capture_output=True, text=True, check=True).stderr
+    values = {}
+    for key, rx in _PTXAS_RE.items():
+        m = rx.search(report)
+        if m is None:
+            raise RuntimeError(f"unexpected ptxas report for {kernel.name}:\n{report}")
+        values[key] = int(m.group(1))
+    return KernelResources(name=kernel.name, arch=arch, num_warps=kernel.num_warps,
+                           num_stages=kernel.num_stages, shared_bytes=int(compiled.metadata.shared),
+                           **values)
+
+
+def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_size: int, gqa: int,
+                            num_kv_heads: int = 8, batch: int = 8, q_len: int = 64,
+                            max_blocks: int = 64, arch: int = 90,
+                            **launch: Any) -> tuple[dict, KernelResources]:
+    """Compile one of our GPU kernels ("decode" or "ragged") for sm_<arch>.
+
+    `launch` goes to the kernel (block_k, block_m, num_warps, ...); omitted
+    ones take the kernel's defaults.  Returns (the tiling used, resources).
+    The pool is 2^32+ bytes so that offsets are 64-bit, as in a real pool.
+    """
+    import jax.numpy as jnp
+    from pallas_kernels import gpu
+
+    dtype = jnp.dtype(dtype)
+    itemsize = dtype.itemsize
+    per_block = 2 * num_kv_heads * block_size * head_dim * itemsize
+    num_blocks = max(max_blocks + 1, 2 ** 32 // per_block + 1)
+    q = q_len if kernel == "ragged" else 1
+    fn = {"decode": gpu.paged_decode_gpu, "ragged": gpu.paged_ragged_gpu}[kernel]
+    args = (jax.ShapeDtypeStruct((batch, q, num_kv_heads * gqa, head_dim), dtype),
+            jax.ShapeDtypeStruct((num_blocks, 1, 2, num_kv_heads, block_size, head_dim), dtype),
+            0,
+            jax.ShapeDtypeStruct((batch, max_blocks), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+    (ir,) = capture_ttir(fn, *args, interpret=False, **launch)
+    tiling = dict(block_k=gpu._key_tiling(launch.get("block_k"), max_blocks, block_size, head_dim,
+                                          itemsize)[0])
+    if kernel == "ragged":
+        tiling["block_m"] = launch.get("block_m") or gpu.default_block_m(q * gqa, head_dim, itemsize)
+    return tiling, compile_for_cuda(ir, arch)
