@@ -24,7 +24,7 @@ from jpaged.block_manager import BlockManager, CacheCounters
 from jpaged.kv_cache import (HostSwapSpace, bytes_per_block, copy_blocks, gather_blocks, num_blocks_for,
                               scatter_blocks, swap_capacity_blocks)
 from jpaged.model import Llama, split_model
-from jpaged.model_runner import ModelRunner
+from jpaged.model_runner import ModelRunner, bucket
 from jpaged.scheduler import PreemptionCounters, Scheduler
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.weights import default_cache_dir, load_weights
@@ -242,6 +242,38 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         return self.tokenizer
+
+    def precompile(self, *, max_num_seqs: int | None = None, max_context: int | None = None,
+                   prompt_len: int | None = None) -> int:
+        """Compiles, before a workload arrives, every step shape it can meet.
+
+        Decode: each row bucket up to `max_num_seqs` (default: the config's) x
+        each block-table width up to `max_context` tokens (default:
+        max_model_len).  Prefill, when `prompt_len` is given: each row bucket x
+        each new-token bucket up to min(prompt_len, max_num_batched_tokens) x
+        each width up to prompt_len, less the shapes that cannot fit one step's
+        token budget.  Greedy steps only (sampling steps compile on
+        first use).  Returns the number of new compilations.  An online server
+        calls this once at start-up so that no request waits on the compiler.
+        """
+        cfg, runner = self.config, self.runner
+        bs, budget = cfg.block_size, cfg.max_num_batched_tokens
+        rows = [1 << i for i in range(bucket(min(max_num_seqs or cfg.max_num_seqs,
+                                                 cfg.max_num_seqs)).bit_length())]
+
+        def widths(tokens: int) -> list[int]:
+            return sorted({runner.table_width(k) for k in range(1, -(-tokens // bs) + 1)})
+
+        context = min(max_context or cfg.max_model_len, cfg.max_model_len)
+        shapes = [(b, 1, w) for b in rows for w in widths(context)]
+        if prompt_len:
+            chunk = min(prompt_len, budget, cfg.max_model_len)
+            q_buckets = sorted({bucket(q, 8) for q in range(1, chunk + 1)})
+            # Fewest tokens of a step in bucket (b, q): its longest row has at
+            # least q // 2 + 1 (bucket 8: 1), its other b // 2 rows at least 1.
+            shapes += [(b, q, w) for b in rows for q in q_buckets for w in widths(prompt_len)
+                       if (1 if q == 8 else q // 2 + 1) + b // 2 <= budget]
+        return runner.precompile(shapes)
 
     # -------------------------------------------------------------------- steps
     def step(self) -> list[Sequence]:

@@ -147,3 +147,21 @@ def test_compilations_are_bounded(make_tiny_llm):
     assert llm.num_compilations <= bound, sorted(llm.runner.compiled_shapes)
     # The runner's own count is honest: jit compiled exactly that many executables.
     assert llm.runner._step._cache_size() == llm.num_compilations
+
+
+def test_precompile_covers_the_workload(make_tiny_llm):
+    """After precompile(prompt_len=32), a workload of prompts up to 32 tokens
+    compiles nothing more, and its tokens equal those of a fresh engine's: the
+    warm-up steps (padding rows) leave the pool as it was."""
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    llm = make_tiny_llm(**engine)
+    n = llm.precompile(prompt_len=32)
+    assert n == llm.num_compilations == llm.runner._step._cache_size() > 0
+    lengths = [1, 5, 9, 16, 17, 20, 31, 32, 3, 12]
+    max_tokens = [30, 2, 9, 20, 5, 31, 3, 12, 40, 7]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate(random_prompts(lengths, seed=5), params)
+    assert llm.num_compilations == n and llm.runner._step._cache_size() == n
+    fresh = make_tiny_llm(**engine).generate(random_prompts(lengths, seed=5), params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+    assert llm.precompile(prompt_len=32) == 0
