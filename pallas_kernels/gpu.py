@@ -6,16 +6,16 @@ gather copy, no per-layer slice copy; `layer` is a traced scalar):
 
 * `paged_decode_gpu` (Q == 1): flash-decoding.  Grid (B, KVH, P).  Program
   (b, h, p) takes the G query heads of KV head h as the M dimension of the
-  dot (padded to >= 16 rows for the Triton dot), loops over the physical
-  blocks of partition p of sequence b (block id read from the block table),
-  keeps an fp32 online softmax (m, l, acc) and writes the un-normalised
-  partial (acc, m, l).  A small jnp combine merges the P partials.  P is a
+  dot (padded to >= 16 rows for the Triton dot), loops over the key tiles of
+  partition p of sequence b (`block_k` tokens: several pages, one page or a
+  slice of one, block ids read from the block table), keeps an fp32 online
+  softmax (m, l, acc) and writes the un-normalised partial (acc, m, l).  A small jnp combine merges the P partials.  P is a
   static heuristic that fills ~2 waves of an H100 (132 SMs) for small
   batches with long contexts.
 * `paged_ragged_gpu` (Q >= 1, ragged q_lens): grid (B, KVH, row tiles).  The
   Q tokens x G heads of one KV head are flattened to Q*G rows (row r is token
-  r // G), tiled by `block_m` rows; each tile loops over KV blocks 0..last
-  block visible to its last valid token (fully masked tiles are never
+  r // G), tiled by `block_m` rows; each tile loops over key tiles 0..the
+  last one visible to its last valid token (fully masked tiles are never
   visited) with a causal + length mask and online softmax.
 
 Masking never multiplies by a mask: keys/values past kv_len are replaced with
@@ -199,8 +199,10 @@ def default_block_m(rows: int, head_dim: int, itemsize: int) -> int:
     return min(cap, max(_MIN_DOT, _next_pow2(rows)))
 
 
-def _key_tiling(block_k, W, BS, head_dim, itemsize):
-    """(block_k, pages covered by one tile >= 1) for a [*, W] block table."""
+def key_tiling(block_k: int | None, W: int, BS: int, head_dim: int,
+               itemsize: int) -> tuple[int, int]:
+    """(keys per tile, pages one tile spans, >= 1) for a [B, W] table of BS-token
+    pages; block_k None takes `default_block_k`; never more than the table holds."""
     tk = block_k or default_block_k(head_dim, itemsize)
     tk = max(1, min(_next_pow2(tk), _next_pow2(W * BS)))
     return tk, max(1, tk // BS)
@@ -223,7 +225,7 @@ def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
     if interpret is None:
         interpret = not _on_gpu()
     _check_pow2(BS, D)
-    tk, pages_per_tile = _key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
+    tk, pages_per_tile = key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
     n_it = -(-(W * BS) // tk)                             # key tiles of a full row
     P = num_partitions or num_partitions_heuristic(B, KVH, W, BS)
     P = max(1, min(P, n_it))
@@ -351,7 +353,7 @@ def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_sca
     if interpret is None:
         interpret = not _on_gpu()
     _check_pow2(BS, D)
-    tk, pages_per_tile = _key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
+    tk, pages_per_tile = key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
     Wp = -(-W // pages_per_tile) * pages_per_tile
     block_tables = block_tables.astype(jnp.int32)
     if Wp != W:

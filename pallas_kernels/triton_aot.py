@@ -182,7 +182,7 @@ def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_siz
             jax.ShapeDtypeStruct((batch,), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32))
     (ir,) = capture_ttir(fn, *args, interpret=False, **launch)
-    tiling = dict(block_k=gpu._key_tiling(launch.get("block_k"), max_blocks, block_size, head_dim,
+    tiling = dict(block_k=gpu.key_tiling(launch.get("block_k"), max_blocks, block_size, head_dim,
                                           itemsize)[0])
     if kernel == "ragged":
         tiling["block_m"] = launch.get("block_m") or gpu.default_block_m(q * gqa, head_dim, itemsize)
