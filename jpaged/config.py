@@ -15,7 +15,8 @@ def default_config() -> ml_collections.ConfigDict:
     # Model: "smollm2-135m" (embedded GGUF), a .gguf path, or a HF checkpoint dir.
     c.model = "smollm2-135m"
     c.load_format = "auto"          # auto | gguf | hf | dummy (random weights)
-    c.dtype = "float32"             # float32 | bfloat16: weights, activations and KV
+    c.dtype = "float32"             # float32 | bfloat16: weights and activations
+    c.kv_cache_dtype = "auto"       # auto (= dtype) | float32 | bfloat16: the KV pool
     c.cache_dir = ""                # converted-weights cache; "" -> $JPAGED_CACHE_DIR or ~/.cache/jpaged
     c.compilation_cache = True      # persist compiled steps under <cache_dir>/xla (fast restarts)
     # KV pool

@@ -32,6 +32,16 @@ from jpaged.weights import default_cache_dir, load_weights
 ATTENTION_IMPLS = {"reference": "reference", "cpu": "cpu", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_kv_cache_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
+    """The KV pool's dtype: "auto" follows the model dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return dtype if name == "auto" else jnp.dtype(name)
+
+
 def resolve_attention_impl(name: str) -> str:
     if name == "auto":
         return pallas_kernels.default_impl()
@@ -108,6 +118,7 @@ class LLM:
         cfg.update(overrides)
         self.config = cfg
         self.dtype = jnp.dtype(cfg.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.compilation_cache:
             xla_cache = pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla"
             jax.config.update("jax_compilation_cache_dir", str(xla_cache))
@@ -120,7 +131,7 @@ class LLM:
         weight_bytes = sum(a.nbytes for a in loaded.arrays.values())
         loaded.arrays = {}  # the device copy in self.params is the one we keep
         self.num_blocks = num_blocks_for(
-            self.model_config, block_size=cfg.block_size, dtype=self.dtype,
+            self.model_config, block_size=cfg.block_size, dtype=self.kv_dtype,
             num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
             weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len)
@@ -131,10 +142,10 @@ class LLM:
         self.allocator = self.block_manager.allocator
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
-                                  kv_dtype=self.dtype, attention_impl=self.attention_impl,
+                                  kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len)
         block_shape = tuple(self.runner.kv_pool.shape[1:])
-        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
         self.swap_space = HostSwapSpace(
             swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if cfg.preemption_mode == "swap" else 0,
             block_shape, self.runner.kv_pool.dtype)
@@ -171,7 +182,7 @@ class LLM:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_blocks * bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        return self.num_blocks * bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
 
     def _eos_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()

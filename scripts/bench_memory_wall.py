@@ -37,8 +37,8 @@ def main(argv):
     outs, wall = B.timed_generate(llm, B.chat(B.DEFAULT_PROMPTS), B.greedy(_MAX_TOKENS.value))
     lens = [len(o.prompt_token_ids) + len(o.token_ids) for o in outs]
     print(f"real lengths (prompt + answer, {wall:.0f} s run): {lens}")
-    per_tok = bytes_per_block(llm.model_config, 1, llm.dtype)
-    per_blk = bytes_per_block(llm.model_config, bs, llm.dtype)
+    per_tok = bytes_per_block(llm.model_config, 1, llm.kv_dtype)
+    per_blk = bytes_per_block(llm.model_config, bs, llm.kv_dtype)
     print(f"KV bytes per token {per_tok} ({per_tok / 1024:.0f} KiB); per {bs}-token block {per_blk / 2**20:.2f} MiB")
     G = 2**30
     rows = []

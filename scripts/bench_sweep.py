@@ -28,7 +28,7 @@ def main(argv):
     sizes = [int(b) for b in _BATCHES.value]
     llm = B.make_llm(max_num_seqs=max(sizes), max_num_batched_tokens=4096)
     params = B.greedy(_MAX_TOKENS.value, ignore_eos=True)
-    bpb = bytes_per_block(llm.model_config, llm.config.block_size, llm.dtype)
+    bpb = bytes_per_block(llm.model_config, llm.config.block_size, llm.kv_dtype)
     wmb = B.weight_bytes(llm) / 2**20
     rows = []
     for n in sizes:

@@ -27,3 +27,37 @@ def test_attention_impl_names():
     assert resolve_attention_impl("pallas_tpu") == "tpu"
     with pytest.raises(ValueError, match="attention_impl"):
         resolve_attention_impl("flash")
+
+
+@pytest.mark.parametrize("impl", ["cpu", "pallas_gpu"])
+def test_bf16_kv_cache_matches_across_impls(make_tiny_llm, impl):
+    """kv_cache_dtype=bfloat16 under fp32 activations: half the pool bytes, and
+    the kernels (mixed fp32 queries / bf16 K/V) give the reference's tokens."""
+    fp32 = make_tiny_llm(attention_impl="reference", max_num_seqs=3)
+    bf16 = make_tiny_llm(attention_impl="reference", max_num_seqs=3, kv_cache_dtype="bfloat16")
+    assert str(bf16.runner.kv_pool.dtype) == "bfloat16" and str(fp32.runner.kv_pool.dtype) == "float32"
+    assert 2 * bf16.kv_pool_bytes == fp32.kv_pool_bytes
+    prompts = random_prompts([5, 16, 21], seed=4)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    reference = bf16.generate(prompts, params)
+    kernel = make_tiny_llm(attention_impl=impl, max_num_seqs=3,
+                           kv_cache_dtype="bfloat16").generate(prompts, params)
+    assert [o.token_ids for o in kernel] == [o.token_ids for o in reference]
+
+
+def test_kv_cache_dtype_is_checked(make_tiny_llm):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_tiny_llm(kv_cache_dtype="fp8")
+
+
+@pytest.mark.slow
+def test_bf16_kv_cache_keeps_smollm_answers(smollm_llm):
+    """The embedded model answers the same short chat prompts with a bf16 pool."""
+    from conftest import SMOLLM_ENGINE
+    from jpaged.engine import LLM
+    prompts = [{"prompt": "What is the capital of France?"}, {"prompt": "Name one fruit."},
+               {"prompt": "What is 2 + 2?"}]
+    params = SamplingParams(max_tokens=16)
+    bf16 = LLM(**{**SMOLLM_ENGINE, "kv_cache_dtype": "bfloat16", "attention_impl": "auto"})
+    want = [o.text for o in smollm_llm.generate(prompts, params)]
+    assert [o.text for o in bf16.generate(prompts, params)] == want
