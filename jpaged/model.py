@@ -188,10 +188,24 @@ def write_kv(kv_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
     A slot is block_id * block_size + offset; padding tokens carry a slot in the
     null block 0, which attention never reads unmasked.
     """
+    kv = jnp.stack([k, v], axis=2)  # [B, Q, 2, kvh, hd]
+    if kv_pool.dtype == jnp.bfloat16 and _cpu_kernels():
+        # XLA:CPU scatters into bf16 by converting the whole pool to f32 and
+        # back (seconds per step); the C++ write touches only the new rows.
+        from pallas_kernels import cpu
+        return cpu.write_kv_cpu(kv_pool, layer, kv.reshape(-1, *kv.shape[2:]),
+                                slot_mapping.reshape(-1))
     block_size = kv_pool.shape[4]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv = jnp.stack([k, v], axis=2).astype(kv_pool.dtype)  # [B, Q, 2, kvh, hd]
-    return kv_pool.at[blocks, layer, :, :, offsets].set(kv, mode="drop", unique_indices=False)
+    return kv_pool.at[blocks, layer, :, :, offsets].set(kv.astype(kv_pool.dtype), mode="drop",
+                                                        unique_indices=False)
+
+
+def _cpu_kernels() -> bool:
+    if jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels import cpu
+    return cpu.available()
 
 
 class Llama(nnx.Module):

@@ -1,4 +1,7 @@
-"""Decode (Q == 1) paged attention for XLA:CPU: a C++ XLA FFI custom call.
+"""Decode (Q == 1) paged attention and the K/V write for XLA:CPU: C++ XLA FFI custom calls.
+
+`write_kv_cpu` writes new K/V rows into the pool in place; the engine uses it
+for bf16 pools, which XLA:CPU's scatter would convert whole to f32 and back.
 
 The jnp reference spends most of a CPU decode step in XLA:CPU's gather (the
 copy of every sequence's K/V out of the pool).  This kernel reads K/V straight
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 TARGET = "jpaged_paged_decode_cpu"
 _SYMBOL = "JpagedPagedDecodeCpu"
+WRITE_TARGET = "jpaged_write_kv_cpu"
+_WRITE_SYMBOL = "JpagedWriteKvCpu"
 _SRC = pathlib.Path(__file__).parent / "csrc" / "paged_decode_cpu.cc"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
 
@@ -103,8 +108,9 @@ def _load() -> bool:
         try:
             path = _build()
             lib = ctypes.CDLL(str(path))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                        platform="cpu")
+            for target, symbol in ((TARGET, _SYMBOL), (WRITE_TARGET, _WRITE_SYMBOL)):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform="cpu")
             _state.update(ok=True, lib=lib, reason="")
         except Exception as e:  # never crash the caller: fall back to the reference
             _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
@@ -164,4 +170,24 @@ def paged_decode_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
                 max_threads=np.int64(max_threads))
 
 
-__all__ = ["available", "unavailable_reason", "supports", "paged_decode_cpu"]
+def write_kv_cpu(kv_pool: jax.Array, layer: jax.Array | int, new_kv: jax.Array,
+                 slots: jax.Array) -> jax.Array:
+    """kv_pool with new_kv [T, 2, KVH, D] written at flat slots [T] of `layer`, in place.
+
+    Slot s is row s % block_size of block s // block_size; slots outside the
+    pool are dropped.  The result aliases the pool (donate it to keep one
+    buffer).  XLA:CPU's own scatter converts a whole bf16 pool to f32 and back
+    on every write; this writes only the new rows.
+    """
+    for name, x in (("new_kv", new_kv), ("kv_pool", kv_pool)):
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise TypeError(f"write_kv_cpu: {name} dtype {x.dtype} unsupported (float32 or bfloat16)")
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(kv_pool, new_kv, jnp.asarray(layer, jnp.int32).reshape(()),
+                jnp.asarray(slots, jnp.int32))
+
+
+__all__ = ["available", "unavailable_reason", "supports", "paged_decode_cpu", "write_kv_cpu"]

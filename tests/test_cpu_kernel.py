@@ -178,3 +178,26 @@ def test_bf16_pool(q_dtype):
     _check_padding_zero(out, q_lens, kv_lens)
     via_dispatch = pallas_kernels.paged_attention(q, poisoned, layer, bt, kv_lens, q_lens, impl="cpu")
     np.testing.assert_array_equal(np.asarray(via_dispatch, np.float32), out)
+
+
+@pytest.mark.parametrize("pool_dtype,kv_dtype", [(jnp.bfloat16, jnp.float32),
+                                                 (jnp.bfloat16, jnp.bfloat16),
+                                                 (jnp.float32, jnp.float32)])
+def test_write_kv_matches_xla_scatter(pool_dtype, kv_dtype):
+    """The C++ K/V write equals XLA's scatter (bf16 rounding included), drops
+    out-of-range slots, leaves everything else alone, and updates the donated
+    pool in place."""
+    rng = np.random.default_rng(7)
+    NB, L, KVH, BS, D, T, layer = 9, NUM_LAYERS, 2, 8, 64, 21, 1
+    pool = jnp.asarray(rng.standard_normal((NB, L, 2, KVH, BS, D)), pool_dtype)
+    new_kv = jnp.asarray(rng.standard_normal((T, 2, KVH, D)), kv_dtype)
+    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+    slots[3], slots[11] = -1, NB * BS + 5                       # dropped
+    ok = (slots >= 0) & (slots < NB * BS)
+    want = pool.at[slots[ok] // BS, layer, :, :, slots[ok] % BS].set(
+        new_kv[ok].astype(pool_dtype))
+    write = jax.jit(cpu.write_kv_cpu, donate_argnums=0)
+    ptr = pool.unsafe_buffer_pointer()
+    got = write(pool, layer, new_kv, jnp.asarray(slots))
+    assert got.unsafe_buffer_pointer() == ptr
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

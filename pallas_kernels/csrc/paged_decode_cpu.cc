@@ -302,6 +302,59 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q, ffi::
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// K/V write, in place: pool[slot / BS, layer, kv, h, slot % BS, :] = new_kv[t, kv, h, :]
+// for every new token t with slot = slots[t] (slots outside the pool are
+// dropped).  XLA:CPU lowers a scatter into a bf16 buffer by converting the
+// whole buffer to f32 and back (~1 s for a 1.5 GB pool); this touches only
+// the rows written.  The result aliases the pool operand.
+
+template <typename PT, typename KT>
+void write_rows(void* pool, const void* new_kv, const int32_t* slots, int64_t T, int64_t NB,
+                int64_t L, int64_t KVH, int64_t BS, int64_t D, int64_t layer) {
+  PT* dst_pool = static_cast<PT*>(pool);
+  const KT* src = static_cast<const KT*>(new_kv);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= NB * BS) continue;
+    const int64_t blk = slot / BS, off = slot % BS;
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      for (int64_t h = 0; h < KVH; ++h) {
+        PT* dst = dst_pool + ((((blk * L + layer) * 2 + kv) * KVH + h) * BS + off) * D;
+        const KT* row = src + ((t * 2 + kv) * KVH + h) * D;
+        for (int64_t i = 0; i < D; ++i) store_f(dst + i, load_f(row[i]));
+      }
+    }
+  }
+}
+
+ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer new_kv, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions();
+  auto kd = new_kv.dimensions();
+  if (pd.size() != 6 || pd[2] != 2)
+    return ffi::Error::InvalidArgument("write_kv_cpu: kv_pool must be [NB, L, 2, KVH, BS, D]");
+  if (kd.size() != 4 || kd[1] != 2 || kd[2] != pd[3] || kd[3] != pd[5])
+    return ffi::Error::InvalidArgument("write_kv_cpu: new_kv must be [T, 2, KVH, D] matching the pool");
+  if (slots.element_count() != static_cast<size_t>(kd[0]))
+    return ffi::Error::InvalidArgument("write_kv_cpu: slots must be [T]");
+  if (layer.element_count() != 1 || layer.typed_data()[0] < 0 || layer.typed_data()[0] >= pd[1])
+    return ffi::Error::InvalidArgument("write_kv_cpu: layer out of range");
+  if (out->element_type() != pool.element_type() || out->size_bytes() != pool.size_bytes())
+    return ffi::Error::InvalidArgument("write_kv_cpu: output must match the pool");
+  if (out->untyped_data() != pool.untyped_data())  // XLA did not alias: copy, then write
+    std::memcpy(out->untyped_data(), pool.untyped_data(), pool.size_bytes());
+  const auto pt = pool.element_type(), kt = new_kv.element_type();
+  const bool p32 = pt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
+  if ((!p32 && pt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("write_kv_cpu: pool and new_kv must be f32 or bf16");
+  auto fn = p32 ? (k32 ? write_rows<float, float> : write_rows<float, uint16_t>)
+                : (k32 ? write_rows<uint16_t, float> : write_rows<uint16_t, uint16_t>);
+  fn(out->untyped_data(), new_kv.untyped_data(), slots.typed_data(), kd[0], pd[0], pd[1], pd[3],
+     pd[4], pd[5], layer.typed_data()[0]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedDecodeCpu, PagedDecodeImpl,
@@ -316,3 +369,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedDecodeCpu, PagedDecodeImpl,
                                   .Ret<ffi::AnyBuffer>()       // out
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // kv_pool (aliased to the result)
+                                  .Arg<ffi::AnyBuffer>()         // new_kv [T, 2, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [T]
+                                  .Ret<ffi::AnyBuffer>());       // kv_pool
