@@ -33,6 +33,8 @@ _STEP_BATCHES = flags.DEFINE_list("step_batches", ["32", "64"], "Batch sizes of 
 _STEP_TOKENS = flags.DEFINE_integer("step_tokens", 32, "Decode steps timed per batch size.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "jpaged KV block size.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run the jpaged workload once untimed first (compiles).")
+_KV_DTYPE = flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
+                              "jpaged KV pool dtype (results get a _kv_<dtype> suffix unless auto).")
 
 
 MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -108,10 +110,13 @@ def time_decode_steps(llm, batch: int, steps: int) -> dict:
 def main(argv):
     del argv
     tag = "throughput" if _WORKLOAD.value == "mixed" else "throughput_demo"
+    if _KV_DTYPE.value != "auto":
+        tag += f"_kv_{_KV_DTYPE.value}"
     B.header(tag)
     N, T, R = _N.value, _MAX_TOKENS.value, _MAX_RUNNING.value
     llm = B.make_llm(max_num_seqs=max(R, *(int(b) for b in _STEP_BATCHES.value)),
-                     block_size=_BLOCK_SIZE.value, max_num_batched_tokens=2048)
+                     block_size=_BLOCK_SIZE.value, max_num_batched_tokens=2048,
+                     kv_cache_dtype=_KV_DTYPE.value)
     if _WORKLOAD.value == "demo":
         N = len(B.DEFAULT_PROMPTS)
     prompts = B.chat(B.DEFAULT_PROMPTS if _WORKLOAD.value == "demo" else B.mixed_prompts(N))
