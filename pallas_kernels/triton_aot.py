@@ -73,47 +73,87 @@ class KernelResources:
         return self.shared_bytes <= SM90["smem_per_cta_max"] and self.ctas_per_sm >= 1
 
 
-@contextlib.contextmanager
-def _capture_triton_modules(sink: list):
-    """Record the TTIR module of every pallas_call jax lowers for a GPU."""
-    from jax._src.pallas.triton import lowering
-    original = lowering.lower_jaxpr_to_triton_module
+class _LaunchRecorded(Exception):
+    """Stops a lowering once the kernel's IR and launch config are recorded."""
 
-    def hook(*args, **kwargs):
-        result = original(*args, **kwargs)
-        sink.append(result.module.operation.get_asm(enable_debug_info=False))
+
+@contextlib.contextmanager
+def _capture_triton_modules(sink: list[dict]):
+    """Record the TTIR (and, where jax hands it over, the launch config) of
+    every pallas_call jax lowers for a GPU.
+
+    jaxlib <= 0.10.2 embeds the IR in a custom call (launch config in its
+    backend_config); later jaxlibs compile the IR during lowering through a
+    GPU plugin's handler, which a CPU-only install lacks: there the compile
+    call is intercepted to read the launch config and the lowering stopped.
+    """
+    from jax._src.pallas.triton import lowering
+    from jax._src.pallas.triton import pallas_call_registration as registration
+    original_lower, original_triton = lowering.lower_jaxpr_to_triton_module, registration.triton
+
+    def lower(*args, **kwargs):
+        result = original_lower(*args, **kwargs)
+        sink.append(dict(ttir=result.module.operation.get_asm(enable_debug_info=False)))
         return result
 
-    lowering.lower_jaxpr_to_triton_module = hook
+    class _RecordingTriton:
+        def __getattr__(self, name):
+            return getattr(original_triton, name)
+
+        @staticmethod
+        def compile(platform, ir, arch, *, num_warps, num_stages, **_):
+            sink[-1].update(num_warps=int(num_warps), num_stages=int(num_stages))
+            raise _LaunchRecorded
+
+    lowering.lower_jaxpr_to_triton_module = lower
+    registration.triton = _RecordingTriton()
     try:
         yield
     finally:
-        lowering.lower_jaxpr_to_triton_module = original
+        lowering.lower_jaxpr_to_triton_module = original_lower
+        registration.triton = original_triton
 
 
 _LAUNCH_RE = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
 _MODULE_RE = re.compile(r"^module @([\w$.]+)", re.M)
 
 
+def _recorded(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, _LaunchRecorded):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def capture_ttir(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[TritonKernelIR]:
     """TTIR and launch config of each Pallas kernel in `fn(*args, **kwargs)`, lowered for CUDA.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; the kernels must not be
-    in interpret mode (pass `interpret=False` to ours).
+    in interpret mode (pass `interpret=False` to ours).  With jaxlib > 0.10.2
+    only the first kernel of `fn` is captured (the lowering stops there).
     """
-    modules: list[str] = []
+    modules: list[dict] = []
+    text = ""
     with _capture_triton_modules(modules):
-        text = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+        try:
+            text = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+        except Exception as e:  # noqa: BLE001 - jax may wrap the stop signal
+            if not _recorded(e):
+                raise
     launch = {name: (int(stages), int(warps)) for name, stages, warps in _LAUNCH_RE.findall(text)}
     kernels = []
-    for ttir in modules:
-        name = _MODULE_RE.search(ttir).group(1)
-        if name not in launch:
+    for m in modules:
+        name = _MODULE_RE.search(m["ttir"]).group(1)
+        if "num_warps" in m:
+            stages, warps = m["num_stages"], m["num_warps"]
+        elif name in launch:
+            stages, warps = launch[name]
+        else:
             raise RuntimeError(f"no launch config for Triton kernel {name!r} in the lowered module "
                                "(this jax version may lower Pallas GPU calls differently)")
-        stages, warps = launch[name]
-        kernels.append(TritonKernelIR(name, ttir, num_warps=warps, num_stages=stages))
+        kernels.append(TritonKernelIR(name, m["ttir"], num_warps=warps, num_stages=stages))
     return kernels
 
 
