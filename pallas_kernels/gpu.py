@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import attention_dims
+from pallas_kernels.reference import attention_dims, row_tile_span
 
 try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -104,6 +104,25 @@ def _pv(p, v, fp32_precision):
     return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
 
+def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision):
+    """One key tile of flash attention: (acc, m, l) updated with q [M, D] over k, v [TK, D].
+
+    Keys past the sequence (key_valid False) are zeroed with `where`, never
+    multiplied, so NaN in blocks a sequence does not own cannot leak;
+    `visible` [M, TK] (or [1, TK]) masks the scores.
+    """
+    acc, m_i, l_i = carry
+    k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
+    v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+    s = _qk(q.astype(k.dtype), k, fp32_precision)          # [M, TK] fp32
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    alpha = jnp.exp(m_i - m_new)
+    pr = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = l_i * alpha + jnp.sum(pr, axis=1)
+    return acc * alpha[:, None] + _pv(pr, v, fp32_precision), m_new, l_new
+
+
 # --------------------------------------------------------------------------
 # Decode (Q == 1), flash-decoding partitions.
 # --------------------------------------------------------------------------
@@ -135,20 +154,10 @@ def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_r
     end = jnp.minimum(start + iters_per_part, n_iters)
 
     def body(it, carry):
-        acc, m_i, l_i = carry
         k, v = _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, tk)
         pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
         valid = pos < kv_len                              # [TK]
-        k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        s = _qk(q.astype(k.dtype), k, fp32_precision)                     # [GP, TK] fp32
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_i - m_new)
-        pr = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = l_i * alpha + jnp.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _pv(pr, v, fp32_precision)
-        return acc, m_new, l_new
+        return _online_softmax_step(carry, q, k, v, valid, valid[None, :], fp32_precision)
 
     init = (jnp.zeros((gp, d), jnp.float32),
             jnp.full((gp,), MASK_VALUE, jnp.float32),
@@ -305,29 +314,16 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
     tok = rows // group
     row_valid = tok < q_len
     q_pos = kv_len - q_len + tok                          # [M]
-    # Last KV position any valid row of this tile can see.
-    last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
-    last_pos = kv_len - q_len + last_tok
-    first_tok = (t * block_m) // group
+    first_tok, last_pos = row_tile_span(t, block_m, group, q_len, kv_len)
     tk = block_k
     n_iters = jnp.where(first_tok < q_len, last_pos // tk + 1, 0)   # causal skip
 
     def body(it, carry):
-        acc, m_i, l_i = carry
         k, v = _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, tk)
         pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
         kvalid = pos < kv_len
-        k = jnp.where(kvalid[:, None], k, jnp.zeros_like(k))
-        v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))
-        s = _qk(q.astype(k.dtype), k, fp32_precision)                     # [M, BS]
         vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :] & row_valid[:, None]
-        s = jnp.where(vis, s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_i - m_new)
-        pr = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = l_i * alpha + jnp.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _pv(pr, v, fp32_precision)
-        return acc, m_new, l_new
+        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision)
 
     init = (jnp.zeros((block_m, d), jnp.float32),
             jnp.full((block_m,), MASK_VALUE, jnp.float32),

@@ -54,3 +54,15 @@ def attention_dims(q: jax.Array, kv_pool: jax.Array, block_tables: jax.Array,
                          "and num_heads must be a multiple of num_kv_heads")
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     return B, Q, H, D, KVH, BS, H // KVH, block_tables.shape[1], scale
+
+
+def row_tile_span(t, block_m: int, group: int, q_len, kv_len):
+    """(first new token, last key position seen) of row tile t in the ragged kernels.
+
+    The kernels flatten a row's new tokens x the G query heads of a KV head
+    into rows (row r is token r // G) tiled by block_m; a tile with
+    first token >= q_len holds only padding.
+    """
+    first_tok = (t * block_m) // group
+    last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
+    return first_tok, kv_len - q_len + last_tok

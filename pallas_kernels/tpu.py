@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import attention_dims
+from pallas_kernels.reference import attention_dims, row_tile_span
 
 MASK_VALUE = -1e30
 
@@ -70,10 +70,8 @@ def _kernel(layer_ref, bt_ref, kvl_ref, ql_ref,            # scalar prefetch (SM
     q_len = ql_ref[b]
     cb_tokens = pages_per_cb * block_size
 
-    first_tok = (t * block_m) // group
-    last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
+    first_tok, last_pos = row_tile_span(t, block_m, group, q_len, kv_len)
     active = (first_tok < q_len) & (kv_len > 0)
-    last_pos = kv_len - q_len + last_tok
     pages_needed = jnp.where(active, last_pos // block_size + 1, 0)
     steps_needed = (pages_needed + pages_per_cb - 1) // pages_per_cb
 
@@ -89,19 +87,18 @@ def _kernel(layer_ref, bt_ref, kvl_ref, ql_ref,            # scalar prefetch (SM
             out.append((page < pages_needed, kc, vc))
         return out
 
-    def start(step, slot):
+    def each_copy(step, slot, action):
         for cond, kc, vc in copies(step, slot):
             @pl.when(cond)
             def _():
-                kc.start()
-                vc.start()
+                action(kc)
+                action(vc)
+
+    def start(step, slot):
+        each_copy(step, slot, lambda c: c.start())
 
     def wait(step, slot):
-        for cond, kc, vc in copies(step, slot):
-            @pl.when(cond)
-            def _():
-                kc.wait()
-                vc.wait()
+        each_copy(step, slot, lambda c: c.wait())
 
     @pl.when(j == 0)
     def _init():
