@@ -31,7 +31,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, NoFreeBlocksError
+from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
 from jpaged.prefix_cache import ROOT, make_index
 
 
@@ -153,6 +153,20 @@ class BlockManager:
         self.free(block)
         self.counters.cow_copies += 1
         return new
+
+    def prepare_write(self, table: BlockTable, start: int, end: int) -> bool:
+        """Makes token positions [start, end) of `table` writable: copies-on-write
+        the shared or cached blocks they fall in, then grows the table to `end`.
+        False, changing nothing, when the pool cannot provide the blocks."""
+        bs = table.block_size
+        last = min(-(-end // bs), len(table.block_ids))
+        cows = [i for i in range(start // bs, last) if self.needs_cow(table.block_ids[i])]
+        if table.blocks_needed(end) + len(cows) > self.num_free_blocks:
+            return False
+        for i in cows:
+            table.block_ids[i] = self.cow(table.block_ids[i])
+        table.grow(end, self)
+        return True
 
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies to run on the device before the next forward."""

@@ -240,20 +240,9 @@ class Scheduler:
         return True
 
     def _prepare_write(self, seq: Sequence, num_tokens: int) -> bool:
-        """Makes positions [num_computed_tokens, num_tokens) of seq writable: grows
-        its table and copies-on-write the shared or cached blocks they fall in.
-        False, changing nothing, when the pool cannot provide the blocks."""
-        bm, table = self.block_manager, seq.block_table
-        bs = table.block_size
-        first = seq.num_computed_tokens // bs
-        last = min(-(-num_tokens // bs), len(table.block_ids))
-        cows = [i for i in range(first, last) if bm.needs_cow(table.block_ids[i])]
-        if table.blocks_needed(num_tokens) + len(cows) > bm.num_free_blocks:
-            return False
-        for i in cows:
-            table.block_ids[i] = bm.cow(table.block_ids[i])
-        table.grow(num_tokens, bm)
-        return True
+        """Makes positions [num_computed_tokens, num_tokens) of seq writable (see
+        BlockManager.prepare_write)."""
+        return self.block_manager.prepare_write(seq.block_table, seq.num_computed_tokens, num_tokens)
 
     def _release(self, seq: Sequence) -> None:
         seq.block_table.release(self.block_manager)  # last block first: deepest evicted first

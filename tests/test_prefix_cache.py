@@ -266,15 +266,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.running: list[Sequence] = []
 
     def _write(self, seq: Sequence, end: int) -> bool:
-        """Scheduler-style: copy-on-write the blocks [computed, end) touches, grow, write."""
+        """As the scheduler does: make [computed, end) writable, run the copies, write."""
         bm, table = self.bm, seq.block_table
-        first, last = seq.num_computed_tokens // BS, min(-(-end // BS), len(table.block_ids))
-        cows = [i for i in range(first, last) if bm.needs_cow(table.block_ids[i])]
-        if table.blocks_needed(end) + len(cows) > bm.num_free_blocks:
+        if not bm.prepare_write(table, seq.num_computed_tokens, end):
             return False
-        for i in cows:
-            table.block_ids[i] = bm.cow(table.block_ids[i])
-        table.grow(end, bm)
         for src, dst in bm.take_copies():
             self.content[dst] = list(self.content.get(src, [None] * BS))
         ids = seq.token_ids
