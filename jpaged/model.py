@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import paged_attention
+from pallas_kernels import default_impl, paged_attention
 
 
 @jax.tree_util.register_dataclass
@@ -189,7 +189,7 @@ def write_kv(kv_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
     null block 0, which attention never reads unmasked.
     """
     kv = jnp.stack([k, v], axis=2)  # [B, Q, 2, kvh, hd]
-    if kv_pool.dtype == jnp.bfloat16 and _cpu_kernels():
+    if kv_pool.dtype == jnp.bfloat16 and default_impl() == "cpu":  # CPU backend, kernels built
         # XLA:CPU scatters into bf16 by converting the whole pool to f32 and
         # back (seconds per step); the C++ write touches only the new rows.
         from pallas_kernels import cpu
@@ -200,12 +200,6 @@ def write_kv(kv_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
     return kv_pool.at[blocks, layer, :, :, offsets].set(kv.astype(kv_pool.dtype), mode="drop",
                                                         unique_indices=False)
 
-
-def _cpu_kernels() -> bool:
-    if jax.default_backend() != "cpu":
-        return False
-    from pallas_kernels import cpu
-    return cpu.available()
 
 
 class Llama(nnx.Module):
