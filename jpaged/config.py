@@ -29,7 +29,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Scheduling
     c.scheduler = "continuous"      # continuous | static
     c.max_num_seqs = 16             # sequences running at once
-    c.max_num_batched_tokens = 1024 # prompt tokens per prefill step (longer prompts are chunked)
+    c.max_num_batched_tokens = 1024 # tokens per step, decodes and prefill chunks (>= max_num_seqs)
     c.max_model_len = 2048          # prompt + generated tokens per sequence
     # Oversubscription: sequences are admitted while blocks are free; when a running
     # one needs a block and none is left, the latest-arrived running sequence is
@@ -46,4 +46,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
     # Attention: reference (jnp) | cpu (C++ decode kernel) | pallas_gpu | pallas_tpu | auto (by backend)
     c.attention_impl = "auto"
+    # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
+    # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
+    c.layer_loop = "auto"
     return c

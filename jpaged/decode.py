@@ -2,12 +2,14 @@
 
 Nothing here holds state.  A caller owns the KV pool (an array it threads
 through every call and should donate), the block tables (int32 arrays it builds
-with any allocator it likes) and the lengths.
+with any allocator it likes) and the lengths.  A step is one flat ragged batch:
+the new tokens of S sequences packed back to back into tokens[T].
 
     pool = create_kv_pool(cfg, num_blocks=64, block_size=16, dtype=jnp.float32)
-    logits, pool = forward_step(graphdef, params, pool, prompt[None], block_tables,
-                                context_lens=jnp.array([0]), q_lens=jnp.array([n]))
-    token = sample(logits, None)            # greedy; or SamplingArrays per row
+    meta = ragged_metadata(block_tables, context_lens=jnp.array([0]), q_lens=jnp.array([n]),
+                           num_tokens=n, block_size=16)
+    logits, pool = forward_step(graphdef, params, pool, prompt, meta)
+    token = sample(logits, None)            # greedy; or SamplingArrays per sequence
 
 See README "Using jpaged.decode" for a whole loop.
 """
@@ -19,56 +21,58 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.kv_cache import NULL_BLOCK, create_kv_pool
-from jpaged.model import AttentionMetadata, forward
+from jpaged.model import StepMetadata, forward
 from jpaged.sampling import SamplingArrays, greedy
 from jpaged.sampling import sample as _sample
+from pallas_kernels.reference import token_layout
 
 
-def make_metadata(block_tables: jax.Array, context_lens: jax.Array, q_lens: jax.Array,
-                  q_pad: int, block_size: int) -> AttentionMetadata:
-    """Attention metadata for rows of q_pad new tokens each (q_lens valid).
+def ragged_metadata(block_tables: jax.Array, context_lens: jax.Array, q_lens: jax.Array,
+                    num_tokens: int, block_size: int) -> StepMetadata:
+    """Step metadata for S sequences whose new tokens are packed back to back.
 
-    context_lens[b] tokens of row b are already in the pool; its new tokens
-    take positions context_lens[b] .. context_lens[b] + q_lens[b] - 1.
+    Sequence s has context_lens[s] tokens in the pool already and q_lens[s] new
+    ones (positions context_lens[s] .. + q_lens[s] - 1); tokens[T] holds them in
+    sequence order, then padding up to num_tokens (static).  Computed on the
+    device; the engine builds the same arrays on the host instead.
     """
-    offsets = jnp.arange(q_pad, dtype=jnp.int32)[None, :]
-    positions = context_lens[:, None] + offsets                       # [B, Q]
-    valid = offsets < q_lens[:, None]
-    logical = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
-    blocks = jnp.take_along_axis(block_tables, logical, axis=1)
-    slots = jnp.where(valid, blocks * block_size + positions % block_size, NULL_BLOCK)
-    return AttentionMetadata(positions=jnp.where(valid, positions, 0), slot_mapping=slots,
-                             block_tables=block_tables, kv_lens=context_lens + q_lens, q_lens=q_lens)
+    q_lens = jnp.asarray(q_lens, jnp.int32)
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    kv_lens = jnp.asarray(context_lens, jnp.int32) + q_lens
+    seq, pos, valid = token_layout(cu_q_lens, kv_lens, num_tokens)
+    logical = jnp.minimum(pos // block_size, block_tables.shape[1] - 1)
+    blocks = jnp.where(valid, block_tables[seq, jnp.maximum(logical, 0)], NULL_BLOCK)
+    return StepMetadata(positions=jnp.where(valid, pos, 0), write_blocks=blocks,
+                        write_offsets=jnp.where(valid, pos % block_size, 0),
+                        block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+                        logits_indices=jnp.maximum(cu_q_lens[1:] - 1, 0))
 
 
 def forward_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array,
-                 tokens: jax.Array, block_tables: jax.Array, context_lens: jax.Array,
-                 q_lens: jax.Array, *, attention_impl: str = "reference",
+                 tokens: jax.Array, meta: StepMetadata, *, attention_impl: str = "reference",
                  logits: str = "last") -> tuple[jax.Array, jax.Array]:
-    """Runs tokens[B, Q] (prefill chunks, or Q == 1 for decode) through the model.
+    """Runs the flat tokens[T] (prefill chunks and decode tokens mixed) through the model.
 
-    Returns (logits, new kv_pool): logits [B, vocab] of each row's last valid
-    token, or [B, Q, vocab] with logits="all".
+    Returns (logits, new kv_pool): logits [S, vocab] of each sequence's last
+    new token, or [T, vocab] with logits="all".
     """
-    meta = make_metadata(block_tables, context_lens, q_lens, tokens.shape[1], kv_pool.shape[4])
     return forward(graphdef, params, tokens, meta, kv_pool, attention_impl=attention_impl,
                    logits=logits)
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays | None) -> jax.Array:
-    """Next tokens [B]; `None` means greedy for every row."""
+    """Next tokens [S]; `None` means greedy for every sequence."""
     return greedy(logits) if sampling is None else _sample(logits, sampling)
 
 
 def generate_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array,
-                  tokens: jax.Array, block_tables: jax.Array, context_lens: jax.Array,
-                  q_lens: jax.Array, sampling: SamplingArrays | None, *,
+                  tokens: jax.Array, meta: StepMetadata, sampling: SamplingArrays | None, *,
                   attention_impl: str = "reference") -> tuple[jax.Array, jax.Array]:
-    """forward_step + sample: one engine step, (next tokens [B], new kv_pool)."""
-    logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, block_tables, context_lens,
-                                   q_lens, attention_impl=attention_impl)
+    """forward_step + sample: one engine step, (next token of each sequence [S], new kv_pool)."""
+    logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
+                                   attention_impl=attention_impl)
     return sample(logits, sampling), kv_pool
 
 
-__all__ = ["create_kv_pool", "make_metadata", "forward_step", "sample", "generate_step",
-           "SamplingArrays"]
+__all__ = ["create_kv_pool", "ragged_metadata", "forward_step", "sample", "generate_step",
+           "SamplingArrays", "StepMetadata"]

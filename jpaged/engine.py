@@ -1,8 +1,9 @@
 """The offline engine: `LLM(config).generate(prompts)`, like vLLM's LLM class.
 
-Each step: the scheduler picks rows, the model runner runs one batched jitted
-forward + sample over all of them (one host<->device round trip), and the
-engine appends tokens, applies stop conditions and frees finished sequences.
+Each step: the scheduler picks up to max_num_batched_tokens tokens (decodes and
+prefill chunks), the model runner runs one jitted forward + sample over them as
+one flat ragged batch (one host<->device round trip), and the engine appends
+tokens, applies stop conditions and frees finished sequences.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import tqdm
 import pallas_kernels
 from jpaged.config import default_config
 from jpaged.block_manager import BlockManager, CacheCounters
-from jpaged.kv_cache import (HostSwapSpace, bytes_per_block, copy_blocks, gather_blocks, num_blocks_for,
-                              scatter_blocks, swap_capacity_blocks)
+from jpaged.kv_cache import HostSwapSpace, bytes_per_block, num_blocks_for, swap_capacity_blocks
 from jpaged.model import Llama, split_model
-from jpaged.model_runner import ModelRunner, bucket
-from jpaged.scheduler import PreemptionCounters, Scheduler
+from jpaged.model_runner import ModelRunner
+from jpaged.scheduler import PreemptionCounters, Scheduler, SchedulerOutput
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.weights import default_cache_dir, load_weights
 
@@ -48,6 +48,17 @@ def resolve_attention_impl(name: str) -> str:
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS) + ['auto']}, got {name!r}")
     return ATTENTION_IMPLS[name]
+
+
+LAYER_LOOPS = ("auto", "scan", "unroll")
+
+
+def resolve_layer_loop(name: str) -> bool:
+    """True to scan over stacked layers.  "auto": unrolled on every backend for now
+    (see benchmarks/README.md, "Layer loop", for the measurements behind it)."""
+    if name not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {name!r}")
+    return name == "scan"
 
 
 @dataclasses.dataclass
@@ -74,9 +85,12 @@ class StepStats:
     """Accumulated over a generate() call; the summary table is derived from these."""
 
     steps: int = 0
-    prefill_steps: int = 0
+    prefill_steps: int = 0           # steps that computed prompt tokens
     device_seconds: float = 0.0
     host_seconds: float = 0.0
+    compile_seconds: float = 0.0     # compiling step programs the first time a bucket ran
+    tokens_scheduled: int = 0        # real tokens computed
+    token_slots: int = 0             # token slots computed (step buckets): >= tokens_scheduled
     peak_blocks_used: int = 0
     slots_allocated: int = 0  # summed over steps
     slots_filled: int = 0
@@ -104,6 +118,11 @@ class StepStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def padding_ratio(self) -> float:
+        """Token slots computed / real tokens (1.0: no padding)."""
+        return self.token_slots / self.tokens_scheduled if self.tokens_scheduled else 1.0
+
+    @property
     def kv_waste(self) -> float:
         return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
 
@@ -117,6 +136,11 @@ class LLM:
             cfg.update(config)
         cfg.update(overrides)
         self.config = cfg
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({cfg.max_num_seqs}): every running sequence's decode "
+                             "token must fit in one step")
+        self.scan_layers = resolve_layer_loop(cfg.layer_loop)
         self.dtype = jnp.dtype(cfg.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.compilation_cache:
@@ -127,7 +151,8 @@ class LLM:
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.graphdef, self.params = split_model(Llama(loaded.config, loaded.arrays, self.dtype))
+        self.graphdef, self.params = split_model(Llama(loaded.config, loaded.arrays, self.dtype,
+                                                       scan_layers=self.scan_layers))
         weight_bytes = sum(a.nbytes for a in loaded.arrays.values())
         loaded.arrays = {}  # the device copy in self.params is the one we keep
         self.num_blocks = num_blocks_for(
@@ -140,19 +165,22 @@ class LLM:
                                           enable_prefix_caching=cfg.enable_prefix_caching,
                                           index=cfg.prefix_cache_index)
         self.allocator = self.block_manager.allocator
-        self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
-                                  num_blocks=self.num_blocks, block_size=cfg.block_size,
-                                  kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
-                                  max_model_len=cfg.max_model_len)
-        block_shape = tuple(self.runner.kv_pool.shape[1:])
         block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
         self.swap_space = HostSwapSpace(
             swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if cfg.preemption_mode == "swap" else 0,
-            block_shape, self.runner.kv_pool.dtype)
+            (self.model_config.num_layers, 2, self.model_config.num_kv_heads, cfg.block_size,
+             self.model_config.head_dim), self.kv_dtype)
+        self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
+                                  num_blocks=self.num_blocks, block_size=cfg.block_size,
+                                  kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
+                                  max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  swap_space=self.swap_space)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   preemption_mode=cfg.preemption_mode, swap_space=self.swap_space)
+                                   preemption_mode=cfg.preemption_mode, swap_space=self.swap_space,
+                                   token_buckets=self.runner.token_buckets)
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._next_child_id = 0  # samples 1..n-1 get negative ids
@@ -254,84 +282,29 @@ class LLM:
             raise ValueError("this model has no tokenizer: pass token ids")
         return self.tokenizer
 
-    def precompile(self, *, max_num_seqs: int | None = None, max_context: int | None = None,
-                   prompt_len: int | None = None) -> int:
-        """Compiles, before a workload arrives, every step shape it can meet.
-
-        Decode: each row bucket up to `max_num_seqs` (default: the config's) x
-        each block-table width up to `max_context` tokens (default:
-        max_model_len).  Prefill, when `prompt_len` is given: each row bucket x
-        each new-token bucket up to min(prompt_len, max_num_batched_tokens) x
-        each width up to prompt_len, less the shapes that cannot fit one step's
-        token budget.  Greedy steps only (sampling steps compile on
-        first use).  Returns the number of new compilations.  An online server
-        calls this once at start-up so that no request waits on the compiler.
-        """
-        cfg, runner = self.config, self.runner
-        bs, budget = cfg.block_size, cfg.max_num_batched_tokens
-        rows = [1 << i for i in range(bucket(min(max_num_seqs or cfg.max_num_seqs,
-                                                 cfg.max_num_seqs)).bit_length())]
-
-        def widths(tokens: int) -> list[int]:
-            return sorted({runner.table_width(k) for k in range(1, -(-tokens // bs) + 1)})
-
-        context = min(max_context or cfg.max_model_len, cfg.max_model_len)
-        shapes = [(b, 1, w) for b in rows for w in widths(context)]
-        if prompt_len:
-            chunk = min(prompt_len, budget, cfg.max_model_len)
-            q_buckets = sorted({bucket(q, 8) for q in range(1, chunk + 1)})
-            # Fewest tokens of a step in bucket (b, q): its longest row has at
-            # least q // 2 + 1 (bucket 8: 1), its other b // 2 rows at least 1.
-            shapes += [(b, q, w) for b in rows for q in q_buckets for w in widths(prompt_len)
-                       if (1 if q == 8 else q // 2 + 1) + b // 2 <= budget]
-        return runner.precompile(shapes)
+    def precompile(self, max_num_tokens: int | None = None) -> int:
+        """Compiles, before a workload arrives, the greedy step of every bucket of
+        the step-size ladder up to max_num_tokens tokens (default: the whole
+        ladder, up to max_num_batched_tokens).  Sampling steps compile on first
+        use.  Returns the number of new compilations."""
+        return self.runner.precompile(max_num_tokens)
 
     # -------------------------------------------------------------------- steps
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns sequences that finished in it."""
         t0 = time.perf_counter()
-        rows, prefill = self.scheduler.schedule()
-        swap_out, swap_in = self.scheduler.take_swaps()
-        copies = self.block_manager.take_copies()
-        device_seconds = 0.0
-        if swap_out or swap_in:  # before the copies and the forward rewrite victims' blocks
-            t1 = time.perf_counter()
-            self._swap(swap_out, swap_in)
-            device_seconds += time.perf_counter() - t1
-            self.stats.swap_seconds += time.perf_counter() - t1
-        if copies:  # copy-on-write, before the forward writes into the copies
-            t1 = time.perf_counter()
-            self.runner.kv_pool = copy_blocks(self.runner.kv_pool, copies)
-            device_seconds += time.perf_counter() - t1
-        if rows:
-            t1 = time.perf_counter()
-            next_tokens = self.runner.run(rows, prefill)
-            # Building the padded arrays is host work, the rest of run() waits on the device.
-            device_seconds += time.perf_counter() - t1 - self.runner.last_build_seconds
-            eos = self._eos_ids()
-            for row, token in zip(rows, next_tokens):
-                if row.num_new:
-                    self._advance(row.seq, row.num_new, int(token), eos)
-        self._record(rows, prefill, device_seconds, time.perf_counter() - t0)
+        out = self.scheduler.schedule()
+        next_tokens = self.runner.execute(out)
+        prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
+        eos = self._eos_ids()
+        for s, token in zip(out.scheduled, next_tokens):
+            self._advance(s.seq, s.num_new, int(token), eos)
+        self._record(out, prefill, time.perf_counter() - t0)
         running = {id(s) for s in self.scheduler.running}
         finished = [s for s in self._active.values() if s.is_done and id(s) not in running]
         for seq in finished:
             del self._active[seq.seq_id]
         return finished
-
-    def _swap(self, swap_out, swap_in) -> None:
-        """One jitted gather of every victim's blocks (device -> host pool), then one
-        jitted, donated scatter of every resumed sequence's blocks into its new ones."""
-        host, s = self.swap_space, self.stats
-        if swap_out:
-            ids = [b for r in swap_out for b in r.block_ids]
-            host.store([x for r in swap_out for x in r.slots], gather_blocks(self.runner.kv_pool, ids))
-            s.swapped_out_bytes += len(ids) * host.block_bytes
-        if swap_in:
-            ids = [b for r in swap_in for b in r.block_ids]
-            data = host.load([x for r in swap_in for x in r.slots])
-            self.runner.kv_pool = scatter_blocks(self.runner.kv_pool, ids, data)
-            s.swapped_in_bytes += len(ids) * host.block_bytes
 
     def _advance(self, seq: Sequence, num_new: int, token: int, eos: set[int]) -> None:
         seq.num_computed_tokens += num_new
@@ -352,12 +325,22 @@ class LLM:
         seq.finish(reason)
         self.scheduler.finish(seq)
 
-    def _record(self, rows, prefill: bool, device_seconds: float, step_seconds: float) -> None:
-        s = self.stats
-        s.steps += bool(rows)
-        s.prefill_steps += bool(rows) and prefill
+    def _record(self, out: SchedulerOutput, prefill: bool, step_seconds: float) -> None:
+        s, t = self.stats, self.runner.timing
+        s.steps += bool(out.scheduled)
+        s.prefill_steps += prefill
+        device_seconds = t.swap + t.copy + t.forward
         s.device_seconds += device_seconds
-        s.host_seconds += step_seconds - device_seconds
+        s.compile_seconds += t.compile
+        s.host_seconds += step_seconds - device_seconds - t.compile
+        s.swap_seconds += t.swap
+        if out.swap_out or out.swap_in:
+            host = self.swap_space
+            s.swapped_out_bytes += sum(len(r.block_ids) for r in out.swap_out) * host.block_bytes
+            s.swapped_in_bytes += sum(len(r.block_ids) for r in out.swap_in) * host.block_bytes
+        s.tokens_scheduled += out.num_tokens
+        if out.scheduled:
+            s.token_slots += self.runner.token_bucket(out.num_tokens)
         bm = self.block_manager
         s.peak_blocks_used = max(s.peak_blocks_used, bm.num_used_blocks)
         bs = self.config.block_size

@@ -34,6 +34,8 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "steps": stats.steps,
         "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
         "compilations": llm.num_compilations,
+        "compile_s": llm.runner.compile_seconds,
+        "padding_ratio": stats.padding_ratio,
         "prefix_cache": bool(getattr(llm.config, "enable_prefix_caching", False)),
         "prompt_tokens": getattr(stats, "prompt_tokens", 0),
         "cached_prompt_tokens": getattr(stats, "cached_prompt_tokens", 0),
@@ -64,7 +66,8 @@ def format_summary(summary: dict[str, float]) -> str:
         ("peak KV blocks in use", f"{summary['peak_kv_blocks']} of {summary['kv_pool_blocks']}"),
         ("KV waste", f"{summary['kv_waste_pct']:.1f} %"),
         ("steps (host share)", f"{summary['steps']} ({summary['host_pct']:.1f} % host)"),
-        ("compilations", f"{summary['compilations']}"),
+        ("compilations (compile time)", f"{summary['compilations']} ({summary['compile_s']:.1f} s)"),
+        ("token slots / real tokens", f"{summary['padding_ratio']:.3f}"),
     ]
     if "cache_hit_pct" in summary:
         rows.append(("prefix cache hit rate",

@@ -24,26 +24,30 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import default_impl, paged_attention
+from pallas_kernels import Backend, get_backend
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class AttentionMetadata:
-    """Where each new token sits: built on the host once per step.
+class StepMetadata:
+    """Where each of a step's T flat tokens goes, and its S sequences: built on the host.
 
-    positions[B, Q]     position of each new token (RoPE, causal mask)
-    slot_mapping[B, Q]  pool slot (block_id * block_size + offset) its K/V go to
-    block_tables[B, W]  physical block of each logical block, padded with 0
-    kv_lens[B]          tokens in the cache after this step (cached + new)
-    q_lens[B]           valid new tokens per row (0 for padding rows)
+    positions[T]       position of each token in its sequence (RoPE)
+    write_blocks[T]    pool block its K/V go to (the null block 0 for padding)
+    write_offsets[T]   row within that block
+    block_tables[S, W] physical block of each logical block, padded with 0
+    kv_lens[S]         tokens in the cache after this step (cached + new)
+    cu_q_lens[S + 1]   sequence s owns tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1
+    logits_indices[S]  each sequence's last token this step: the row it samples from
     """
 
     positions: jax.Array
-    slot_mapping: jax.Array
+    write_blocks: jax.Array
+    write_offsets: jax.Array
     block_tables: jax.Array
     kv_lens: jax.Array
-    q_lens: jax.Array
+    cu_q_lens: jax.Array
+    logits_indices: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,13 +167,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) [B, Q, 1, head_dim/2] of positions[B, Q]: computed once per step."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    """(cos, sin) [T, 1, head_dim/2] of positions[T]: computed once per step."""
+    angles = positions[:, None].astype(jnp.float32) * inv_freq
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x[B, Q, heads, head_dim] (HF rotate_half layout)."""
+    """Rotates x[T, heads, head_dim] (HF rotate_half layout)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -181,32 +185,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def write_kv(kv_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-    """Scatters new k, v [B, Q, kv_heads, head_dim] into the pool at flat slots [B, Q].
-
-    A slot is block_id * block_size + offset; padding tokens carry a slot in the
-    null block 0, which attention never reads unmasked.
-    """
-    kv = jnp.stack([k, v], axis=2)  # [B, Q, 2, kvh, hd]
-    if kv_pool.dtype == jnp.bfloat16 and default_impl() == "cpu":  # CPU backend, kernels built
-        # XLA:CPU scatters into bf16 by converting the whole pool to f32 and
-        # back (seconds per step); the C++ write touches only the new rows.
-        from pallas_kernels import cpu
-        return cpu.write_kv_cpu(kv_pool, layer, kv.reshape(-1, *kv.shape[2:]),
-                                slot_mapping.reshape(-1))
-    block_size = kv_pool.shape[4]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    return kv_pool.at[blocks, layer, :, :, offsets].set(kv.astype(kv_pool.dtype), mode="drop",
-                                                        unique_indices=False)
-
-
-
 class Llama(nnx.Module):
-    """Decoder-only Llama-family transformer; one set of weight arrays per layer."""
+    """Decoder-only Llama-family transformer over one flat ragged batch of tokens.
 
-    def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32):
+    `scan_layers=False` keeps one set of weight arrays per layer and unrolls the
+    layer loop at trace time; `True` stacks them ([num_layers, ...]) and runs a
+    `lax.scan` over layers, which compiles in a fraction of the time.
+    """
+
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
+                 scan_layers: bool = False):
         self.cfg = cfg
+        self.scan_layers = scan_layers
         expected = weight_shapes(cfg)
         missing = sorted(set(expected) - set(arrays))
         if missing:
@@ -219,50 +209,61 @@ class Llama(nnx.Module):
         self.final_norm = as_param("final_norm")
         self.lm_head = None if cfg.tie_word_embeddings else as_param("lm_head")
         layer_names = [n for n in expected if n.startswith("layers.")]
-        self.layers = nnx.List([
-            nnx.Dict({n.split(".", 1)[1]: nnx.Param(jnp.asarray(arrays[n][i], dtype=dtype))
-                      for n in layer_names})
-            for i in range(cfg.num_layers)])
+        if scan_layers:
+            self.layers = nnx.Dict({n.split(".", 1)[1]: as_param(n) for n in layer_names})
+        else:
+            self.layers = nnx.List([
+                nnx.Dict({n.split(".", 1)[1]: nnx.Param(jnp.asarray(arrays[n][i], dtype=dtype))
+                          for n in layer_names})
+                for i in range(cfg.num_layers)])
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
 
-    def _layer(self, h: jax.Array, w: dict[str, jax.Array], layer_idx: int, kv_pool: jax.Array,
-               meta: AttentionMetadata, rope: tuple[jax.Array, jax.Array],
-               attention_impl: str) -> tuple[jax.Array, jax.Array]:
+    def _layer(self, h: jax.Array, w: dict[str, jax.Array], layer: jax.Array | int,
+               kv_pool: jax.Array, meta: StepMetadata, rope: tuple[jax.Array, jax.Array],
+               backend: Backend) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        B, Q = h.shape[:2]
+        T = h.shape[0]
         x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
         q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        q = apply_rope(q.reshape(B, Q, cfg.num_heads, cfg.head_dim), *rope)
-        k = apply_rope(k.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim), *rope)
-        v = v.reshape(B, Q, cfg.num_kv_heads, cfg.head_dim)
-        kv_pool = write_kv(kv_pool, layer_idx, k, v, meta.slot_mapping)
-        attn = paged_attention(q, kv_pool, layer_idx, meta.block_tables, meta.kv_lens,
-                               meta.q_lens, impl=attention_impl)
-        h = h + attn.reshape(B, Q, -1).astype(h.dtype) @ w["wo"]
+        q = apply_rope(q.reshape(T, cfg.num_heads, cfg.head_dim), *rope)
+        k = apply_rope(k.reshape(T, cfg.num_kv_heads, cfg.head_dim), *rope)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
+        attn = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens,
+                                 meta.cu_q_lens, sm_scale=None)
+        h = h + attn.reshape(T, -1).astype(h.dtype) @ w["wo"]
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
         h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
         return h, kv_pool
 
-    def __call__(self, tokens: jax.Array, meta: AttentionMetadata, kv_pool: jax.Array,
+    def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
                  *, attention_impl: str = "reference", logits: str = "last"
                  ) -> tuple[jax.Array, jax.Array]:
-        """Runs the decoder on tokens[B, Q] and returns (logits, new kv_pool).
+        """Runs the decoder on tokens[T] and returns (logits, new kv_pool).
 
-        `logits="last"` returns [B, vocab] for each sequence's last valid new
-        token (the only one a generation step samples from); `"all"` returns
-        [B, Q, vocab].
+        `logits="last"` returns [S, vocab], one row per sequence from its token
+        at meta.logits_indices (the only ones a step samples from: the LM head
+        never runs on the other tokens); `"all"` returns [T, vocab].
         """
-        B, Q = tokens.shape
+        backend = get_backend(attention_impl)
         h = self.embed[...][tokens]
         rope = rope_angles(meta.positions, self.inv_freq[...])
-        for layer_idx, weights in enumerate(self.layers):
-            w = {name: p[...] for name, p in weights.items()}
-            h, kv_pool = self._layer(h, w, layer_idx, kv_pool, meta, rope, attention_impl)
+        if self.scan_layers:
+            def body(carry, xs):
+                (h, pool), (w, layer) = carry, xs
+                return self._layer(h, w, layer, pool, meta, rope, backend), None
+
+            stacked = {name: p[...] for name, p in self.layers.items()}
+            (h, kv_pool), _ = jax.lax.scan(body, (h, kv_pool),
+                                           (stacked, jnp.arange(self.cfg.num_layers)))
+        else:
+            for layer, weights in enumerate(self.layers):
+                w = {name: p[...] for name, p in weights.items()}
+                h, kv_pool = self._layer(h, w, layer, kv_pool, meta, rope, backend)
         if logits == "last":
-            last = jnp.maximum(meta.q_lens - 1, 0)
-            h = h[jnp.arange(B), last]
+            h = h[meta.logits_indices]
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (h @ head).astype(jnp.float32), kv_pool
@@ -274,7 +275,7 @@ def split_model(model: Llama) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
-            meta: AttentionMetadata, kv_pool: jax.Array, *, attention_impl: str = "reference",
+            meta: StepMetadata, kv_pool: jax.Array, *, attention_impl: str = "reference",
             logits: str = "last") -> tuple[jax.Array, jax.Array]:
     """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool)."""
     model = nnx.merge(graphdef, params)

@@ -1,8 +1,13 @@
-"""Turns a scheduled batch into padded device arrays and runs the jitted step.
+"""Owns the device state (weights, KV pool) and runs one scheduled step.
 
-Shapes are padded to powers of two (rows, new tokens per row, block-table
-width), so the number of compilations stays small and is counted.  The KV pool
-is donated to every step: XLA writes the new K/V into the same buffer.
+A step's tokens are one flat ragged array `[T]` (prefill chunks and decode
+tokens mixed); T comes from one small ladder of buckets (powers of two from
+`min_tokens` up to max_num_batched_tokens) and the number of sequences S is a
+function of T, and the block-table width is fixed at max_model_len /
+block_size, so each bucket of the ladder is exactly one compiled program.
+Programs are compiled ahead of time (`jit(...).lower(...).compile()`), timed,
+and counted.  The KV pool is donated to every step: XLA writes the new K/V
+into the same buffer.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import generate_step
-from jpaged.kv_cache import create_kv_pool
-from jpaged.model import ModelConfig
+from jpaged.kv_cache import HostSwapSpace, copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
+from jpaged.model import ModelConfig, StepMetadata
 from jpaged.sampling import SamplingArrays
-from jpaged.sequence import Sequence
+from jpaged.scheduler import ScheduledSeq, SchedulerOutput
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -28,95 +33,179 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-@dataclasses.dataclass
-class Row:
-    """One row of a step: `num_new` tokens of `seq` starting at its computed count.
-    num_new == 0 makes it a padding row (static batching keeps finished members)."""
+def token_buckets(max_num_batched_tokens: int, min_tokens: int = 8) -> tuple[int, ...]:
+    """The step-size ladder: powers of two from min_tokens, then the budget itself."""
+    top = max(max_num_batched_tokens, 1)
+    ladder = [b for b in (1 << i for i in range(top.bit_length() + 1)) if min_tokens <= b < top]
+    return tuple(ladder + [top])
 
-    seq: Sequence
-    num_new: int
+
+@dataclasses.dataclass
+class StepTiming:
+    """Seconds of the last execute(): host array building, block moves, forward."""
+    build: float = 0.0
+    swap: float = 0.0
+    copy: float = 0.0
+    forward: float = 0.0
+    compile: float = 0.0
 
 
 class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
-                 max_model_len: int):
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap_space: HostSwapSpace | None = None):
         self.params = params
         self.block_size = block_size
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.table_width = -(-max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.token_buckets = token_buckets(max_num_batched_tokens)
         self.kv_pool = create_kv_pool(model_cfg, num_blocks, block_size, kv_dtype)
+        self.swap_space = swap_space
         step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
         self._step = jax.jit(step, donate_argnums=(1,))
-        self.compiled_shapes: set[tuple] = set()
-        self.last_build_seconds = 0.0  # host time spent padding the last step's arrays
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+        self.timing = StepTiming()
+        self.num_tokens_real = 0      # scheduled tokens, summed over steps
+        self.num_tokens_computed = 0  # token slots computed (bucket sizes), summed over steps
 
+    # ----------------------------------------------------------------- shapes
     @property
     def num_compilations(self) -> int:
-        return len(self.compiled_shapes)
+        return len(self._compiled)
 
-    def table_width(self, num_blocks: int) -> int:
-        """Padded block-table width W for rows holding up to num_blocks blocks."""
-        return min(bucket(num_blocks, 4), bucket(self.max_blocks_per_seq))
+    @property
+    def compiled_shapes(self) -> list[tuple]:
+        return sorted(self._compiled, key=str)
 
-    def precompile(self, shapes: list[tuple[int, int, int]]) -> int:
-        """Compiles the greedy step for each (B, Q, W) not compiled yet; returns how many.
+    def executables(self) -> list[jax.stages.Compiled]:
+        """The compiled step programs (for memory analysis)."""
+        return list(self._compiled.values())
 
-        Each shape runs once on padding rows (q_lens 0): they read nothing and
-        write only into the null block, so the pool's contents are unchanged.
-        """
-        new = 0
-        for B, Q, W in shapes:
-            key = (B, Q, W, jax.tree.structure(None))
-            if key in self.compiled_shapes:
-                continue
-            zeros = functools.partial(np.zeros, dtype=np.int32)
-            _, self.kv_pool = self._step(self.params, self.kv_pool, zeros((B, Q)), zeros((B, W)),
-                                         zeros(B), zeros(B), None)
-            self.compiled_shapes.add(key)
-            new += 1
-        jax.block_until_ready(self.kv_pool)
-        return new
+    def token_bucket(self, num_tokens: int) -> int:
+        for b in self.token_buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed the largest step bucket {self.token_buckets[-1]}")
 
-    def run(self, rows: list[Row], prefill: bool) -> np.ndarray:
-        """One forward + sample over `rows`; returns the sampled token of each row."""
+    def seq_bucket(self, num_tokens_bucket: int) -> int:
+        """Sequences per step: every sequence has at least one token."""
+        return min(num_tokens_bucket, bucket(self.max_num_seqs))
+
+    def _executable(self, args: tuple) -> jax.stages.Compiled:
+        tokens, meta, sampling = args[1], args[2], args[3]
+        key = (tokens.shape[0], meta.kv_lens.shape[0], jax.tree.structure(sampling))
+        exe = self._compiled.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self._step.lower(self.params, *args).compile()
+            dt = time.perf_counter() - t0
+            self.compile_seconds += dt
+            self.timing.compile += dt
+            self._compiled[key] = exe
+        return exe
+
+    def precompile(self, max_num_tokens: int | None = None) -> int:
+        """Compiles the greedy step of every bucket up to max_num_tokens (default:
+        all) not compiled yet; returns how many were compiled."""
+        before = self.num_compilations
+        for T in self.token_buckets:
+            if max_num_tokens is None or T <= bucket(max_num_tokens):
+                self._executable((self.kv_pool, *self._padding_batch(T), None))
+        return self.num_compilations - before
+
+    def _padding_batch(self, T: int) -> tuple[np.ndarray, StepMetadata]:
+        S, zeros = self.seq_bucket(T), functools.partial(np.zeros, dtype=np.int32)
+        meta = StepMetadata(positions=zeros(T), write_blocks=zeros(T), write_offsets=zeros(T),
+                            block_tables=zeros((S, self.table_width)), kv_lens=zeros(S),
+                            cu_q_lens=zeros(S + 1), logits_indices=zeros(S))
+        return zeros(T), meta
+
+    # ------------------------------------------------------------------- step
+    def execute(self, out: SchedulerOutput) -> np.ndarray:
+        """Applies the step's block moves, then one forward + sample over its
+        tokens; returns the sampled token of each scheduled sequence."""
+        self.timing = StepTiming()
+        if out.swap_out or out.swap_in:  # before copies and the forward rewrite blocks
+            t0 = time.perf_counter()
+            self._swap(out)
+            self.timing.swap = time.perf_counter() - t0
+        if out.block_copies:  # copy-on-write, before the forward writes into the copies
+            t0 = time.perf_counter()
+            self.kv_pool = copy_blocks(self.kv_pool, out.block_copies)
+            self.timing.copy = time.perf_counter() - t0
+        if not out.scheduled:
+            return np.zeros(0, np.int32)
         t0 = time.perf_counter()
-        B = bucket(len(rows))
-        Q = bucket(max(r.num_new for r in rows), 8) if prefill else 1
-        W = self.table_width(max(len(r.seq.block_table.block_ids) for r in rows))
-        tokens = np.zeros((B, Q), np.int32)
-        block_tables = np.zeros((B, W), np.int32)
-        context_lens = np.zeros(B, np.int32)
-        q_lens = np.zeros(B, np.int32)
-        for i, row in enumerate(rows):
-            seq = row.seq
-            start = seq.num_computed_tokens
+        tokens, meta, num_tokens = self._build(out.scheduled)
+        sampling = self._sampling_arrays(out.scheduled, meta.kv_lens.shape[0])
+        self.timing.build = time.perf_counter() - t0
+        exe = self._executable((self.kv_pool, tokens, meta, sampling))
+        t0 = time.perf_counter()
+        next_tokens, self.kv_pool = exe(self.params, self.kv_pool, tokens, meta, sampling)
+        next_tokens = np.asarray(next_tokens)
+        self.timing.forward = time.perf_counter() - t0
+        self.num_tokens_real += num_tokens
+        self.num_tokens_computed += tokens.shape[0]
+        return next_tokens[:len(out.scheduled)]
+
+    def _build(self, scheduled: list[ScheduledSeq]) -> tuple[np.ndarray, StepMetadata, int]:
+        """The step's flat host arrays: each token's id, position and (block, offset)."""
+        n = sum(s.num_new for s in scheduled)
+        T = self.token_bucket(n)
+        S, bs = self.seq_bucket(T), self.block_size
+        tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
+        write_blocks, write_offsets = np.zeros(T, np.int32), np.zeros(T, np.int32)
+        block_tables = np.zeros((S, self.table_width), np.int32)
+        kv_lens, cu_q_lens = np.zeros(S, np.int32), np.full(S + 1, n, np.int32)
+        logits_indices = np.zeros(S, np.int32)
+        end = 0
+        for i, s in enumerate(scheduled):
+            seq, start, k = s.seq, s.seq.num_computed_tokens, s.num_new
             ids = seq.block_table.block_ids
             block_tables[i, :len(ids)] = ids
-            if row.num_new:
-                tokens[i, :row.num_new] = seq.token_slice(start, start + row.num_new)
-                context_lens[i], q_lens[i] = start, row.num_new
-        sampling = self._sampling_arrays(rows, B)
-        self.last_build_seconds = time.perf_counter() - t0
-        self.compiled_shapes.add((B, Q, W, jax.tree.structure(sampling)))
-        next_tokens, self.kv_pool = self._step(self.params, self.kv_pool, tokens, block_tables,
-                                               context_lens, q_lens, sampling)
-        return np.asarray(next_tokens)[:len(rows)]
+            pos = np.arange(start, start + k, dtype=np.int32)
+            tokens[end:end + k] = seq.token_slice(start, start + k)
+            positions[end:end + k] = pos
+            write_blocks[end:end + k] = block_tables[i, pos // bs]
+            write_offsets[end:end + k] = pos % bs
+            cu_q_lens[i] = end
+            end += k
+            kv_lens[i] = start + k
+            logits_indices[i] = end - 1
+        meta = StepMetadata(positions=positions, write_blocks=write_blocks,
+                            write_offsets=write_offsets, block_tables=block_tables,
+                            kv_lens=kv_lens, cu_q_lens=cu_q_lens, logits_indices=logits_indices)
+        return tokens, meta, n
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """One jitted gather of every victim's blocks (device -> host pool), then one
+        jitted, donated scatter of every resumed sequence's blocks into its new ones."""
+        host = self.swap_space
+        if out.swap_out:
+            ids = [b for r in out.swap_out for b in r.block_ids]
+            host.store([x for r in out.swap_out for x in r.slots], gather_blocks(self.kv_pool, ids))
+        if out.swap_in:
+            ids = [b for r in out.swap_in for b in r.block_ids]
+            data = host.load([x for r in out.swap_in for x in r.slots])
+            self.kv_pool = scatter_blocks(self.kv_pool, ids, data)
 
     @staticmethod
-    def _sampling_arrays(rows: list[Row], B: int) -> SamplingArrays | None:
-        """None when every row is greedy: that step skips sampling entirely."""
-        params = [r.seq.params for r in rows]
+    def _sampling_arrays(scheduled: list[ScheduledSeq], S: int) -> SamplingArrays | None:
+        """None when every sequence is greedy: that step skips sampling entirely."""
+        params = [s.seq.params for s in scheduled]
         if all(p.temperature == 0 for p in params):
             return None
 
         def column(values, dtype):
-            out = np.zeros(B, dtype)
+            out = np.zeros(S, dtype)
             out[:len(values)] = values
             return out
         filtered = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
         return SamplingArrays(
             temperature=column([p.temperature for p in params], np.float32),
-            seed=column([r.seq.seed & 0xFFFFFFFF for r in rows], np.uint32),
-            step=column([len(r.seq.output_token_ids) for r in rows], np.int32),
+            seed=column([s.seq.seed & 0xFFFFFFFF for s in scheduled], np.uint32),
+            step=column([len(s.seq.output_token_ids) for s in scheduled], np.int32),
             top_k=column([p.top_k for p in params], np.int32) if filtered else None,
             top_p=column([p.top_p for p in params], np.float32) if filtered else None)

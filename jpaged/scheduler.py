@@ -1,12 +1,16 @@
 """Host-side scheduler: which sequences run in the next step, and with how many tokens.
 
+A step is one flat ragged batch of at most max_num_batched_tokens tokens (as in
+vLLM V1): every running sequence's decode token first, then the next chunks of
+prompts being prefilled, then swapped-out sequences resume and waiting ones are
+admitted into what is left of the budget.  Chunked prefill thus piggybacks on
+decode: a long prompt never stalls the running sequences' next tokens.
+
 Policies:
-  continuous  a finished sequence's slot is refilled at the next step; waiting
-              prompts are prefilled (chunked to max_num_batched_tokens) before
-              running sequences decode.
+  continuous  a finished sequence's seat is refilled at the next step.
   static      the baseline: a batch of up to max_num_seqs is admitted only
-              when the previous batch is over, and runs padded until its
-              longest member finishes (finished members stay as padding rows).
+              when the previous batch is over; finished members keep their
+              blocks until the batch's longest member finishes.
 
 Blocks go through the BlockManager (reference counts, prefix cache, CoW): an
 admitted sequence first reuses the longest cached run of its full blocks and
@@ -36,8 +40,14 @@ import time
 
 from jpaged.block_manager import BlockManager
 from jpaged.kv_cache import BlockAllocator, HostSwapSpace
-from jpaged.model_runner import Row
 from jpaged.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """num_new tokens of seq, from its num_computed_tokens on: a prefill chunk, or 1 to decode."""
+    seq: Sequence
+    num_new: int
 
 
 @dataclasses.dataclass
@@ -55,6 +65,22 @@ class SwapIn:
     slots: list[int]
     block_ids: list[int]
     status: Status
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's work, in the order the runner applies it: swap-outs (device ->
+    host), swap-ins (host -> device), block copies (copy-on-write), then one
+    forward over the scheduled tokens."""
+
+    scheduled: list[ScheduledSeq]
+    block_copies: list[tuple[int, int]]
+    swap_out: list[SwapOut]
+    swap_in: list[SwapIn]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
 
 
 @dataclasses.dataclass
@@ -76,7 +102,7 @@ class PreemptionCounters:
 class Scheduler:
     def __init__(self, block_manager: BlockManager | BlockAllocator, *, policy: str, max_num_seqs: int,
                  max_num_batched_tokens: int, block_size: int = 16, preemption_mode: str = "recompute",
-                 swap_space: HostSwapSpace | None = None):
+                 swap_space: HostSwapSpace | None = None, token_buckets: tuple[int, ...] = ()):
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {policy!r}")
         if preemption_mode not in ("recompute", "swap"):
@@ -89,6 +115,7 @@ class Scheduler:
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_buckets = tuple(token_buckets)  # the runner's step sizes (see _fit_bucket)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # arrival order
@@ -110,37 +137,50 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> tuple[list[Row], bool]:
-        """Rows of the next step and whether it is a prefill step.  Block copies
-        the rows depend on are left in block_manager.take_copies(), swaps in take_swaps()."""
+    def schedule(self) -> SchedulerOutput:
+        """The next step: running decodes first, then in-flight prefill chunks, then
+        swapped sequences and new admissions, within max_num_batched_tokens."""
         self._preempted_now = False
         if self.policy == "static" and self.running and all(s.is_done for s in self.running):
             self._end_static_batch()
-        rows = self._schedule_prefill()
-        if rows:
-            return rows, True
-        rows = self._schedule_decode()
-        return (rows, False) if any(r.num_new for r in rows) else ([], False)
-
-    def _schedule_prefill(self) -> list[Row]:
         for seq in list(self.running):
             if seq.forks and seq.status is Status.PREFILLING and seq.num_computed_tokens >= seq.prefill_target:
                 self._fork(seq)
         budget = self.max_num_batched_tokens
-        rows = []
-        for seq in list(self.running):  # chunked prefills in flight first
-            if seq.status is Status.PREFILLING and budget > 0:
-                n = min(seq.prefill_target - seq.num_computed_tokens, budget)
+        scheduled = []
+        for status in (Status.DECODING, Status.PREFILLING):
+            for seq in list(self.running):
+                if seq.status is not status or budget <= 0:
+                    continue  # (also skips what an earlier grow preempted)
+                n = 1 if status is Status.DECODING else min(seq.prefill_target - seq.num_computed_tokens, budget)
                 if n > 0 and self._grow_or_preempt(seq, seq.num_computed_tokens + n):
-                    rows.append(Row(seq, n))
+                    scheduled.append(ScheduledSeq(seq, n))
                     budget -= n
-        rows = [r for r in rows if r.seq.status is Status.PREFILLING]
-        if self._preempted_now or not self._schedule_swap_in():
-            return rows
-        may_admit = self.policy == "continuous" or not self.running
-        while (may_admit and self.waiting and budget > 0
-               and len(self.running) + self.waiting[0].num_seats <= self.max_num_seqs):
+        # A sequence scheduled before a later one preempted it must not run.
+        scheduled = [s for s in scheduled if s.seq.status in (Status.DECODING, Status.PREFILLING)]
+        budget = self.max_num_batched_tokens - sum(s.num_new for s in scheduled)
+        if not self._preempted_now and self._schedule_swap_in():
+            scheduled += self._admit(budget)
+        self._fit_bucket(scheduled)
+        swap_out, swap_in = self._take_swaps()
+        return SchedulerOutput(scheduled, self.block_manager.take_copies(), swap_out, swap_in)
+
+    def _admit(self, budget: int) -> list[ScheduledSeq]:
+        """Admits waiting sequences in arrival order while seats, tokens and blocks
+        last.  A request whose next uncached full block another admitted prompt is
+        about to compute waits for it (then hits the cache) instead of computing
+        the same prefix twice."""
+        scheduled = []
+        if self.policy == "static" and self.running:
+            return scheduled
+        deferred = []
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) + seq.num_seats > self.max_num_seqs:
+                break
+            if self._prefix_in_flight(seq):
+                deferred.append(self.waiting.popleft())
+                continue
             n = self._try_admit(seq, budget)
             if n is None:
                 if not self.running:  # not even an empty pool holds its first chunk
@@ -153,9 +193,38 @@ class Scheduler:
             seq.status = Status.PREFILLING
             self.running.append(seq)
             if n:
-                rows.append(Row(seq, n))
+                scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-        return rows
+        self.waiting.extendleft(reversed(deferred))
+        return scheduled
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a prefilling sequence will cache the first full block of seq that
+        the prefix cache does not hold yet (same tokens up to it, same extra keys)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return False
+        bs = bm.block_size
+        end = (len(bm.match(seq)[1]) + 1) * bs  # through the first uncached block
+        if end > seq.num_tokens - 1:
+            return False  # no uncached full block before its last token
+        prefix = seq.token_slice(0, end)
+        return any(other.status is Status.PREFILLING and other.prefill_target >= end
+                   and other.num_computed_tokens < end and other.extra_keys == seq.extra_keys
+                   and other.token_slice(0, end) == prefix
+                   for other in self.running)
+
+    def _fit_bucket(self, scheduled: list[ScheduledSeq]) -> None:
+        """Trims the step's last prefill chunk so that the step's token count lands on
+        a bucket of the runner's ladder when the next bucket up would pad it by more
+        than an eighth; the trimmed tokens run in the next step."""
+        if not self.token_buckets or not scheduled:
+            return
+        last, n = scheduled[-1], sum(s.num_new for s in scheduled)
+        up = min((b for b in self.token_buckets if b >= n), default=n)
+        down = max((b for b in self.token_buckets if b <= n), default=0)
+        if up - n > n // 8 and last.num_new > 1 and 0 < n - down < last.num_new:
+            last.num_new -= n - down
 
     def _try_admit(self, seq: Sequence, budget: int) -> int | None:
         """Reuses seq's longest cached prefix and makes room for its first chunk;
@@ -200,20 +269,6 @@ class Scheduler:
             child.status = Status.PREFILLING
         self.running[at:at] = leader.forks
         leader.forks = []
-
-    def _schedule_decode(self) -> list[Row]:
-        rows = []
-        for seq in list(self.running):
-            if seq.is_done:
-                if self.policy == "static":
-                    rows.append(Row(seq, 0))  # padding: the static batch keeps its shape
-                continue
-            if seq.status is not Status.DECODING:
-                continue  # preempted by an earlier row of this loop
-            if self._grow_or_preempt(seq, seq.num_tokens):
-                rows.append(Row(seq, 1))
-        # A row appended before its sequence was preempted must not run.
-        return [r for r in rows if r.num_new == 0 or r.seq.status is Status.DECODING]
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes room for num_tokens of seq, preempting the latest-arrived running
@@ -317,8 +372,8 @@ class Scheduler:
             self.running.append(seq)
         return True
 
-    def take_swaps(self) -> tuple[list["SwapOut"], list["SwapIn"]]:
-        """This step's block moves, for the engine to run before the step's copies
+    def _take_swaps(self) -> tuple[list[SwapOut], list[SwapIn]]:
+        """This step's block moves, for the runner to apply before the step's copies
         and forward: swap-outs first (device -> host: the victims' blocks may be
         rewritten by this step), then swap-ins (host -> device).  The swap-ins'
         host slots are freed here; their data stays until the next schedule()."""

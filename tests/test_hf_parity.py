@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import import_torch, random_prompts
-from jpaged.decode import create_kv_pool, forward_step
+from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
 from jpaged.sequence import SamplingParams
 
 torch = import_torch()
@@ -78,28 +78,32 @@ def test_tiny_logits_match_hf(tiny_pair, block_size):
     pool = create_kv_pool(llm.model_config, num_blocks=B * W + 2, block_size=block_size,
                           dtype=jnp.float32)
     # Interleave the sequences' blocks (and skip block 0, the null block).
-    tables = np.array([[1 + b + B * j for j in range(W)] for b in range(B)], np.int32)
-    tokens = np.zeros((B, Q), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
-    q_lens = np.array([len(p) for p in prompts], np.int32)
-    logits, pool = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(tokens), jnp.asarray(tables),
-                                jnp.zeros(B, jnp.int32), jnp.asarray(q_lens), logits="all")
+    tables = jnp.array([[1 + b + B * j for j in range(W)] for b in range(B)], np.int32)
+    T = sum(len(p) for p in prompts) + 5  # the prompts back to back, then padding
+    tokens = np.zeros(T, np.int32)
+    tokens[:T - 5] = np.concatenate(prompts)
+    q_lens = jnp.array([len(p) for p in prompts], np.int32)
+    meta = ragged_metadata(tables, jnp.zeros(B, jnp.int32), q_lens, T, block_size)
+    logits, pool = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(tokens), meta,
+                                logits="all")
     logits = np.asarray(logits)
-    assert logits.shape == (B, Q, llm.model_config.vocab_size)
+    assert logits.shape == (T, llm.model_config.vocab_size)
+    start = 0
     for b, p in enumerate(prompts):
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0].numpy()
-        np.testing.assert_allclose(logits[b, :len(p)], want, rtol=0, atol=LOGIT_ATOL,
+        np.testing.assert_allclose(logits[start:start + len(p)], want, rtol=0, atol=LOGIT_ATOL,
                                    err_msg=f"prompt {b} ({len(p)} tokens)")
+        start += len(p)
 
     # A decode step on top of the cached prompts: the next token's logits.
-    nxt = np.array([[int(np.argmax(logits[b, len(p) - 1]))] for b, p in enumerate(prompts)], np.int32)
-    step, _ = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(nxt), jnp.asarray(tables),
-                           jnp.asarray(q_lens), jnp.ones(B, jnp.int32), logits="last")
+    last = np.cumsum([len(p) for p in prompts]) - 1
+    nxt = np.argmax(logits[last], axis=-1).astype(np.int32)
+    meta = ragged_metadata(tables, q_lens, jnp.ones(B, jnp.int32), B, block_size)
+    step, _ = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(nxt), meta, logits="last")
     for b, p in enumerate(prompts):
         with torch.no_grad():
-            want = hf(torch.tensor([p + [int(nxt[b, 0])]])).logits[0, -1].numpy()
+            want = hf(torch.tensor([p + [int(nxt[b])]])).logits[0, -1].numpy()
         np.testing.assert_allclose(np.asarray(step[b]), want, rtol=0, atol=LOGIT_ATOL)
 
 

@@ -152,8 +152,8 @@ def test_admission_oversubscribes():
                       max_num_seqs=8, max_num_batched_tokens=64)
     for i in range(4):  # each may grow to 128 tokens = 32 blocks; the pool has 8
         sched.add(Sequence(i, [5, 6, 7], SamplingParams(max_tokens=125), 4))
-    rows, prefill = sched.schedule()
-    assert prefill and len(rows) == 4 and len(sched.running) == 4
+    out = sched.schedule()
+    assert [s.num_new for s in out.scheduled] == [3] * 4 and len(sched.running) == 4
 
 
 def test_gather_scatter_roundtrip():
