@@ -58,7 +58,7 @@ def format_summary(summary: dict[str, float]) -> str:
     rows = [
         ("requests (errors)", f"{summary['requests']} ({summary['errors']})"),
         ("output tokens", f"{summary['output_tokens']}"),
-        ("wall time", f"{summary['wall_s']:.2f} s"),
+        ("wall time (generate)", f"{summary['wall_s']:.2f} s"),
         ("total output tok/s", f"{summary['output_tok_per_s']:.1f}"),
         ("avg ms/tok per sequence", f"{summary['ms_per_tok']:.1f}"),
         ("TTFT mean / p50 / p99", f"{summary['ttft_mean_ms']:.0f} / {summary['ttft_p50_ms']:.0f} / "
@@ -83,5 +83,7 @@ def format_summary(summary: dict[str, float]) -> str:
             rows.append(("swapped out / in", f"{summary['swapped_out_mib']:.1f} / "
                                              f"{summary['swapped_in_mib']:.1f} MiB "
                                              f"({summary['swap_s']:.2f} s copying)"))
+    if "process_wall_s" in summary:  # serve_batch: start-up (load, compiles) included
+        rows.insert(3, ("wall time (whole run)", f"{summary['process_wall_s']:.2f} s"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -217,13 +217,15 @@ class Scheduler:
     def _fit_bucket(self, scheduled: list[ScheduledSeq]) -> None:
         """Trims the step's last prefill chunk so that the step's token count lands on
         a bucket of the runner's ladder when the next bucket up would pad it by more
-        than an eighth; the trimmed tokens run in the next step."""
+        than an eighth; the trimmed tokens run in the next step.  Steps under 32
+        tokens are left alone: they cost about the same whatever their size (the
+        weights' memory traffic dominates), so splitting them would only add steps."""
         if not self.token_buckets or not scheduled:
             return
         last, n = scheduled[-1], sum(s.num_new for s in scheduled)
         up = min((b for b in self.token_buckets if b >= n), default=n)
         down = max((b for b in self.token_buckets if b <= n), default=0)
-        if up - n > n // 8 and last.num_new > 1 and 0 < n - down < last.num_new:
+        if up - n > n // 8 and down >= 32 and last.num_new > n - down:
             last.num_new -= n - down
 
     def _try_admit(self, seq: Sequence, budget: int) -> int | None:

@@ -28,6 +28,10 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_to
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write one JSON line per request here.")
+_SUMMARY_JSON = flags.DEFINE_string("summary_json", None, "Write the summary table as JSON here.")
+_PRECOMPILE = flags.DEFINE_bool("precompile", False,
+                                "Compile every step bucket before the first request (default: "
+                                "each bucket compiles the first time a step needs it).")
 
 
 def read_requests(path: str | None) -> list[dict]:
@@ -47,7 +51,7 @@ def sampling_params(request: dict, default: SamplingParams) -> SamplingParams:
 def main(argv: list[str]) -> None:
     del argv
     config = _CONFIG.value
-    t0 = time.perf_counter()
+    t_start = t0 = time.perf_counter()
     llm = LLM(config)
     print(f"model {llm.loaded.source}: loaded in {llm.loaded.load_seconds:.2f} s "
           f"({'converted-weights cache' if llm.loaded.from_cache else 'converted; cached for next start'}); "
@@ -55,6 +59,11 @@ def main(argv: list[str]) -> None:
     print(f"KV pool: {llm.num_blocks} blocks x {config.block_size} tokens "
           f"({llm.kv_pool_bytes / 2**20:.0f} MiB), attention {llm.attention_impl}, "
           f"scheduler {config.scheduler}")
+    if _PRECOMPILE.value:
+        t0 = time.perf_counter()
+        n = llm.precompile()
+        print(f"precompiled {n} step buckets {llm.runner.token_buckets} in "
+              f"{time.perf_counter() - t0:.1f} s")
     requests = read_requests(_PROMPTS.value)
     default = llm.default_sampling_params()
     params = [sampling_params(r, default) for r in requests]
@@ -67,7 +76,12 @@ def main(argv: list[str]) -> None:
               f"TTFT {out.ttft_ms or 0:.0f} ms, latency {out.latency_ms or 0:.0f} ms]")
         print(requests[out.request_id].get("prompt") or json.dumps(requests[out.request_id].get("messages")))
         print(">>> " + (out.text if out.error is None else f"ERROR: {out.error}"))
-    print("\n" + format_summary(summarize(outputs, llm, wall)))
+    summary = summarize(outputs, llm, wall)
+    summary["process_wall_s"] = time.perf_counter() - t_start
+    print("\n" + format_summary(summary))
+    if _SUMMARY_JSON.value:
+        with open(_SUMMARY_JSON.value, "w") as f:
+            json.dump(summary, f, indent=1)
     if _OUTPUT.value:
         with open(_OUTPUT.value, "w") as f:
             for out in outputs:
