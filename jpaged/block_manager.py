@@ -154,18 +154,26 @@ class BlockManager:
         self.counters.cow_copies += 1
         return new
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """Blocks `table` must grow by to hold num_tokens tokens in total."""
+        return max(0, self.blocks_for(num_tokens) - len(table.block_ids))
+
     def prepare_write(self, table: BlockTable, start: int, end: int) -> bool:
         """Makes token positions [start, end) of `table` writable: copies-on-write
         the shared or cached blocks they fall in, then grows the table to `end`.
         False, changing nothing, when the pool cannot provide the blocks."""
-        bs = table.block_size
-        last = min(-(-end // bs), len(table.block_ids))
-        cows = [i for i in range(start // bs, last) if self.needs_cow(table.block_ids[i])]
-        if table.blocks_needed(end) + len(cows) > self.num_free_blocks:
+        last = min(self.blocks_for(end), len(table.block_ids))
+        cows = [i for i in range(start // self.block_size, last) if self.needs_cow(table.block_ids[i])]
+        grow = self.blocks_needed(table, end)
+        if grow + len(cows) > self.num_free_blocks:
             return False
         for i in cows:
             table.block_ids[i] = self.cow(table.block_ids[i])
-        table.grow(end, self)
+        table.block_ids += [self.allocate() for _ in range(grow)]
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:

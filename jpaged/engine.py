@@ -221,8 +221,7 @@ class LLM:
         request_id = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
-        seq = Sequence(request_id, prompt_token_ids or [], params, self.config.block_size,
-                       prompt=prompt, seed=seed)
+        seq = Sequence(request_id, prompt_token_ids or [], params, prompt=prompt, seed=seed)
         self._active[request_id] = seq
         error = error or self._validate(seq)
         if error:
@@ -230,8 +229,8 @@ class LLM:
             return request_id
         for i in range(1, params.n):  # parallel samples: seeds seed + i, forked after prefill
             self._next_child_id -= 1
-            child = Sequence(self._next_child_id, seq.prompt_token_ids, params,
-                             self.config.block_size, prompt=prompt, seed=seed + i)
+            child = Sequence(self._next_child_id, seq.prompt_token_ids, params, prompt=prompt,
+                             seed=seed + i)
             child.sample_index, child.group = i, seq.group
             seq.group.append(child)
             seq.forks.append(child)
@@ -255,7 +254,7 @@ class LLM:
             return f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}"
         if seq.params.n > self.config.max_num_seqs:
             return f"n={seq.params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
-        if seq.block_table.blocks_needed(len(ids) + 1) > self.num_blocks - 1:
+        if self.block_manager.blocks_for(len(ids) + 1) > self.num_blocks - 1:
             return f"prompt needs more KV blocks than the pool has ({self.num_blocks - 1})"
         return None
 

@@ -66,37 +66,16 @@ class BlockAllocator:
 
 @dataclasses.dataclass
 class BlockTable:
-    """One sequence's map from logical block to physical block; grows a block at a time."""
+    """One sequence's map from logical block to physical block (grown and copied
+    by the BlockManager, which owns the block size)."""
 
-    block_size: int
     block_ids: list[int] = dataclasses.field(default_factory=list)
 
-    @property
-    def capacity(self) -> int:
-        return len(self.block_ids) * self.block_size
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Extra blocks required to hold num_tokens tokens in total."""
-        return max(0, math.ceil(num_tokens / self.block_size) - len(self.block_ids))
-
-    def grow(self, num_tokens: int, allocator: BlockAllocator) -> None:
-        for _ in range(self.blocks_needed(num_tokens)):
-            self.block_ids.append(allocator.allocate())
-
-    def release(self, allocator: BlockAllocator) -> None:
+    def release(self, allocator) -> None:
+        """Frees every block, last first (so that the deepest is evicted first)."""
         for block in reversed(self.block_ids):
             allocator.free(block)
         self.block_ids.clear()
-
-    def physical(self, position: int) -> tuple[int, int]:
-        """(physical block, offset) of a logical token position."""
-        return self.block_ids[position // self.block_size], position % self.block_size
-
-    def slots(self, start: int, end: int) -> np.ndarray:
-        """Flat pool slots (block * block_size + offset) of positions [start, end)."""
-        pos = np.arange(start, end)
-        blocks = np.asarray(self.block_ids, dtype=np.int64)[pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:

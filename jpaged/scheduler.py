@@ -39,7 +39,7 @@ import dataclasses
 import time
 
 from jpaged.block_manager import BlockManager
-from jpaged.kv_cache import BlockAllocator, HostSwapSpace
+from jpaged.kv_cache import HostSwapSpace
 from jpaged.sequence import Sequence, Status
 
 
@@ -100,16 +100,13 @@ class PreemptionCounters:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager | BlockAllocator, *, policy: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, block_size: int = 16, preemption_mode: str = "recompute",
+    def __init__(self, block_manager: BlockManager, *, policy: str, max_num_seqs: int,
+                 max_num_batched_tokens: int, preemption_mode: str = "recompute",
                  swap_space: HostSwapSpace | None = None, token_buckets: tuple[int, ...] = ()):
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {policy!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if isinstance(block_manager, BlockAllocator):  # a bare allocator: no prefix caching
-            block_manager = BlockManager(block_manager.num_blocks, block_size,
-                                         enable_prefix_caching=False, allocator=block_manager)
         self.block_manager = block_manager
         self.allocator = block_manager.allocator
         self.policy = policy
@@ -234,7 +231,7 @@ class Scheduler:
         or None, changing nothing, when the pool cannot hold it."""
         bm = self.block_manager
         handles, blocks = bm.match(seq)
-        bs = seq.block_table.block_size
+        bs = bm.block_size
         # Always recompute the last token (its logits give the next one).
         computed = min(len(blocks) * bs, seq.num_tokens - 1)
         n = min(seq.prefill_target - computed, budget)
@@ -276,8 +273,7 @@ class Scheduler:
         """Makes room for num_tokens of seq, preempting the latest-arrived running
         sequence while the pool is short (seq itself when it is the latest: False).
         A sequence that needs more blocks than the whole pool ends with an error."""
-        bs = seq.block_table.block_size
-        if -(-num_tokens // bs) > self.allocator.num_blocks - 1:
+        if self.block_manager.blocks_for(num_tokens) > self.allocator.num_blocks - 1:
             self._fail(seq, f"sequence of {num_tokens} tokens needs more KV blocks than the "
                             f"whole pool has ({self.allocator.num_blocks - 1})")
             return False
@@ -324,7 +320,7 @@ class Scheduler:
             self.counters.swap_preemptions += 1
             return
         if self.preemption_mode == "swap":
-            n = -(-victim.num_computed_tokens // victim.block_table.block_size)
+            n = self.block_manager.blocks_for(victim.num_computed_tokens)
             slots = self.swap_space.allocate(n) if n and self.swap_space is not None else None
             if slots is not None:
                 self._swap_out.append(SwapOut(victim, victim.block_table.block_ids[:n], slots))
@@ -357,7 +353,7 @@ class Scheduler:
                 return False
             n = len(seq.swap_slots)
             # Room for the restored blocks and for its next token.
-            need = max(n, -(-(seq.num_computed_tokens + 1) // seq.block_table.block_size))
+            need = max(n, bm.blocks_for(seq.num_computed_tokens + 1))
             if need > bm.num_free_blocks:
                 if not self.running:  # an empty pool cannot hold it: it never will
                     self.swapped.pop(0)

@@ -53,7 +53,7 @@ class Sequence:
     """One request: its tokens, its block table and its timings."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 block_size: int, prompt: str | None = None, seed: int = 0):
+                 prompt: str | None = None, seed: int = 0):
         self.seq_id = seq_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,7 +61,7 @@ class Sequence:
         self.params = params
         self.seed = seed  # resolved per-request seed
         self.status = Status.WAITING
-        self.block_table = BlockTable(block_size)
+        self.block_table = BlockTable()
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

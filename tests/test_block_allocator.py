@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_all_blocks_free, random_prompts
+from jpaged.block_manager import BlockManager
 from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
 from jpaged.sequence import SamplingParams
 
@@ -44,30 +45,24 @@ def test_allocator_rejects_bad_frees_and_sizes():
 
 
 # ------------------------------------------------------------------ block table
-def test_block_table_grow_release_and_slots():
-    a = BlockAllocator(10)
-    t = BlockTable(block_size=4)
-    assert t.blocks_needed(0) == 0 and t.blocks_needed(1) == 1 and t.blocks_needed(9) == 3
-    t.grow(5, a)
-    assert len(t.block_ids) == 2 and t.capacity == 8 and a.num_used_blocks == 2
-    t.grow(8, a)  # still fits
-    assert len(t.block_ids) == 2 and t.blocks_needed(8) == 0
-    t.grow(9, a)
-    assert len(t.block_ids) == 3 and t.blocks_needed(9) == 0
-    b0, b1, b2 = t.block_ids
-    assert t.physical(0) == (b0, 0) and t.physical(5) == (b1, 1) and t.physical(8) == (b2, 0)
-    np.testing.assert_array_equal(t.slots(3, 9), [b0 * 4 + 3, b1 * 4, b1 * 4 + 1, b1 * 4 + 2, b1 * 4 + 3, b2 * 4])
-    t.release(a)
-    assert t.block_ids == [] and a.num_free_blocks == 9
+def test_block_table_grow_and_release():
+    bm = BlockManager(10, 4, enable_prefix_caching=False)
+    t = BlockTable()
+    assert [bm.blocks_needed(t, n) for n in (0, 1, 4, 5, 9)] == [0, 1, 1, 2, 3]
+    assert bm.prepare_write(t, 0, 5)
+    assert len(t.block_ids) == 2 and bm.num_used_blocks == 2
+    assert bm.prepare_write(t, 5, 8) and len(t.block_ids) == 2  # still fits
+    assert bm.prepare_write(t, 8, 9) and len(t.block_ids) == 3 and bm.blocks_needed(t, 9) == 0
+    t.release(bm)
+    assert t.block_ids == [] and bm.num_free_blocks == 9
 
 
 def test_block_table_grow_fails_cleanly_when_pool_runs_out():
-    a = BlockAllocator(3)  # 2 usable blocks
-    t = BlockTable(block_size=2)
-    t.grow(4, a)
-    with pytest.raises(NoFreeBlocksError):
-        t.grow(5, a)
-    assert len(t.block_ids) == 2 and a.num_free_blocks == 0
+    bm = BlockManager(3, 2, enable_prefix_caching=False)  # 2 usable blocks
+    t = BlockTable()
+    assert bm.prepare_write(t, 0, 4)
+    assert not bm.prepare_write(t, 4, 5)  # changes nothing
+    assert len(t.block_ids) == 2 and bm.num_free_blocks == 0
 
 
 # ------------------------------------------------------------------ property test

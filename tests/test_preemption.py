@@ -151,7 +151,7 @@ def test_admission_oversubscribes():
     sched = Scheduler(BlockManager(9, 4, enable_prefix_caching=False), policy="continuous",
                       max_num_seqs=8, max_num_batched_tokens=64)
     for i in range(4):  # each may grow to 128 tokens = 32 blocks; the pool has 8
-        sched.add(Sequence(i, [5, 6, 7], SamplingParams(max_tokens=125), 4))
+        sched.add(Sequence(i, [5, 6, 7], SamplingParams(max_tokens=125)))
     out = sched.schedule()
     assert [s.num_new for s in out.scheduled] == [3] * 4 and len(sched.running) == 4
 

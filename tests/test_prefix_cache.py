@@ -186,13 +186,14 @@ def test_eviction_under_pressure_keeps_outputs(tiny_config, ref_llm):
 # ------------------------------------------------------------- block manager
 def run_seq(bm: BlockManager, token_ids: list[int], salt=None) -> Sequence:
     """Admits a sequence, 'computes' all its tokens, registers its blocks."""
-    seq = Sequence(0, token_ids, SamplingParams(cache_salt=salt), BS)
+    seq = Sequence(0, token_ids, SamplingParams(cache_salt=salt))
     handles, blocks = bm.match(seq)
     for b in blocks:
         bm.share(b)
     seq.block_table.block_ids = list(blocks)
     seq.block_keys = list(handles)
-    seq.block_table.grow(len(token_ids), bm)
+    # grow only: the reused blocks are not rewritten
+    seq.block_table.block_ids += [bm.allocate() for _ in range(bm.blocks_needed(seq.block_table, len(token_ids)))]
     seq.num_computed_tokens = len(token_ids)
     bm.cache_full_blocks(seq)
     return seq
@@ -225,7 +226,7 @@ def test_eviction_order_lru_then_deepest(index):
         bm.free(blk)
     bm.check_invariants()
     # Evicted content is gone from the index.
-    assert bm.match(Sequence(0, list(range(12)), SamplingParams(), BS)) == ([], [])
+    assert bm.match(Sequence(0, list(range(12)), SamplingParams())) == ([], [])
 
 
 def test_share_free_cow_refcounts():
@@ -284,7 +285,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
           tail=st.integers(0, 3))
     def admit(self, prefix, length, salt, tail):
         ids = ([prefix] * length)[:-1] + [tail]  # shared runs -> cache hits
-        seq = Sequence(0, ids, SamplingParams(cache_salt=salt), BS)
+        seq = Sequence(0, ids, SamplingParams(cache_salt=salt))
         handles, blocks = self.bm.match(seq)
         computed = min(len(blocks) * BS, len(ids) - 1)
         for blk, i in zip(blocks, range(len(blocks))):
@@ -314,7 +315,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def fork(self, i):
         seq = self.running[i % len(self.running)]
-        child = Sequence(1, seq.prompt_token_ids, seq.params, BS)
+        child = Sequence(1, seq.prompt_token_ids, seq.params)
         child.output_token_ids = list(seq.output_token_ids)
         for b in seq.block_table.block_ids:
             self.bm.share(b)

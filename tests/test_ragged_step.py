@@ -29,11 +29,11 @@ def run_step(sched, out):
 
 def test_decodes_first_then_chunks_within_the_budget():
     sched = make_scheduler(budget=16)
-    a = Sequence(0, list(range(3, 9)), SamplingParams(max_tokens=50), 4)     # 6 tokens
+    a = Sequence(0, list(range(3, 9)), SamplingParams(max_tokens=50))     # 6 tokens
     sched.add(a)
     run_step(sched, sched.schedule())
     assert a.status is Status.DECODING
-    b = Sequence(1, list(range(3, 43)), SamplingParams(max_tokens=50), 4)    # 40 tokens
+    b = Sequence(1, list(range(3, 43)), SamplingParams(max_tokens=50))    # 40 tokens
     sched.add(b)
     out = sched.schedule()
     assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [(0, 1), (1, 15)]
@@ -48,9 +48,9 @@ def test_last_chunk_trimmed_onto_a_bucket():
     to 30 so that the step is exactly the 32 bucket."""
     sched = make_scheduler(budget=64, buckets=(8, 16, 32, 64))
     for i in range(2):
-        sched.add(Sequence(i, [5, 6, 7], SamplingParams(max_tokens=50), 4))
+        sched.add(Sequence(i, [5, 6, 7], SamplingParams(max_tokens=50)))
     run_step(sched, sched.schedule())
-    sched.add(Sequence(2, list(range(3, 43)), SamplingParams(max_tokens=50), 4))
+    sched.add(Sequence(2, list(range(3, 43)), SamplingParams(max_tokens=50)))
     out = sched.schedule()
     assert [s.num_new for s in out.scheduled] == [1, 1, 30] and out.num_tokens == 32
     run_step(sched, out)
@@ -63,8 +63,8 @@ def test_shared_prefix_in_flight_is_computed_once():
     admitted; the others wait one step and then reuse its blocks."""
     sched = make_scheduler(budget=64, caching=True)
     prefix = list(range(10, 22))  # 3 blocks of 4
-    seqs = [Sequence(i, prefix + [30 + i, 40 + i], SamplingParams(max_tokens=5), 4) for i in range(3)]
-    other = Sequence(3, list(range(50, 60)), SamplingParams(max_tokens=5), 4)
+    seqs = [Sequence(i, prefix + [30 + i, 40 + i], SamplingParams(max_tokens=5)) for i in range(3)]
+    other = Sequence(3, list(range(50, 60)), SamplingParams(max_tokens=5))
     for s in seqs + [other]:
         sched.add(s)
     out = sched.schedule()
