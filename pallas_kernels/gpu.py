@@ -1,34 +1,62 @@
-"""Pallas (Triton lowering) paged-attention kernels for GPU.
+"""Pallas (Triton lowering) ragged paged attention for GPU.
 
-Two kernels, both reading K/V straight out of the whole pool
-`kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` through the block table (no
-gather copy, no per-layer slice copy; `layer` is a traced scalar):
+One public entry, `paged_attention_gpu`, with the contract of
+`pallas_kernels.paged_attention`: a flat ragged batch `q[T, H, D]` where
+sequence s owns tokens `cu_q_lens[s]:cu_q_lens[s + 1]`, K/V read straight out
+of the whole pool `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` through the
+block table (no gather copy, no per-layer slice copy; `layer` may be traced).
 
-* `paged_decode_gpu` (Q == 1): flash-decoding.  Grid (B, KVH, P).  Program
-  (b, h, p) takes the G query heads of KV head h as the M dimension of the
-  dot (padded to >= 16 rows for the Triton dot), loops over the key tiles of
-  partition p of sequence b (`block_k` tokens: several pages, one page or a
-  slice of one, block ids read from the block table), keeps an fp32 online
-  softmax (m, l, acc) and writes the un-normalised partial (acc, m, l).  A small jnp combine merges the P partials.  P is a
-  static heuristic that fills ~2 waves of an H100 (132 SMs) for small
-  batches with long contexts.
-* `paged_ragged_gpu` (Q >= 1, ragged q_lens): grid (B, KVH, row tiles).  The
-  Q tokens x G heads of one KV head are flattened to Q*G rows (row r is token
-  r // G), tiled by `block_m` rows; each tile loops over key tiles 0..the
-  last one visible to its last valid token (fully masked tiles are never
-  visited) with a causal + length mask and online softmax.
+Rows.  The new tokens x the G query heads of one KV head are the M rows of
+every dot: row r of sequence s is token `cu_q_lens[s] + r // G`, query head
+`kv_head * G + r % G`, i.e. row `token * H + kv_head * G + r % G` of
+`q.reshape(T * H, D)`.  Rows are gather-loaded from q and scatter-stored
+(masked) into the output in its own [T, H, D] layout, so any G works without
+padding G to a power of two and nothing is transposed or sliced around the
+kernels (the block table is padded to whole key tiles when W is not a
+multiple of the pages per tile).  Rows are independent and the row sets of
+two programs never overlap, so there are no write races.
 
-Masking never multiplies by a mask: keys/values past kv_len are replaced with
-`where`, so NaN in blocks a sequence does not own (block 0 included) never
-reaches the output.  Rows with no visible key produce zeros.
+Two pallas_calls per attention (both static grids, sized from T, S and the
+static tiling only, never from W or the padding):
+
+* `jpaged_decode_gpu`, split-KV flash-decoding for *short* sequences, those
+  whose q_len * G rows fit one tile of `decode_rows` (default max(16,
+  next_pow2(G)): a decode token, or a few speculative tokens for small G).
+  Grid (S, KVH, P).  Program (s, h, p) takes the rows of sequence s, splits
+  its own key range [0, kv_len) into P partitions of equal key-tile counts
+  and runs an fp32 online softmax over partition p's key tiles, writing the
+  un-normalised partial (acc, m, l).  Other sequences' programs get an empty
+  key loop and store no acc.  P is a static heuristic that fills ~2 waves
+  of an H100 (132 SMs) when S * KVH is small and contexts may be long; with
+  many sequences P is 1.
+* `jpaged_ragged_gpu`, every other row.  Grid (T * G // block_m + S + 1,
+  KVH): query tiles of `block_m` rows that never straddle sequences.
+  Sequence s owns tiles `key(s) ... key(s) + cdiv(q_len * G, block_m) - 1`,
+  `key(s) = cu_q_lens[s] * G // block_m + s` (vLLM's unified-attention
+  numbering; key is strictly increasing, so the grid bound above is static);
+  program i finds its sequence by a binary search over cu_q_lens (scalar
+  loads) and its tile j = i - key(s).  Pseudo-sequence S owns the padding
+  tokens cu_q_lens[S]..T-1, whose rows the kernel writes as zeros.  Tiles
+  past a sequence's rows exit.  A tile of a long sequence loops over key
+  tiles 0 .. the one holding its last token's position (causal; key tiles
+  past it are never visited) with the causal + length mask.  The tile of a
+  short sequence merges the P partials of the decode kernel (the combine is
+  fused here: no extra XLA pass) and writes the normalised rows.
+
+Key tiles are `block_k` keys, decoupled from pages: several whole pages (one
+gather-load of the page-id vector), one page, or a slice of one page.
+
+Masking never multiplies by a mask: keys/values past kv_len are replaced
+with `where`, so NaN in blocks a sequence does not own (block 0 included)
+never reaches the output.  Rows with no visible key produce zeros.
 
 On a non-GPU backend the kernels run with `interpret=True` automatically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +69,7 @@ try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
     _CompilerParams = plgpu.CompilerParams
 except (ImportError, AttributeError):  # pragma: no cover - very old jax
+    plgpu = None
     _CompilerParams = None
 
 MASK_VALUE = -1e30
@@ -90,7 +119,7 @@ def _qk(q, k, fp32_precision):
         prec = fp32_precision if k.dtype == jnp.float32 else None
         return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                preferred_element_type=jnp.float32)
-    # Tiny tiles (block_size 8): broadcast-multiply-reduce instead of a dot.
+    # Tiny tiles (block_k 8): broadcast-multiply-reduce instead of a dot.
     return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
 
 
@@ -109,7 +138,7 @@ def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision):
 
     Keys past the sequence (key_valid False) are zeroed with `where`, never
     multiplied, so NaN in blocks a sequence does not own cannot leak;
-    `visible` [M, TK] (or [1, TK]) masks the scores.
+    `visible` [M, TK] (which implies key_valid) masks the scores.
     """
     acc, m_i, l_i = carry
     k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
@@ -123,53 +152,14 @@ def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision):
     return acc * alpha[:, None] + _pv(pr, v, fp32_precision), m_new, l_new
 
 
-# --------------------------------------------------------------------------
-# Decode (Q == 1), flash-decoding partitions.
-# --------------------------------------------------------------------------
-
-def num_partitions_heuristic(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                             num_sms: int = H100_SMS) -> int:
-    """Static partition count: ~2 CTAs per SM, each partition >= 256 tokens."""
-    programs = batch * num_kv_heads
-    want = -(-2 * num_sms // programs)
-    min_blocks_per_part = max(1, 256 // block_size)
-    most = max(1, max_blocks // min_blocks_per_part)
-    return int(max(1, min(want, most)))
+def _init_carry(rows: int, d: int):
+    return (jnp.zeros((rows, d), jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
 
 
-def _decode_kernel(layer_ref, bt_ref, lens_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
-                   block_size: int, block_k: int, iters_per_part: int, sm_scale: float,
-                   fp32_precision):
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    p = pl.program_id(2)
-    layer = layer_ref[0]
-    kv_len = lens_ref[b]
-    gp, d = q_ref.shape
-    tk = block_k
-    q = q_ref[...].astype(jnp.float32) * sm_scale
-
-    n_iters = (kv_len + tk - 1) // tk
-    start = p * iters_per_part
-    end = jnp.minimum(start + iters_per_part, n_iters)
-
-    def body(it, carry):
-        k, v = _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, tk)
-        pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
-        valid = pos < kv_len                              # [TK]
-        return _online_softmax_step(carry, q, k, v, valid, valid[None, :], fp32_precision)
-
-    init = (jnp.zeros((gp, d), jnp.float32),
-            jnp.full((gp,), MASK_VALUE, jnp.float32),
-            jnp.zeros((gp,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(start, jnp.maximum(start, end), body, init)
-    o_ref[...] = acc
-    m_ref[...] = m_i
-    l_ref[...] = l_i
-
-
-def _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, block_k):
-    """K and V [block_k, D] of key tile `it` of row b, read straight from the pool.
+def _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, block_k):
+    """K and V [block_k, D] of key tile `it` of sequence s, read straight from the pool.
 
     A tile is several whole pages (block_k > block_size: one gather-load of
     the page vector, no copy), one page, or a slice of one page (block_k <
@@ -179,215 +169,399 @@ def _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, block_k):
     d = kv_ref.shape[-1]
     if block_k > block_size:
         ppi = block_k // block_size
-        ids = bt_ref[b, pl.ds(it * ppi, ppi)]                     # [ppi] block ids
+        ids = bt_ref[s, pl.ds(it * ppi, ppi)]                     # [ppi] block ids
         k = kv_ref[ids, layer, 0, h].reshape(block_k, d)          # gather-load, no copy
         v = kv_ref[ids, layer, 1, h].reshape(block_k, d)
         return k, v
     if block_k == block_size:
-        blk = bt_ref[b, it]
+        blk = bt_ref[s, it]
         return kv_ref[blk, layer, 0, h], kv_ref[blk, layer, 1, h]
     tiles_per_page = block_size // block_k
     # lax.div/rem: `it` >= 0, so C semantics suffice (jnp's floor-mod adds sign fix-ups).
-    blk = bt_ref[b, lax.div(it, tiles_per_page)]
+    blk = bt_ref[s, lax.div(it, tiles_per_page)]
     rows = pl.ds(pl.multiple_of(lax.rem(it, tiles_per_page) * block_k, block_k), block_k)
     return kv_ref[blk, layer, 0, h, rows], kv_ref[blk, layer, 1, h, rows]
 
 
-def default_block_k(head_dim: int, itemsize: int) -> int:
-    """Keys per loop iteration: a ~16 KiB K tile (64 tokens of bf16 x 128).
+def _tile_rows(q_start, q_len, row0, n: int, group: int, num_heads: int, h):
+    """Rows row0 .. row0+n-1 of the sequence owning tokens q_start .. q_start+q_len-1, KV head h.
 
-    Sized with `triton_aot` for sm_90: larger fp32 tiles spill registers and
-    (fp32, head_dim 128, 128 keys) need more shared memory than an SM has.
+    Returns (ids, ids_safe, id_end, tok): flat row ids into q.reshape(T * H, D),
+    the same clamped to 0 where invalid (safe to gather-load), and the token
+    index within the sequence [n].  Ids increase strictly with the row, so row
+    r is valid iff ids[r] < id_end (the id of row q_len * G); valid ids are
+    distinct, so a masked scatter-store never collides.
     """
-    return max(_MIN_DOT, min(128, 16384 // (head_dim * itemsize)))
+    r = row0 + lax.iota(jnp.int32, n)
+    tok = lax.div(r, jnp.int32(group))
+    ids = (q_start + tok) * num_heads + h * group + lax.rem(r, jnp.int32(group))
+    id_end = (q_start + q_len) * num_heads + h * group
+    return ids, jnp.where(ids < id_end, ids, 0), id_end, tok
+
+
+def _store_rows(o_ref, ids, id_end, val):
+    """Masked scatter of val [n, D] into the rows `ids` < id_end of o_ref [T * H, D].
+
+    The mask is derived from `ids` at the store, not from a row mask kept
+    alive across the key loop: the latter costs ~50 B of register spills
+    (sm_90, fp32, head_dim 128).
+    """
+    n, d = val.shape
+    cols = lax.iota(jnp.int32, d)
+    plgpu.store(o_ref.at[ids[:, None], cols[None, :]], val.astype(o_ref.dtype),
+                mask=(ids[:, None] < id_end) & (cols[None, :] < d))
+
+
+# --------------------------------------------------------------------------
+# Static tiling.
+# --------------------------------------------------------------------------
+
+def num_partitions_heuristic(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                             num_sms: int = H100_SMS) -> int:
+    """Static split-KV partition count: ~2 CTAs per SM, partitions of >= 256 tokens of a
+    full-length (max_blocks) sequence."""
+    programs = num_seqs * num_kv_heads
+    want = -(-2 * num_sms // programs)
+    most = max(1, (max_blocks * block_size) // 256)
+    return int(max(1, min(want, most)))
+
+
+def default_block_k(head_dim: int, itemsize: int) -> int:
+    """Keys per loop iteration: a 16 KiB K tile for 16-bit K/V (64 tokens of bf16 x
+    128), 8 KiB for fp32 (32 tokens x 64, 16 x 128).
+
+    Sized with `triton_aot` for sm_90: 16 KiB fp32 tiles push both kernels to
+    the register limit (the decode kernel spills a few bytes at head_dim 64),
+    and (fp32, head_dim 128, 128 keys) need more shared memory than an SM has.
+    """
+    budget = 16384 if itemsize <= 2 else 8192
+    return max(_MIN_DOT, min(128, budget // (head_dim * itemsize)))
 
 
 def default_block_m(rows: int, head_dim: int, itemsize: int) -> int:
-    """Query rows per ragged tile: 64, or 32 for fp32 x head_dim 128 (spills at 64)."""
-    cap = 64 if head_dim * itemsize <= 256 else 32
+    """Query rows per ragged tile: 64, or 16 for fp32 x head_dim 128 (32 spills a
+    few bytes on sm_90, `triton_aot`), never more than `rows` (T * G) needs."""
+    cap = 64 if head_dim * itemsize <= 256 else 16
     return min(cap, max(_MIN_DOT, _next_pow2(rows)))
+
+
+def default_decode_rows(group: int) -> int:
+    """Rows of a split-KV decode tile: the G heads of a decode token, padded to the
+    16 rows a Triton dot needs (more tokens when G < 16: 4 for G = 4)."""
+    return max(_MIN_DOT, _next_pow2(group))
 
 
 def key_tiling(block_k: int | None, W: int, BS: int, head_dim: int,
                itemsize: int) -> tuple[int, int]:
-    """(keys per tile, pages one tile spans, >= 1) for a [B, W] table of BS-token
+    """(keys per tile, pages one tile spans, >= 1) for a [S, W] table of BS-token
     pages; block_k None takes `default_block_k`; never more than the table holds."""
     tk = block_k or default_block_k(head_dim, itemsize)
     tk = max(1, min(_next_pow2(tk), _next_pow2(W * BS)))
     return tk, max(1, tk // BS)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_partitions", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
-def paged_decode_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                     num_partitions=None, block_k=None, num_warps=4, num_stages=2,
-                     interpret=None):
-    """Decode attention (Q == 1).  Same contract as `pallas_kernels.paged_attention`.
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static launch plan of one `paged_attention_gpu` call."""
+    block_m: int          # rows per ragged query tile
+    block_k: int          # keys per loop iteration
+    pages_per_tile: int   # pages one key tile spans (>= 1)
+    decode_rows: int      # rows of a split-KV tile; sequences with q_len * G <= it; 0 = none
+    num_partitions: int   # split-KV partitions P
+    table_width: int      # block-table width padded to whole key tiles
+    num_q_tiles: int      # ragged grid axis 0: T * G // block_m + S + 1
 
-    block_k: keys per loop iteration (a power of two; several pages, one page
-    or part of one), default `default_block_k`.  num_partitions: the
-    flash-decoding split, default `num_partitions_heuristic`.
-    """
-    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
-    if Q != 1:
-        raise ValueError(f"paged_decode_gpu needs Q == 1, got Q={Q}")
-    if interpret is None:
-        interpret = not _on_gpu()
-    _check_pow2(BS, D)
-    tk, pages_per_tile = key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
-    n_it = -(-(W * BS) // tk)                             # key tiles of a full row
-    P = num_partitions or num_partitions_heuristic(B, KVH, W, BS)
-    P = max(1, min(P, n_it))
-    ipp = -(-n_it // P)                                   # tiles per partition
-    Wp = -(-W // pages_per_tile) * pages_per_tile
-    GP = max(_MIN_DOT, _next_pow2(G))
-    block_tables = block_tables.astype(jnp.int32)
-    if Wp != W:  # pad with the null block so every page-vector load stays in bounds
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, Wp - W)))
 
-    eff_lens = jnp.where(q_lens > 0, kv_lens, 0).astype(jnp.int32)
-    qg = q.reshape(B, KVH, G, D)
-    if GP != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, GP - G), (0, 0)))
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+def plan_tiling(T: int, G: int, D: int, BS: int, S: int, W: int, KVH: int, itemsize: int, *,
+                block_m: int | None = None, block_k: int | None = None,
+                decode_rows: int | None = None, num_partitions: int | None = None) -> Tiling:
+    """The static tiling for T tokens, S sequences, [S, W] tables (None = defaults)."""
+    tk, ppt = key_tiling(block_k, W, BS, D, itemsize)
+    bm = block_m or default_block_m(T * G, D, itemsize)
+    if bm & (bm - 1):
+        raise ValueError(f"block_m must be a power of two, got {bm}")
+    dr = default_decode_rows(G) if decode_rows is None else decode_rows
+    if dr and (dr & (dr - 1) or dr < max(G, _MIN_DOT)):
+        raise ValueError(f"decode_rows must be 0 or a power of two >= max(G={G}, 16), got {dr}")
+    n_it = -(-(W * BS) // tk)                              # key tiles of a full-length sequence
+    P = num_partitions or num_partitions_heuristic(S, KVH, W, BS)
+    P = max(1, min(P, n_it)) if dr else 1
+    return Tiling(block_m=bm, block_k=tk, pages_per_tile=ppt, decode_rows=dr, num_partitions=P,
+                  table_width=-(-W // ppt) * ppt, num_q_tiles=(T * G) // bm + S + 1)
 
-    kernel = functools.partial(_decode_kernel, block_size=BS, block_k=tk,
-                               iters_per_part=ipp, sm_scale=scale,
-                               fp32_precision=_fp32_dot_precision(interpret))
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))
-    o, m, l = pl.pallas_call(
+
+# --------------------------------------------------------------------------
+# Split-KV decode kernel (short sequences).
+# --------------------------------------------------------------------------
+
+def _decode_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
+                   group: int, num_heads: int, block_size: int, block_k: int, rows: int,
+                   num_partitions: int, sm_scale: float, fp32_precision):
+    s = pl.program_id(0)
+    h = pl.program_id(1)
+    p = pl.program_id(2)
+    layer = layer_ref[0]
+    d = kv_ref.shape[-1]
+    q_start = cu_ref[s]
+    q_len = cu_ref[s + 1] - q_start
+    n_rows = q_len * group
+    short = (n_rows > 0) & (n_rows <= rows)
+    kv_len = jnp.where(short, kvl_ref[s], 0)               # other sequences: no key tiles
+
+    ids, ids_safe, id_end, tok = _tile_rows(q_start, q_len, 0, rows, group, num_heads, h)
+    q = q_ref[ids_safe].astype(jnp.float32) * sm_scale     # [rows, D]
+    q_pos = kv_len - q_len + tok                           # [rows]
+
+    tk = block_k
+    n_k = (kv_len + tk - 1) // tk                          # this sequence's key tiles
+    per_part = (n_k + num_partitions - 1) // num_partitions
+    start = p * per_part
+    end = jnp.minimum(start + per_part, n_k)
+
+    def body(it, carry):
+        k, v = _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, tk)
+        pos = it * tk + lax.iota(jnp.int32, tk)
+        kvalid = pos < kv_len
+        vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :]
+        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision)
+
+    acc, m_i, l_i = lax.fori_loop(start, jnp.maximum(start, end), body, _init_carry(rows, d))
+    # Every partition of a short sequence writes (empty ones: m = MASK_VALUE,
+    # l = 0), acc only for the valid rows, which are all the merge reads back;
+    # other sequences write no acc.  (A pl.when around the whole body instead
+    # makes ptxas spill at the benchmark shape.)
+    id_end = jnp.where(short, id_end, 0)
+    cols = lax.iota(jnp.int32, d)
+    plgpu.store(o_ref, acc, mask=(ids[:, None] < id_end) & (cols[None, :] < d))
+    m_ref[...] = m_i
+    l_ref[...] = l_i
+
+
+def _decode_partials(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, *, group, sm_scale,
+                     num_warps, num_stages, interpret):
+    """(acc [S, KVH, P, rows, D], m, l [S, KVH, P, rows]) of the split-KV decode kernel."""
+    S = kv_lens.shape[0]
+    KVH, BS, D = kv_pool.shape[3:]
+    P, R = t.num_partitions, t.decode_rows
+    kernel = functools.partial(
+        _decode_kernel, group=group, num_heads=KVH * group, block_size=BS, block_k=t.block_k,
+        rows=R, num_partitions=P, sm_scale=sm_scale,
+        fp32_precision=_fp32_dot_precision(interpret))
+    full = lambda shape: pl.BlockSpec(shape, lambda s, h, p: (0,) * len(shape))
+    part = lambda *shape: pl.BlockSpec((None, None, None) + shape,
+                                       lambda s, h, p: (s, h, p) + (0,) * len(shape))
+    return pl.pallas_call(
         kernel,
-        grid=(B, KVH, P),
-        in_specs=[
-            full((1,)),
-            full((B, Wp)),
-            full((B,)),
-            pl.BlockSpec((None, None, GP, D), lambda b, h, p: (b, h, 0, 0)),
-            full(kv_pool.shape),                              # whole pool, read by block id
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, GP, D), lambda b, h, p: (b, h, p, 0, 0)),
-            pl.BlockSpec((None, None, None, GP), lambda b, h, p: (b, h, p, 0)),
-            pl.BlockSpec((None, None, None, GP), lambda b, h, p: (b, h, p, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, KVH, P, GP, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, KVH, P, GP), jnp.float32),
-            jax.ShapeDtypeStruct((B, KVH, P, GP), jnp.float32),
-        ],
+        grid=(S, KVH, P),
+        in_specs=[full((1,)), full(bt.shape), full((S,)), full((S + 1,)), full(q2.shape),
+                  full(kv_pool.shape)],                    # whole pool, read by block id
+        out_specs=[part(R, D), part(R), part(R)],
+        out_shape=[jax.ShapeDtypeStruct((S, KVH, P, R, D), jnp.float32),
+                   jax.ShapeDtypeStruct((S, KVH, P, R), jnp.float32),
+                   jax.ShapeDtypeStruct((S, KVH, P, R), jnp.float32)],
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jpaged_decode_gpu",
-    )(layer_arr, block_tables, eff_lens, qg, kv_pool)
-    out = combine_partials(o, m, l)                       # [B, KVH, GP, D]
-    out = out[:, :, :G].reshape(B, 1, H, D)
-    return out.astype(q.dtype)
-
-
-def combine_partials(o, m, l):
-    """Merge flash-decoding partials [B, KVH, P, G, D] / [B, KVH, P, G] -> [B, KVH, G, D]."""
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_max) * (l > 0)                      # empty partitions weigh 0
-    l_tot = jnp.sum(w * l, axis=2)
-    o_tot = jnp.sum(w[..., None] * o, axis=2)
-    safe = jnp.where(l_tot > 0, l_tot, 1.0)
-    return jnp.where((l_tot > 0)[..., None], o_tot / safe[..., None], 0.0)
+    )(layer_arr, bt, kv_lens, cu, q2, kv_pool)
 
 
 # --------------------------------------------------------------------------
-# Ragged prefill / mixed (Q >= 1).
+# Ragged kernel: every query tile, the merge of the decode partials, padding.
 # --------------------------------------------------------------------------
 
-def _ragged_kernel(layer_ref, bt_ref, kvl_ref, ql_ref, q_ref, kv_ref, o_ref, *,
-                   block_size: int, block_k: int, block_m: int, group: int,
-                   sm_scale: float, fp32_precision):
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    t = pl.program_id(2)
-    layer = layer_ref[0]
-    kv_len = kvl_ref[b]
-    q_len = ql_ref[b]
-    d = q_ref.shape[-1]
-    q = (q_ref[...].astype(jnp.float32) * sm_scale)
+def _seq_of_tile(i, cu_ref, num_seqs: int, group: int, block_m: int):
+    """(s, j): query tile i is tile j of sequence s (s == num_seqs: the padding tokens).
 
-    rows = t * block_m + jnp.arange(block_m, dtype=jnp.int32)
-    tok = rows // group
-    row_valid = tok < q_len
-    q_pos = kv_len - q_len + tok                          # [M]
-    first_tok, last_pos = row_tile_span(t, block_m, group, q_len, kv_len)
-    tk = block_k
-    n_iters = jnp.where(first_tok < q_len, last_pos // tk + 1, 0)   # causal skip
-
-    def body(it, carry):
-        k, v = _load_kv_tile(kv_ref, bt_ref, b, it, layer, h, block_size, tk)
-        pos = it * tk + jnp.arange(tk, dtype=jnp.int32)
-        kvalid = pos < kv_len
-        vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :] & row_valid[:, None]
-        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision)
-
-    init = (jnp.zeros((block_m, d), jnp.float32),
-            jnp.full((block_m,), MASK_VALUE, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(0, n_iters, body, init)
-    ok = l_i > 0
-    out = acc / jnp.where(ok, l_i, 1.0)[:, None]
-    o_ref[...] = jnp.where(ok[:, None], out, 0.0).astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
-def paged_ragged_gpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                     block_m=None, block_k=None, num_warps=4, num_stages=2,
-                     interpret=None):
-    """Ragged prefill / mixed attention (any Q).  Same contract as `paged_attention`.
-
-    block_m: query rows (tokens x heads of a KV head) per tile, default
-    `default_block_m`; block_k: keys per loop iteration, default
-    `default_block_k`.  Both powers of two.
+    Sequence s owns tiles from key(s) = cu[s] * G // block_m + s; key is
+    strictly increasing, so s is the last one with key(s) <= i (binary search
+    over s in [0, num_seqs], ceil(log2(num_seqs + 1)) scalar loads).
     """
-    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
-    if interpret is None:
-        interpret = not _on_gpu()
-    _check_pow2(BS, D)
-    tk, pages_per_tile = key_tiling(block_k, W, BS, D, kv_pool.dtype.itemsize)
-    Wp = -(-W // pages_per_tile) * pages_per_tile
-    block_tables = block_tables.astype(jnp.int32)
-    if Wp != W:
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, Wp - W)))
-    rows = Q * G
-    if block_m is None:
-        block_m = default_block_m(rows, D, kv_pool.dtype.itemsize)
-    assert block_m & (block_m - 1) == 0, "block_m must be a power of two"
-    n_tiles = -(-rows // block_m)
-    R = n_tiles * block_m
+    def key(s):
+        return lax.div(cu_ref[s] * group, block_m) + s
 
-    # [B, Q, KVH, G, D] -> [B, KVH, Q*G, D] (row r = token r // G, head r % G)
-    qr = q.reshape(B, Q, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
-    if R != rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - rows), (0, 0)))
-    q_lens = jnp.where(kv_lens > 0, q_lens, 0).astype(jnp.int32)
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lax.div(lo + hi, 2)
+        ok = key(mid) <= i
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    kernel = functools.partial(_ragged_kernel, block_size=BS, block_k=tk, block_m=block_m,
-                               group=G, sm_scale=scale,
-                               fp32_precision=_fp32_dot_precision(interpret))
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, t: (0,) * len(shape))
-    out = pl.pallas_call(
+    steps = max(1, num_seqs.bit_length())
+    lo, _ = lax.fori_loop(0, steps, body, (jnp.int32(0), jnp.int32(num_seqs + 1)))
+    return lo, i - key(lo)
+
+
+def _ragged_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, *rest,
+                   num_seqs: int, num_tokens: int, group: int, num_heads: int, block_size: int,
+                   block_k: int, block_m: int, decode_rows: int, num_partitions: int,
+                   sm_scale: float, fp32_precision):
+    if decode_rows:
+        po_ref, pm_ref, pl_ref, o_ref = rest
+    else:
+        (o_ref,) = rest
+    i = pl.program_id(0)
+    h = pl.program_id(1)
+    d = kv_ref.shape[-1]
+    s, j = _seq_of_tile(i, cu_ref, num_seqs, group, block_m)
+    is_pad = s == num_seqs
+    sc = jnp.minimum(s, num_seqs - 1)
+    q_start = cu_ref[s]
+    q_len = jnp.where(is_pad, num_tokens, cu_ref[sc + 1]) - q_start
+    n_rows = q_len * group
+    row0 = j * block_m
+    live = row0 < n_rows
+    short = n_rows <= decode_rows          # decode_rows 0: only empty sequences
+
+    @pl.when(live & is_pad)
+    def _padding():
+        ids, _, id_end, _ = _tile_rows(q_start, q_len, row0, block_m, group, num_heads, h)
+        _store_rows(o_ref, ids, id_end, jnp.zeros((block_m, d), jnp.float32))
+
+    if decode_rows:
+        @pl.when((j == 0) & (n_rows > 0) & short & ~is_pad)
+        def _merge_partials():
+            R = decode_rows
+            ids, _, id_end, _ = _tile_rows(q_start, q_len, 0, R, group, num_heads, h)
+            rr = lax.iota(jnp.int32, R)
+            cols = lax.iota(jnp.int32, d)
+            mask = (ids[:, None] < id_end) & (cols[None, :] < d)
+
+            def body(p, carry):
+                acc, m_i, l_i = carry
+                m_p = pm_ref[s, h, p]
+                l_p = pl_ref[s, h, p]
+                o_p = plgpu.load(po_ref.at[s, h, p, rr[:, None], cols[None, :]], mask=mask,
+                                 other=0.0)
+                m_new = jnp.maximum(m_i, m_p)
+                a = jnp.exp(m_i - m_new)
+                b = jnp.exp(m_p - m_new)          # empty partitions: l_p = 0, acc 0
+                return acc * a[:, None] + o_p * b[:, None], m_new, l_i * a + l_p * b
+
+            acc, _, l_i = lax.fori_loop(0, num_partitions, body, _init_carry(R, d))
+            ok_l = l_i > 0
+            out = jnp.where(ok_l[:, None], acc / jnp.where(ok_l, l_i, 1.0)[:, None], 0.0)
+            _store_rows(o_ref, ids, id_end, out)
+
+    @pl.when(live & ~is_pad & ~short)
+    def _attend():
+        layer = layer_ref[0]
+        kv_len = kvl_ref[sc]
+        ids, ids_safe, id_end, tok = _tile_rows(q_start, q_len, row0, block_m, group, num_heads, h)
+        q = q_ref[ids_safe].astype(jnp.float32) * sm_scale        # [block_m, D]
+        q_pos = kv_len - q_len + tok
+        _, last_pos = row_tile_span(j, block_m, group, q_len, kv_len)
+        tk = block_k
+        n_iters = (jnp.maximum(last_pos, -1) + tk) // tk         # causal: later tiles unseen
+
+        def body(it, carry):
+            k, v = _load_kv_tile(kv_ref, bt_ref, sc, it, layer, h, block_size, tk)
+            pos = it * tk + lax.iota(jnp.int32, tk)
+            kvalid = pos < kv_len
+            vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :]
+            return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision)
+
+        acc, _, l_i = lax.fori_loop(0, n_iters, body, _init_carry(block_m, d))
+        ok_l = l_i > 0
+        out = jnp.where(ok_l[:, None], acc / jnp.where(ok_l, l_i, 1.0)[:, None], 0.0)
+        _store_rows(o_ref, ids, id_end, out)
+
+
+def _ragged_call(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, partials, *, group,
+                 sm_scale, num_warps, num_stages, interpret):
+    """out [T * H, D] of the ragged kernel (partials: the decode kernel's, or ())."""
+    S = kv_lens.shape[0]
+    KVH, BS, D = kv_pool.shape[3:]
+    H = KVH * group
+    kernel = functools.partial(
+        _ragged_kernel, num_seqs=S, num_tokens=q2.shape[0] // H, group=group, num_heads=H,
+        block_size=BS, block_k=t.block_k, block_m=t.block_m, decode_rows=t.decode_rows,
+        num_partitions=t.num_partitions, sm_scale=sm_scale,
+        fp32_precision=_fp32_dot_precision(interpret))
+    full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    return pl.pallas_call(
         kernel,
-        grid=(B, KVH, n_tiles),
-        in_specs=[
-            full((1,)),
-            full((B, Wp)),
-            full((B,)),
-            full((B,)),
-            pl.BlockSpec((None, None, block_m, D), lambda b, h, t: (b, h, t, 0)),
-            full(kv_pool.shape),
-        ],
-        out_specs=pl.BlockSpec((None, None, block_m, D), lambda b, h, t: (b, h, t, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, KVH, R, D), q.dtype),
+        grid=(t.num_q_tiles, KVH),
+        in_specs=[full((1,)), full(bt.shape), full((S,)), full((S + 1,)), full(q2.shape),
+                  full(kv_pool.shape)] + [full(x.shape) for x in partials],
+        out_specs=full(q2.shape),                          # rows written by masked scatter
+        out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="jpaged_ragged_gpu",
-    )(layer_arr, block_tables, kv_lens.astype(jnp.int32), q_lens, qr, kv_pool)
-    out = out[:, :, :rows].reshape(B, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, D)
-    return out
+    )(layer_arr, bt, kv_lens, cu, q2, kv_pool, *partials)
+
+
+def _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale, block_m, block_k,
+             decode_rows, num_partitions):
+    """(tiling, G, scale, (q2, kv_pool, layer_arr, bt, kv_lens, cu)) of one call."""
+    T, H, D, KVH, BS, G, S, W, scale = attention_dims(q, kv_pool, block_tables, kv_lens,
+                                                      cu_q_lens, sm_scale)
+    _check_pow2(BS, D)
+    t = plan_tiling(T, G, D, BS, S, W, KVH, kv_pool.dtype.itemsize, block_m=block_m,
+                    block_k=block_k, decode_rows=decode_rows, num_partitions=num_partitions)
+    bt = block_tables.astype(jnp.int32)
+    if t.table_width != W:  # pad with the null block so every page-vector load stays in bounds
+        bt = jnp.pad(bt, ((0, 0), (0, t.table_width - W)))
+    args = (q.reshape(T * H, D), kv_pool, jnp.asarray(layer, jnp.int32).reshape(1), bt,
+            kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32))
+    return t, G, scale, args
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "block_k", "decode_rows",
+                                             "num_partitions", "num_warps", "num_stages",
+                                             "interpret"))
+def paged_attention_gpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
+                        block_m=None, block_k=None, decode_rows=None, num_partitions=None,
+                        num_warps=4, num_stages=2, interpret=None):
+    """Ragged paged attention.  Same contract as `pallas_kernels.paged_attention`.
+
+    Tuning (all static; None = the default):
+      block_m: query rows (tokens x the G heads of a KV head) per ragged tile,
+        a power of two, default `default_block_m`.
+      block_k: keys per loop iteration (a power of two; several pages, one
+        page or part of one), default `default_block_k`.
+      decode_rows: sequences with q_len * G <= decode_rows go through the
+        split-KV decode kernel; a power of two >= max(G, 16), default
+        `default_decode_rows`; 0 sends every sequence through the ragged
+        kernel (no decode kernel is launched).
+      num_partitions: split-KV partitions, default `num_partitions_heuristic`.
+      num_warps, num_stages: Triton launch parameters of both kernels.
+      interpret: default True off a GPU.
+    """
+    if interpret is None:
+        interpret = not _on_gpu()
+    t, G, scale, args = _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
+                                 sm_scale=sm_scale, block_m=block_m, block_k=block_k,
+                                 decode_rows=decode_rows, num_partitions=num_partitions)
+    launch = dict(group=G, sm_scale=scale, num_warps=num_warps, num_stages=num_stages,
+                  interpret=interpret)
+    partials = _decode_partials(t, *args, **launch) if t.decode_rows else ()
+    out = _ragged_call(t, *args, partials, **launch)
+    return out.reshape(q.shape)
+
+
+def single_kernel(kernel: str):
+    """`paged_attention_gpu` reduced to one of its pallas_calls, for static
+    compile reports (`triton_aot`): "decode" returns the split-KV partials,
+    "ragged" runs the ragged kernel on zero partials (no decode kernel lowered)."""
+    if kernel not in ("decode", "ragged"):
+        raise ValueError(f"kernel must be 'decode' or 'ragged', got {kernel!r}")
+
+    def fn(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None, block_m=None,
+           block_k=None, decode_rows=None, num_partitions=None, num_warps=4, num_stages=2,
+           interpret=False):
+        t, G, scale, args = _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
+                                     sm_scale=sm_scale, block_m=block_m, block_k=block_k,
+                                     decode_rows=decode_rows, num_partitions=num_partitions)
+        launch = dict(group=G, sm_scale=scale, num_warps=num_warps, num_stages=num_stages,
+                      interpret=interpret)
+        if kernel == "decode":
+            if not t.decode_rows:
+                raise ValueError("decode_rows=0 launches no decode kernel")
+            return _decode_partials(t, *args, **launch)
+        S, KVH, D = kv_lens.shape[0], kv_pool.shape[3], kv_pool.shape[-1]
+        P, R = t.num_partitions, t.decode_rows
+        partials = (jnp.zeros((S, KVH, P, R, D), jnp.float32), jnp.zeros((S, KVH, P, R)),
+                    jnp.zeros((S, KVH, P, R))) if R else ()
+        return _ragged_call(t, *args, partials, **launch)
+
+    return fn

@@ -14,8 +14,9 @@ register counts can differ slightly between the two; a kernel that spills or
 fails here is worth fixing either way.
 
     from pallas_kernels import gpu, triton_aot
-    kernels = triton_aot.capture_ttir(gpu.paged_decode_gpu, q, pool, 0, bt, lens, lens)
-    print(triton_aot.compile_for_cuda(kernels[0]))
+    kernels = triton_aot.capture_ttir(gpu.paged_attention_gpu, q, pool, 0, bt, kv_lens, cu_q_lens,
+                                      interpret=False)
+    print([triton_aot.compile_for_cuda(k) for k in kernels])
 """
 
 from __future__ import annotations
@@ -197,14 +198,18 @@ def compile_for_cuda(kernel: TritonKernelIR, arch: int = 90) -> KernelResources:
 
 
 def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_size: int, gqa: int,
-                            num_kv_heads: int = 8, batch: int = 8, q_len: int = 64,
+                            num_kv_heads: int = 8, num_seqs: int = 8, q_len: int | None = None,
                             max_blocks: int = 64, arch: int = 90,
                             **launch: Any) -> tuple[dict, KernelResources]:
     """Compile one of our GPU kernels ("decode" or "ragged") for sm_<arch>.
 
-    `launch` goes to the kernel (block_k, block_m, num_warps, ...); omitted
-    ones take the kernel's defaults.  Returns (the tiling used, resources).
-    The pool is 2^32+ bytes so that offsets are 64-bit, as in a real pool.
+    The call is `paged_attention_gpu` on `num_seqs` sequences of `q_len` new
+    tokens each (default 1 for "decode", 64 for "ragged"), T = num_seqs *
+    q_len, [num_seqs, max_blocks] tables; only the named kernel is lowered
+    (`gpu.single_kernel`).  `launch` goes to the kernel (block_k, block_m,
+    decode_rows, num_partitions, num_warps, ...); omitted ones take the
+    defaults.  Returns (the tiling used, resources).  The pool is 2^32+
+    bytes so that offsets are 64-bit, as in a real pool.
     """
     import jax.numpy as jnp
     from pallas_kernels import gpu
@@ -213,17 +218,22 @@ def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_siz
     itemsize = dtype.itemsize
     per_block = 2 * num_kv_heads * block_size * head_dim * itemsize
     num_blocks = max(max_blocks + 1, 2 ** 32 // per_block + 1)
-    q = q_len if kernel == "ragged" else 1
-    fn = {"decode": gpu.paged_decode_gpu, "ragged": gpu.paged_ragged_gpu}[kernel]
-    args = (jax.ShapeDtypeStruct((batch, q, num_kv_heads * gqa, head_dim), dtype),
+    q_len = q_len or (1 if kernel == "decode" else 64)
+    T = num_seqs * q_len
+    args = (jax.ShapeDtypeStruct((T, num_kv_heads * gqa, head_dim), dtype),
             jax.ShapeDtypeStruct((num_blocks, 1, 2, num_kv_heads, block_size, head_dim), dtype),
             0,
-            jax.ShapeDtypeStruct((batch, max_blocks), jnp.int32),
-            jax.ShapeDtypeStruct((batch,), jnp.int32),
-            jax.ShapeDtypeStruct((batch,), jnp.int32))
-    (ir,) = capture_ttir(fn, *args, interpret=False, **launch)
-    tiling = dict(block_k=gpu.key_tiling(launch.get("block_k"), max_blocks, block_size, head_dim,
-                                          itemsize)[0])
+            jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
+            jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
+    (ir,) = capture_ttir(gpu.single_kernel(kernel), *args, interpret=False, **launch)
+    t = gpu.plan_tiling(T, gqa, head_dim, block_size, num_seqs, max_blocks, num_kv_heads, itemsize,
+                        **{k: launch.get(k) for k in ("block_m", "block_k", "decode_rows",
+                                                      "num_partitions")})
+    tiling = dict(block_k=t.block_k)
     if kernel == "ragged":
-        tiling["block_m"] = launch.get("block_m") or gpu.default_block_m(q * gqa, head_dim, itemsize)
+        tiling["block_m"] = t.block_m
+    tiling["decode_rows"] = t.decode_rows
+    if kernel == "decode":
+        tiling["num_partitions"] = t.num_partitions
     return tiling, compile_for_cuda(ir, arch)

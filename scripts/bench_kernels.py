@@ -1,14 +1,20 @@
-"""Benchmark paged-attention decode kernels (batch x context grid).
+"""Benchmark ragged paged attention (batch x context grid; decode by default).
 
-Per point (all K/V full length = context):
-  ours      pallas_kernels.paged_attention(impl=<--impl, default by backend>)
-  jax_ops   jax.experimental.pallas.ops.gpu.paged_attention (its own layout:
-            k/v_pages [KVH, pages, BS, D]; the pool is converted outside the
-            timed region).  GPU only unless --jax_ops_on_cpu.
+Each point is one ragged step of `batch` sequences, all with K/V of length
+`context` and `--q_len` new tokens each at the end (1 = decode; more = a
+prefill chunk over a cached prefix): q [batch * q_len, H, D], cu_q_lens =
+arange(batch + 1) * q_len, the contract of `pallas_kernels.paged_attention`.
+  ours      pallas_kernels.paged_attention(impl=<--impl, default by backend>);
+            for "gpu", pallas_kernels.gpu.paged_attention_gpu with the
+            tuning flags below
+  jax_ops   jax.experimental.pallas.ops.gpu.paged_attention (decode only,
+            its own layout: k/v_pages [KVH, pages, BS, D]; the pool is
+            converted outside the timed region).  GPU only unless
+            --jax_ops_on_cpu; skipped for --q_len > 1.
   reference pallas_kernels.reference (gather + masked dense, fp32)
   contig    jax.nn.dot_product_attention over a contiguous [B, S, KVH, D]
-            cache (XLA or cuDNN, whatever jax picks): no paging at all, so
-            paging overhead = ours / contig - 1.
+            cache (XLA or cuDNN, whatever jax picks; a causal-offset mask for
+            --q_len > 1): no paging at all, so paging overhead = ours / contig - 1.
   time per call is the slope between two jitted programs running --iters
   and 2 x --iters unrolled, data-dependent attention calls (median over
   --reps of each): (t(2n) - t(n)) / n, so dispatch, synchronisation and the
@@ -59,10 +65,14 @@ flags.DEFINE_string("dtype", "bfloat16", "K/V and q dtype.")
 flags.DEFINE_integer("iters", 20, "n: unrolled attention calls per timed program (n and 2n are run).")
 flags.DEFINE_integer("reps", 10, "Timed repetitions (median is reported).")
 flags.DEFINE_string("impl", None, "Our impl: gpu / tpu / reference (default by backend).")
+flags.DEFINE_integer("q_len", 1, "New tokens per sequence (1 = decode).")
 flags.DEFINE_integer("block_k", None, "gpu: keys per loop iteration (default: the kernel's).")
+flags.DEFINE_integer("block_m", None, "gpu: query rows per ragged tile (default: the kernel's).")
+flags.DEFINE_integer("decode_rows", None,
+                     "gpu: rows of a split-KV tile, 0 = no split-KV kernel (default: kernel's)."))
 flags.DEFINE_integer("num_warps", None, "gpu: warps per CTA (default: the kernel's).")
 flags.DEFINE_integer("num_stages", None, "gpu: Triton pipeline stages (default: the kernel's).")
-flags.DEFINE_integer("num_partitions", None, "gpu: flash-decoding partitions (default: heuristic).")
+flags.DEFINE_integer("num_partitions", None, "gpu: split-KV partitions (default: heuristic).")
 flags.DEFINE_list("variants", ["ours", "jax_ops", "reference", "contig"], "What to time.")
 flags.DEFINE_float("max_kv_gb", 12.0, "Skip points whose K/V (one input set) exceeds this.")
 flags.DEFINE_float("rotate_mb", 256.0, "Rotate input sets until this much K/V is touched.")
@@ -124,17 +134,19 @@ def copy_bandwidth(mb: float, reps: int) -> float:
     return 2 * n * 4 / per_call_seconds(build, 5, x, reps=reps) / 1e9
 
 
-def make_sets(rng, *, B, ctx, n_sets, H, KVH, D, BS, dtype):
-    """One pool holding n_sets disjoint input sets (full-length sequences)."""
+def make_sets(rng, *, B, ctx, q_len, n_sets, H, KVH, D, BS, dtype):
+    """One pool holding n_sets disjoint input sets (full-length sequences, q_len
+    new tokens each): pool, block tables [n_sets, B, W], q [n_sets, B*q_len, H, D],
+    kv_lens [B], cu_q_lens [B + 1]."""
     W = -(-ctx // BS)
     nb = 1 + n_sets * B * W
     pool = jnp.asarray(rng.standard_normal((nb, 1, 2, KVH, BS, D), np.float32), dtype)
     perm = 1 + rng.permutation(nb - 1)
     bts = jnp.asarray(perm.reshape(n_sets, B, W).astype(np.int32))
-    qs = jnp.asarray(rng.standard_normal((n_sets, B, 1, H, D), np.float32), dtype)
+    qs = jnp.asarray(rng.standard_normal((n_sets, B * q_len, H, D), np.float32), dtype)
     kv_lens = jnp.full((B,), ctx, jnp.int32)
-    q_lens = jnp.ones((B,), jnp.int32)
-    return pool, bts, qs, kv_lens, q_lens
+    cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32) * q_len
+    return pool, bts, qs, kv_lens, cu_q_lens
 
 
 def looped(attn, iters: int, n_sets: int):
@@ -158,15 +170,16 @@ def looped(attn, iters: int, n_sets: int):
     return jax.jit(run)
 
 
+GPU_TUNING = ("block_k", "block_m", "decode_rows", "num_partitions", "num_warps", "num_stages")
+
+
 def ours(impl: str):
-    """Our decode attention; the gpu kernel with any launch overrides from the flags."""
+    """Our attention; the gpu kernels with any launch overrides from the flags."""
     if impl != "gpu":
         return functools.partial(pallas_kernels.paged_attention, impl=impl)
     from pallas_kernels import gpu
-    tuning = {name: getattr(FLAGS, name)
-              for name in ("block_k", "num_warps", "num_stages", "num_partitions")
-              if getattr(FLAGS, name) is not None}
-    return functools.partial(gpu.paged_decode_gpu, **tuning)
+    tuning = {name: getattr(FLAGS, name) for name in GPU_TUNING if getattr(FLAGS, name) is not None}
+    return functools.partial(gpu.paged_attention_gpu, **tuning)
 
 
 def bench_point(rng, B, ctx, impl, variants, bw):
@@ -178,8 +191,9 @@ def bench_point(rng, B, ctx, impl, variants, bw):
         row["note"] = "skipped: K/V larger than --max_kv_gb"
         return row
     n_sets = int(min(FLAGS.max_sets, max(1, math.ceil(FLAGS.rotate_mb * 2 ** 20 / kv_bytes))))
-    pool, bts, qs, kv_lens, q_lens = make_sets(rng, B=B, ctx=ctx, n_sets=n_sets, H=H, KVH=KVH,
-                                               D=D, BS=BS, dtype=dtype)
+    ql = FLAGS.q_len
+    pool, bts, qs, kv_lens, cu_q_lens = make_sets(rng, B=B, ctx=ctx, q_len=ql, n_sets=n_sets, H=H,
+                                                  KVH=KVH, D=D, BS=BS, dtype=dtype)
     W = bts.shape[-1]
     iters, reps = FLAGS.iters, FLAGS.reps
     notes = []
@@ -197,11 +211,12 @@ def bench_point(rng, B, ctx, impl, variants, bw):
 
     if "ours" in variants:
         record("ours", lambda q, s, dep, pool, bts: ours(impl)(
-            q, pool, 0, bts[s] + dep, kv_lens, q_lens), pool, bts)
+            q, pool, 0, bts[s] + dep, kv_lens, cu_q_lens), pool, bts)
     if "reference" in variants:
         record("reference", lambda q, s, dep, pool, bts: paged_attention_reference(
-            q, pool, 0, bts[s] + dep, kv_lens, q_lens), pool, bts)
-    if "jax_ops" in variants and (jax.default_backend() == "gpu" or FLAGS.jax_ops_on_cpu):
+            q, pool, 0, bts[s] + dep, kv_lens, cu_q_lens), pool, bts)
+    if ("jax_ops" in variants and ql == 1
+            and (jax.default_backend() == "gpu" or FLAGS.jax_ops_on_cpu)):
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
         k_pages = jnp.transpose(pool[:, 0, 0], (1, 0, 2, 3))   # [KVH, pages, BS, D], untimed
         v_pages = jnp.transpose(pool[:, 0, 1], (1, 0, 2, 3))
@@ -209,7 +224,7 @@ def bench_point(rng, B, ctx, impl, variants, bw):
         ppcb = math.gcd(W // k_splits, 8)
         interp = jax.default_backend() != "gpu"
         record("jax_ops", lambda q, s, dep, kp, vp, bts: jax_pa.paged_attention(
-            q[:, 0], kp, vp, bts[s] + dep, kv_lens, k_splits=k_splits, pages_per_compute_block=ppcb,
+            q, kp, vp, bts[s] + dep, kv_lens, k_splits=k_splits, pages_per_compute_block=ppcb,
             interpret=interp), k_pages, v_pages, bts)
         del k_pages, v_pages
     if "contig" in variants:
@@ -218,8 +233,12 @@ def bench_point(rng, B, ctx, impl, variants, bw):
                          for s in range(n_sets)])
         v_c = jnp.stack([pool[bts[s], 0, 1].transpose(0, 1, 3, 2, 4).reshape(B, W * BS, KVH, D)
                          for s in range(n_sets)])
+        # new token i of a sequence sits at ctx - ql + i and sees keys 0 .. that position
+        mask = None if ql == 1 else (jnp.arange(W * BS)[None, :]
+                                     <= ctx - ql + jnp.arange(ql)[:, None])[None, None]
         record("contig", lambda q, s, dep, k_c, v_c: jax.nn.dot_product_attention(
-            q, k_c[s], v_c[s], implementation=FLAGS.contig_impl), k_c, v_c)
+            q.reshape(B, ql, H, D), k_c[s], v_c[s], mask=mask,
+            implementation=FLAGS.contig_impl), k_c, v_c)
         del k_c, v_c
     if "ours_us" in row and "contig_us" in row:
         row["paging_overhead_pct"] = round(100 * (row["ours_us"] / row["contig_us"] - 1), 1)
@@ -246,7 +265,9 @@ def main(argv):
     dev = device_name()
     backend = jax.default_backend()
     out = FLAGS.out or os.path.join("benchmarks", "kernels",
-                                    f"results_{slug(dev)}" + ("_smoke" if FLAGS.smoke else ""))
+                                    f"results_{slug(dev)}"
+                                    + (f"_q{FLAGS.q_len}" if FLAGS.q_len != 1 else "")
+                                    + ("_smoke" if FLAGS.smoke else ""))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 
     bw = copy_bandwidth(FLAGS.copy_mb, FLAGS.reps)
@@ -265,12 +286,12 @@ def main(argv):
         for r in rows:
             w.writerow({k: r.get(k, "") for k in COLUMNS})
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cfg = (f"head_dim={FLAGS.head_dim} num_kv_heads={FLAGS.num_kv_heads} gqa={FLAGS.gqa} "
-           f"block_size={FLAGS.block_size} dtype={FLAGS.dtype} iters={FLAGS.iters} reps={FLAGS.reps}")
-    cfg += "".join(f" {n}={getattr(FLAGS, n)}" for n in ("block_k", "num_warps", "num_stages",
-                                                         "num_partitions")
-                   if getattr(FLAGS, n) is not None)
-    lines = [f"# Paged-attention decode benchmark: {dev}", "",
+    cfg = (f"q_len={FLAGS.q_len} head_dim={FLAGS.head_dim} num_kv_heads={FLAGS.num_kv_heads} "
+           f"gqa={FLAGS.gqa} block_size={FLAGS.block_size} dtype={FLAGS.dtype} "
+           f"iters={FLAGS.iters} reps={FLAGS.reps}")
+    cfg += "".join(f" {n}={getattr(FLAGS, n)}" for n in GPU_TUNING if getattr(FLAGS, n) is not None)
+    kind = "decode" if FLAGS.q_len == 1 else f"{FLAGS.q_len}-token chunk"
+    lines = [f"# Ragged paged-attention benchmark ({kind} per sequence): {dev}", "",
              f"{stamp}; backend={backend}; ours=impl \"{impl}\"; jax {jax.__version__}; {cfg}", "",
              f"Device copy bandwidth (read+write, same run): {bw:.1f} GB/s", ""]
     if FLAGS.smoke or backend == "cpu":

@@ -1,6 +1,7 @@
 """Static resource report of the GPU kernels compiled for sm_90, without a GPU.
 
-Lowers each kernel configuration with jax (Pallas -> Triton IR), compiles it
+Lowers each kernel of `paged_attention_gpu` (the split-KV "decode" kernel and
+the "ragged" query-tile kernel, one at a time) with jax (Pallas -> Triton IR), compiles it
 with the `triton` package for sm_<--arch> and records ptxas' report:
 registers per thread, spilled bytes, shared memory per CTA and the CTAs per
 SM that allows.  Nothing runs on a GPU; see pallas_kernels/triton_aot.py.
@@ -39,8 +40,8 @@ flags.DEFINE_integer("arch", 90, "CUDA compute capability, e.g. 90 for H100/H200
 flags.DEFINE_string("out", os.path.join("benchmarks", "kernels", "triton_sm90"),
                     "Output path prefix (.md / .csv appended).")
 
-COLUMNS = ["kernel", "dtype", "head_dim", "block_size", "gqa", "block_k", "block_m", "num_warps",
-           "num_stages", "registers", "spill_stores", "spill_loads", "shared_kib", "ctas_per_sm",
+COLUMNS = ["kernel", "dtype", "head_dim", "block_size", "gqa", "block_k", "block_m", "decode_rows",
+           "num_partitions", "num_warps", "num_stages", "registers", "spill_stores", "spill_loads", "shared_kib", "ctas_per_sm",
            "warps_per_sm", "note"]
 
 
@@ -80,7 +81,9 @@ def main(argv):
     lines = [f"# GPU kernels compiled for sm_{FLAGS.arch} (static, no GPU)", "",
              f"{stamp}; jax {jax.__version__} lowering, triton {triton.__version__} + its ptxas. "
              "CTAs/SM from registers, shared memory and warps (sm_90 limits). "
-             "Decode: batch 8, 8 KV heads; ragged: 64 new tokens per row.", "",
+             "`paged_attention_gpu` on 8 sequences, 8 KV heads, block tables of 64 pages; "
+             "decode = the split-KV kernel (1 new token per sequence, T = 8), "
+             "ragged = the query-tile kernel (64 new tokens per sequence, T = 512).", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |" for r in rows]
     with open(FLAGS.out + ".md", "w") as f:

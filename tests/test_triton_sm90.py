@@ -16,17 +16,19 @@ triton = pytest.importorskip("triton")
 
 from pallas_kernels import triton_aot  # noqa: E402
 
-# (kernel, dtype, head_dim, block_size, gqa): the benchmark shape (bf16, D 128,
-# block 16, GQA 4), the embedded model's (fp32, D 64, GQA 3), big pages, GQA 8
-# and the small-tile (no tensor-core dot) path.
+# (kernel, dtype, head_dim, block_size, gqa): the two pallas_calls of
+# `paged_attention_gpu` ("decode" = split-KV, "ragged" = query tiles) at the
+# benchmark shape (bf16, D 128, block 16, GQA 4), the embedded model's (fp32,
+# D 64, GQA 3), big pages, GQA 8 and fp32 x D 128 (the register-hungriest).
 CASES = [
     ("decode", jnp.bfloat16, 128, 16, 4),
     ("decode", jnp.bfloat16, 128, 128, 8),
     ("decode", jnp.float32, 64, 16, 3),
     ("decode", jnp.float32, 128, 128, 4),
     ("ragged", jnp.bfloat16, 128, 16, 4),
+    ("ragged", jnp.bfloat16, 128, 128, 8),
     ("ragged", jnp.float32, 64, 16, 3),
-    ("ragged", jnp.float32, 128, 16, 4),
+    ("ragged", jnp.float32, 128, 32, 4),
 ]
 
 
@@ -48,7 +50,7 @@ def test_small_tile_path_compiles():
 
 def test_oversized_tile_is_reported():
     """The check is live: fp32 x head_dim 128 x 128-key tiles need more shared
-    memory than an SM has (the kernel's default tile for that shape is 32 keys)."""
+    memory than an SM has (the kernel's default tile for that shape is 16 keys)."""
     _, r = triton_aot.jpaged_kernel_resources("decode", dtype=jnp.float32, head_dim=128,
                                               block_size=128, gqa=4, block_k=128)
     assert not r.fits and r.shared_bytes > triton_aot.SM90["smem_per_cta_max"], r
