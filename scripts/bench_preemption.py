@@ -72,7 +72,7 @@ def install_pool(llm: LLM, num_blocks: int, mode: str) -> None:
     block_bytes = bytes_per_block(llm.model_config, cfg.block_size, llm.kv_dtype)
     llm.swap_space = HostSwapSpace(swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if mode == "swap" else 0,
                                    llm.runner.kv_pool.shape[1:], llm.runner.kv_pool.dtype)
-    s.swap_space = llm.swap_space
+    s.swap_space = llm.runner.swap_space = llm.swap_space
 
 
 def run(llm, prompts, params, num_blocks, mode):

@@ -65,9 +65,7 @@ def main(argv):
     summary = []
     if _PRECOMPILE.value:
         t0 = time.perf_counter()
-        longest = max(map(len, ids))
-        n = llm.precompile(max_num_seqs=_MAX_RUNNING.value, max_context=longest + T,
-                           prompt_len=longest)
+        n = llm.precompile()
         summary += [{"metric": "precompile_s", "value": time.perf_counter() - t0},
                     {"metric": "precompiled_shapes", "value": n}]
     if _WARMUP.value:
