@@ -35,7 +35,7 @@ clean:
 # Experiments (scripts/bench_*.py): each prints its table and writes CSV + PNG
 # under benchmarks/results/.  Pass flags with ARGS='--flag=value ...'.
 .PHONY: bench-sweep bench-waste bench-latency bench-memory-wall bench-alloc bench-snapshot \
-        bench-block-size bench-serving bench-throughput bench-all
+        bench-block-size bench-serving bench-throughput bench-ragged bench-all
 
 bench-sweep: $(STAMP)
 	$(PY) scripts/bench_sweep.py $(ARGS)
@@ -64,5 +64,10 @@ bench-serving: $(STAMP)
 bench-throughput: $(STAMP)
 	$(PY) scripts/bench_throughput.py $(ARGS)
 
+# The ragged step's targets: serve_batch.py end to end (cold and warm) vs transformers,
+# cold start, prefill and decode vs the matmul floor, padding (tens of minutes on 2 cores).
+bench-ragged: $(STAMP)
+	$(PY) scripts/bench_ragged.py $(ARGS)
+
 bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wall bench-sweep \
-           bench-block-size bench-serving bench-throughput
+           bench-block-size bench-serving bench-throughput bench-ragged

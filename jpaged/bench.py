@@ -173,6 +173,30 @@ def report(name: str, rows: list[dict], columns: Sequence[str] | None = None,
     print(f"[wrote {path.relative_to(REPO)}]")
 
 
+def markdown_table(rows: list[dict], columns: Sequence[str] | None = None,
+                   formats: dict[str, str] | None = None) -> str:
+    """The same cells as `table`, as a GitHub markdown table."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+    formats = formats or {}
+    cell = lambda v, c: _fmt(v, formats.get(c)).replace("|", "\\|")  # noqa: E731
+    out = ["| " + " | ".join(columns) + " |",
+           "|" + "|".join("---" if all(isinstance(r.get(c), str) for r in rows) else "---:"
+                          for c in columns) + "|"]
+    out += ["| " + " | ".join(cell(r.get(c), c) for c in columns) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_markdown(name: str, text: str) -> pathlib.Path:
+    """Writes benchmarks/results/<name>.md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    path.write_text(text.rstrip("\n") + "\n")
+    print(f"[wrote {path.relative_to(REPO)}]")
+    return path
+
+
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     import matplotlib
     matplotlib.use("Agg")
@@ -232,6 +256,88 @@ def kv_bytes_per_token(llm: Any) -> int:
 def weight_bytes(llm: Any) -> int:
     import jax
     return int(sum(x.nbytes for x in jax.tree.leaves(llm.params)))
+
+
+# --------------------------------------------------------------- step floors
+MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def layer_weights(model: Any) -> list[dict]:
+    """Per-layer projection weights, whether the model stores them stacked
+    (one array with a leading layer axis) or as a list of layers."""
+    layers = model.layers
+    if hasattr(layers, "items"):
+        stacked = {k: layers[k][...] for k in MATMULS}
+        return [{k: v[i] for k, v in stacked.items()} for i in range(model.cfg.num_layers)]
+    return [{k: layer[k][...] for k in MATMULS} for layer in layers]
+
+
+def matmul_floor_fn(llm: Any, head: bool = True):
+    """Jitted: only the 7 projection matmuls per layer x num_layers (+ the lm_head
+    over every row when `head`), over jpaged's own weights (layers unrolled; two
+    tiny reductions keep k and v live).  head=False is the prefill floor (a step
+    computes logits for one row per sequence only) and returns one reduced row."""
+    import jax
+    from flax import nnx
+    model = nnx.merge(llm.graphdef, llm.params)
+    lw = layer_weights(model)
+    head_w = model.embed[...].T if model.lm_head is None else model.lm_head[...]
+
+    @jax.jit
+    def f(x, lw, head_w):
+        h = x
+        for w in lw:
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            h = h + q @ w["wo"] + (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
+            h = h + ((h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return h @ head_w if head else h.sum(0, keepdims=True)
+    return lambda x: f(x, lw, head_w)
+
+
+def time_matmuls(llm: Any, batch: int, iters: int, head: bool = True) -> float:
+    """Median seconds of `matmul_floor_fn` over `batch` token rows (device->host copy
+    of the result included, as a step does)."""
+    import jax.numpy as jnp
+    f = matmul_floor_fn(llm, head)
+    x = jnp.ones((batch, llm.model_config.hidden_size), llm.dtype) * 0.01
+    f(x).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        np.asarray(f(x))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def time_decode_steps(llm: Any, batch: int, steps: int) -> dict:
+    """Median wall / device time of jpaged steps in which exactly `batch` sequences
+    decode (no prompt tokens in the step): `batch` requests of `steps` tokens
+    (ignore_eos) go in through llm.add_request and run with llm.step; the first
+    pass compiles the shapes, the second is measured.  The engine must allow
+    max_num_seqs >= batch."""
+    prompts = chat([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)])
+    ids = token_ids(llm, prompts)
+    params = greedy(steps, ignore_eos=True)
+    result: dict = {}
+    cold_prefix_cache(llm)
+    for _ in range(2):
+        for x in ids:
+            llm.add_request(x, params)
+        walls, devs = [], []
+        while llm.scheduler.has_work:
+            st = llm.stats
+            prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
+            t0 = time.perf_counter()
+            llm.step()
+            wall = time.perf_counter() - t0
+            st = llm.stats
+            if st.prefill_steps == prefills and st.tokens_scheduled - tok0 == batch:
+                walls.append(wall)
+                devs.append(st.device_seconds - dev0)
+        result = {"step_ms": 1000 * float(np.median(walls)) if walls else float("nan"),
+                  "device_ms": 1000 * float(np.median(devs)) if devs else float("nan"),
+                  "steps_timed": len(walls)}
+    return result
 
 
 # --------------------------------------------------------------- Hugging Face peers

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
 from jpaged import bench as B
 
@@ -35,76 +32,6 @@ _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "jpaged KV block size.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run the jpaged workload once untimed first (compiles).")
 _KV_DTYPE = flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
                               "jpaged KV pool dtype (results get a _kv_<dtype> suffix unless auto).")
-
-
-MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def layer_weights(model) -> list[dict]:
-    """Per-layer projection weights, whether the model stores them stacked
-    (one array with a leading layer axis) or as a list of layers."""
-    layers = model.layers
-    if hasattr(layers, "items"):
-        stacked = {k: layers[k][...] for k in MATMULS}
-        return [{k: v[i] for k, v in stacked.items()} for i in range(model.cfg.num_layers)]
-    return [{k: layer[k][...] for k in MATMULS} for layer in layers]
-
-
-def matmul_floor_fn(llm):
-    """Jitted: only the 7 projection matmuls per layer x num_layers + lm_head, over
-    jpaged's own weights (layers unrolled; two tiny reductions keep k and v live)."""
-    model = nnx.merge(llm.graphdef, llm.params)
-    lw = layer_weights(model)
-    head = model.embed[...].T if model.lm_head is None else model.lm_head[...]
-
-    @jax.jit
-    def f(x, lw, head):
-        h = x
-        for w in lw:
-            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
-            h = h + q @ w["wo"] + (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
-            h = h + ((h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-        return h @ head
-    return lambda x: f(x, lw, head)
-
-
-def time_matmuls(llm, batch: int, iters: int) -> float:
-    f = matmul_floor_fn(llm)
-    x = jnp.ones((batch, llm.model_config.hidden_size), llm.dtype) * 0.01
-    f(x).block_until_ready()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        np.asarray(f(x))  # include the device->host copy of the logits, as a step does
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def time_decode_steps(llm, batch: int, steps: int) -> dict:
-    """Median wall / device time of jpaged decode steps with exactly `batch` sequences running."""
-    prompts = B.chat([B.DEFAULT_PROMPTS[i % len(B.DEFAULT_PROMPTS)] for i in range(batch)])
-    params = B.greedy(steps, ignore_eos=True)
-    result = {}
-    B.cold_prefix_cache(llm)
-    for attempt in range(2):  # first pass compiles the shapes, second is measured
-        for p in prompts:
-            _, ids, _ = llm._tokenize(p)
-            llm.add_request(ids, params)
-        walls, devs = [], []
-        while llm.scheduler.has_work:
-            prefills, dev0 = llm.stats.prefill_steps, llm.stats.device_seconds
-            t0 = time.perf_counter()
-            llm.step()
-            wall = time.perf_counter() - t0
-            running = sum(not s.is_done for s in llm.scheduler.running)
-            if llm.stats.prefill_steps == prefills and running == batch:
-                walls.append(wall)
-                devs.append(llm.stats.device_seconds - dev0)
-        llm._active.clear()
-        result = {"step_ms": 1000 * float(np.median(walls)) if walls else float("nan"),
-                  "device_ms": 1000 * float(np.median(devs)) if devs else float("nan"),
-                  "steps_timed": len(walls)}
-    return result
 
 
 def main(argv):
@@ -175,8 +102,8 @@ def main(argv):
     # ---- decode step vs matmul floor
     steps = []
     for b in (int(x) for x in _STEP_BATCHES.value):
-        d = time_decode_steps(llm, b, _STEP_TOKENS.value)
-        mm = 1000 * time_matmuls(llm, b, 20)
+        d = B.time_decode_steps(llm, b, _STEP_TOKENS.value)
+        mm = 1000 * B.time_matmuls(llm, b, 20)
         steps.append({"batch": b, "step_ms": d["step_ms"], "device_ms": d["device_ms"],
                       "matmul_floor_ms": mm, "step_over_floor": d["step_ms"] / mm,
                       "host_pct_of_step": 100 * (d["step_ms"] - d["device_ms"]) / d["step_ms"],
