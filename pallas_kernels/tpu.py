@@ -1,29 +1,76 @@
-"""Pallas Mosaic-TPU paged attention (decode and ragged prefill in one kernel).
+"""Pallas Mosaic-TPU ragged paged attention (prefill chunks and decode tokens mixed).
 
-The pool `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` stays in HBM
-(`memory_space=ANY`); the layer index, flattened block tables and the
-lengths are scalar-prefetched into SMEM (`PrefetchScalarGridSpec`).
+Contract: `pallas_kernels.paged_attention` (flat ragged batch q[T, H, D],
+`cu_q_lens[S + 1]`, `kv_lens[S]`, `block_tables[S, W]`, the whole pool
+`kv_pool[num_blocks, num_layers, 2, KVH, BS, D]`, a traced or static `layer`).
+The design follows tpu-inference's ragged_paged_attention.
 
-Grid (B, KVH, row_tiles, kv_steps).  The Q tokens x G query heads of one KV
-head are flattened into Q*G rows (row r = token r // G) and tiled by
-`block_m` rows (decode: Q == 1, one tile of G rows padded to a multiple of
-8).  Step j of the last ("arbitrary") grid axis handles a compute block of
-`pages_per_compute_block` pages: the pages of step j+1 are DMA'd
-(`pltpu.make_async_copy`, one copy per page and K/V, straight from
-`kv_pool.at[block, layer, k_or_v, head]`) into the other half of a
-double-buffered VMEM scratch while step j computes.  Only the pages the
-tile can see (causal bound) are copied; steps beyond them do nothing.  fp32
-online softmax in VMEM scratch; the output tile is written on the last step.
+Query tiles.  Each sequence's q_len new tokens are cut into tiles of at most
+`block_q` tokens that never straddle sequences; after the sequence tiles come
+tiles of at most `block_q` padding tokens (tokens >= cu_q_lens[S]).  At most
+`NT = cdiv(T, block_q) + S` tiles are needed, a static bound from the bucketed
+T and S alone; the tiles past the last needed one are empty.  A few jnp ops
+on [S]- and [NT]-sized arrays (`tile_layout`, outside the kernel) give every
+tile its sequence (-1: nothing to attend), first token and token count; those,
+the layer, the flattened block tables, kv_lens and cu_q_lens are
+scalar-prefetched into SMEM (`PrefetchScalarGridSpec`).
 
-Masking uses `where` on K, V and the scores (never a multiply), so NaN in
-blocks the sequence does not own, block 0 included, and stale/uninitialised
-VMEM never reach the output; rows with no visible key give zeros.
+Grid (head_blocks, NT), ("parallel", "arbitrary").  A grid step handles one
+tile for `kv_heads_per_block` KV heads (default all of them) and the
+G = H / KVH query heads of each: the tile's tokens x G heads of a KV head are
+the M rows of the dots (row r is token r // G), so each K/V page is loaded
+once per KV head whatever G.  q, kv_pool and the output stay in HBM
+(`memory_space=ANY`) and move by explicit DMA:
 
-Real-TPU alignment (not checked here, interpret mode accepts anything):
-head_dim a multiple of 128 is best (64 works as a full-dim block), block_size
-a multiple of 8 for fp32 K/V and 16 for bf16 (sublane tiling of the
-[pages*BS, D] reshape), pages_per_compute_block * block_size ideally a
-multiple of 128.  The kernels have only been run in TPU interpret mode.
+* q: only the tile's n tokens (a dynamic-size copy of q[start:start + n]) into
+  one of 2 VMEM slots; a tile starts the copy of the next tile's q.
+* K/V: the tile walks its sequence's pages 0 .. the page of the last key its
+  last token sees, `pages_per_compute_block` pages per step, in a
+  `lax.fori_loop` with a dynamic trip count: the cost never depends on W nor
+  on padding.  One DMA per page copies K and V of the block's heads,
+  `kv_pool.at[page, layer, :, heads]` (one contiguous [2, KVH, BS, D] chunk
+  when the block is all heads), into one of 2 VMEM slots.  While a step
+  computes, the next step's pages are in flight, and the last step of a tile
+  fetches the next tile's first pages, so a run of decode tiles keeps the DMA
+  engine busy across grid steps.  Pages past the causal bound are never
+  copied.
+* out: only the tile's n rows (dynamic-size copy) from one of 2 VMEM slots;
+  the copy is waited one grid step later (or at the last step).  Tiles of
+  padding tokens write zeros; empty tiles issue no DMA and do no compute.
+
+Decode stays cheap: a tile of at most `block_q_small` tokens (default
+cdiv(sublanes, G), i.e. one 8-row fp32 / 16-row bf16 tile of rows) runs a
+second instance of the compute whose dots and softmax have block_q_small * G
+rows instead of block_q * G: a decode token costs ~G rows of MXU/VPU work,
+not block_q * G, and a decode batch costs one grid step per sequence.
+
+Masking uses `where` (never a multiply): keys at or past the tile's last
+visible position (block 0, unowned blocks, the tail of the last block, pages
+never copied, stale VMEM) are masked in the scores and zeroed in V, so NaN
+anywhere a sequence does not own never reaches its output (rows past the
+tile's tokens compute on stale q and are never copied out); rows with no
+visible key give zeros.  fp32 online
+softmax (m, l, acc in VMEM scratch); fp32 K/V use HIGHEST-precision dots, bf16
+K/V bf16 dots (q is scaled in fp32, then rounded to the K/V dtype).
+
+Real-TPU constraints (interpret mode accepts anything; this kernel has run in
+TPU interpret mode and been lowered to Mosaic for a v5e target, but never been
+compiled by libtpu nor run on a TPU):
+* head_dim a multiple of 128 (64 works with half the lanes idle);
+* block_size a multiple of 8 for fp32 K/V and of 16 for bf16: pages are
+  stacked along sublanes in VMEM (DMA destinations at page offsets);
+  pages_per_compute_block * block_size ideally a multiple of 128;
+* the G heads of a KV head are sliced out of q's sublane (head) axis and
+  folded into rows in fp32, as tpu-inference's kernel does; rows are padded to
+  whole sublane tiles, which is exact for G dividing 8 (16 for bf16) and
+  block_q a power of two; other G leave partial-tile stores (unverified);
+* with kv_heads_per_block < KVH, kv_heads_per_block * G a multiple of 8 (fp32
+  q) / 16 (bf16 q), since the q / out DMAs slice the head axis (the megacore
+  default halves KVH only then);
+* SMEM holds the flattened block table, S * W int32 (1 MiB of SMEM on v4 /
+  v5 / v6: S * W <= ~200K entries), plus 3 * NT + 2 * S + 3 scalars;
+* `vmem_limit_bytes` defaults to an estimate of the scratch when that exceeds
+  12 MiB (the default scoped limit is 16 MiB on v4 / v5e).
 """
 
 from __future__ import annotations
@@ -36,13 +83,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import attention_dims, row_tile_span
+from pallas_kernels.reference import attention_dims
 
 MASK_VALUE = -1e30
+KEYS_PER_COMPUTE_BLOCK = 256   # default pages_per_compute_block = this // block_size
+ROWS_PER_TILE = 256            # default block_q = this // G (power of two, 8..128)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
 
 
 def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+    return _cdiv(x, m) * m
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def _sublanes(dtype) -> int:
+    """Rows of one native VMEM tile: 8 for 32-bit, 16 for bf16 (packed in pairs)."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
 def _on_tpu() -> bool:
@@ -54,163 +116,321 @@ def default_interpret():
     return None if _on_tpu() else pltpu.InterpretParams()
 
 
-def _kernel(layer_ref, bt_ref, kvl_ref, ql_ref,            # scalar prefetch (SMEM)
-            q_ref, kv_hbm,                                  # inputs
-            o_ref,                                          # output
-            k_buf, v_buf, sems, m_sc, l_sc, acc_sc,         # scratch
-            *, block_size: int, pages_per_cb: int, block_m: int, group: int,
-            width: int, sm_scale: float):
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    t = pl.program_id(2)
-    j = pl.program_id(3)
-    n_steps = pl.num_programs(3)
+def _default_heads_per_block(KVH: int, G: int, q_dtype, compiled: bool) -> int:
+    """All KV heads, or half of them on a megacore chip (v4, v5p: 2 TensorCores
+    share the "parallel" head-block axis) when the halves stay sublane-aligned."""
+    if compiled and KVH % 2 == 0 and (KVH // 2 * G) % _sublanes(q_dtype) == 0:
+        try:
+            if pltpu.get_tpu_info().num_cores > 1:
+                return KVH // 2
+        except Exception:  # unknown device kind: keep one head block
+            pass
+    return KVH
+
+
+def block_sizes(T: int, G: int, BS: int, W: int, kv_dtype, block_q=None, block_q_small=None,
+                pages_per_compute_block=None) -> tuple[int, int, int]:
+    """(block_q, block_q_small, pages_per_compute_block) with the defaults filled in."""
+    bq = block_q or min(128, max(8, _pow2_floor(ROWS_PER_TILE // G)), _round_up(T, 8))
+    small = max(1, min(block_q_small or _cdiv(_sublanes(kv_dtype), G), bq))
+    ppcb = max(1, min(pages_per_compute_block or KEYS_PER_COMPUTE_BLOCK // BS, W))
+    return bq, small, ppcb
+
+
+def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block_q: int):
+    """(tile_seq, tile_start, tile_len), each [cdiv(T, block_q) + S] int32.
+
+    Tiles of each sequence's tokens (at most block_q, never straddling
+    sequences) in sequence order, then tiles of the padding tokens
+    cu_q_lens[S]..T-1, then empty tiles (tile_len 0).  tile_seq is the
+    sequence of a tile whose tokens see at least one key, else -1 (padding
+    tiles, and tiles that must output zeros)."""
+    T = num_tokens
+    S = kv_lens.shape[0]
+    NT = _cdiv(T, block_q) + S
+    cu = jnp.minimum(cu_q_lens.astype(jnp.int32), T)
+    kv_lens = kv_lens.astype(jnp.int32)
+    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+    tiles = _cdiv(q_lens, block_q)
+    ends = jnp.cumsum(tiles)
+    i = jnp.arange(NT, dtype=jnp.int32)
+    s = jnp.minimum(jnp.searchsorted(ends, i, side="right").astype(jnp.int32), S - 1)
+    seq_start = cu[s] + (i - (ends[s] - tiles[s])) * block_q
+    seq_len = jnp.clip(cu[s + 1] - seq_start, 0, block_q)
+    first_pos = kv_lens[s] - q_lens[s] + (seq_start - cu[s])
+    sees_keys = jnp.minimum(first_pos + seq_len, kv_lens[s]) > 0
+    is_seq = i < ends[S - 1]
+    pad_start = cu[S] + (i - ends[S - 1]) * block_q
+    pad_len = jnp.clip(T - pad_start, 0, block_q)
+    start = jnp.minimum(jnp.where(is_seq, seq_start, pad_start), T)
+    length = jnp.where(is_seq, seq_len, pad_len)
+    seq = jnp.where(is_seq & sees_keys & (seq_len > 0), s, -1)
+    return seq.astype(jnp.int32), start.astype(jnp.int32), length.astype(jnp.int32)
+
+
+def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref,  # SMEM
+            q_hbm, kv_hbm,                                                       # inputs (HBM)
+            o_hbm,                                                               # output (HBM)
+            q_buf, qs_sc, kv_buf, o_buf, fin, m_sc, l_sc, acc_sc, sems, state,  # scratch
+            *, block_size: int, pages_per_cb: int, block_q: int, block_q_small: int,
+            group: int, heads_per_blk: int, width: int, head_blocks: int, sm_scale: float):
+    BS, P, G, hb = block_size, pages_per_cb, group, heads_per_blk
+    N = P * BS
+    D = q_buf.shape[-1]
+    kv_dtype = kv_buf.dtype
+    sublanes = _sublanes(kv_dtype)
+    prec = lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None
+    hblk = pl.program_id(0)
+    i = pl.program_id(1)
+    NT = pl.num_programs(1)
     layer = layer_ref[0]
-    kv_len = kvl_ref[b]
-    q_len = ql_ref[b]
-    cb_tokens = pages_per_cb * block_size
 
-    first_tok, last_pos = row_tile_span(t, block_m, group, q_len, kv_len)
-    active = (first_tok < q_len) & (kv_len > 0)
-    pages_needed = jnp.where(active, last_pos // block_size + 1, 0)
-    steps_needed = (pages_needed + pages_per_cb - 1) // pages_per_cb
+    def heads(ref):
+        """q / out HBM ref restricted to this grid step's query heads."""
+        if head_blocks == 1:
+            return ref
+        return ref.at[:, pl.ds(hblk * (hb * G), hb * G)]
 
-    def copies(step, slot):
-        out = []
-        for i in range(pages_per_cb):
-            page = step * pages_per_cb + i
-            phys = bt_ref[b * width + jnp.minimum(page, width - 1)]
-            kc = pltpu.make_async_copy(kv_hbm.at[phys, layer, 0, h], k_buf.at[slot, i],
-                                       sems.at[0, slot])
-            vc = pltpu.make_async_copy(kv_hbm.at[phys, layer, 1, h], v_buf.at[slot, i],
-                                       sems.at[1, slot])
-            out.append((page < pages_needed, kc, vc))
-        return out
+    def kv_src(page):
+        if head_blocks == 1:
+            return kv_hbm.at[page, layer]
+        return kv_hbm.at[page, layer, :, pl.ds(hblk * hb, hb)]
 
-    def each_copy(step, slot, action):
-        for cond, kc, vc in copies(step, slot):
-            @pl.when(cond)
+    def tile(t):
+        """Scalars of tile t (any index < NT)."""
+        seq = tseq_ref[t]
+        start = tstart_ref[t]
+        n = tlen_ref[t]
+        s = jnp.maximum(seq, 0)
+        kv_len = kvl_ref[s]
+        q_lo = cu_ref[s]
+        first_pos = kv_len - (cu_ref[s + 1] - q_lo) + (start - q_lo)   # position of token 0
+        limit = jnp.clip(first_pos + n, 0, kv_len)                    # keys seen: 0..limit-1
+        return dict(seq=seq, s=s, start=start, n=n, first_pos=first_pos, limit=limit,
+                    pages=_cdiv(limit, BS), blocks=_cdiv(limit, N))
+
+    cur = tile(i)
+    nxt_i = jnp.minimum(i + 1, NT - 1)
+    nxt = tile(nxt_i)
+    work = cur["seq"] >= 0
+    nxt_work = (i + 1 < NT) & (nxt["seq"] >= 0)
+    prev_work = (i > 0) & (tseq_ref[jnp.maximum(i - 1, 0)] >= 0)
+
+    # ---- DMA descriptors (start and wait must build identical ones) ----
+    def q_copy(tl, slot):
+        return pltpu.make_async_copy(heads(q_hbm).at[pl.ds(tl["start"], tl["n"])],
+                                     q_buf.at[slot, pl.ds(0, tl["n"])], sems.at[1, slot])
+
+    def out_copy(start, n, slot):
+        return pltpu.make_async_copy(o_buf.at[slot, pl.ds(0, n)],
+                                     heads(o_hbm).at[pl.ds(start, n)], sems.at[2, slot])
+
+    def kv_each(tl, j, slot, action):
+        """`action` on the copy of each page of K/V step j that tile tl needs."""
+        def one(p, carry):
+            phys = bt_ref[tl["s"] * width + jnp.minimum(j * P + p, width - 1)]
+            rows = pl.ds(pl.multiple_of(p * BS, BS), BS)
+            action(pltpu.make_async_copy(kv_src(phys), kv_buf.at[slot, :, :, rows],
+                                         sems.at[0, slot]))
+            return carry
+        lax.fori_loop(0, jnp.minimum(tl["pages"] - j * P, P), one, 0)
+
+    def kv_start(tl, j, slot):
+        kv_each(tl, j, slot, lambda c: c.start())
+
+    def kv_wait(tl, j, slot):
+        kv_each(tl, j, slot, lambda c: c.wait())
+
+    # ---- prologue: the previous tile prefetched this one's q and first pages iff it worked ----
+    @pl.when(work & jnp.logical_not(prev_work))
+    def _prologue():
+        state[0] = 0
+        q_copy(cur, i % 2).start()
+        kv_start(cur, 0, 0)
+
+    def attend(ntok: int):
+        """Online softmax over the tile's K/V blocks; rows = ntok tokens x G heads."""
+        R = ntok * G
+        Rp = _round_up(R, sublanes)          # rows R.. are masked (token >= ntok)
+        qslot = i % 2
+        for h in range(hb):
+            qh = q_buf[qslot, :ntok, h * G:(h + 1) * G, :].astype(jnp.float32).reshape(R, D)
+            qs_sc[h, :R] = (qh * sm_scale).astype(kv_dtype)
+        m_sc[:, :Rp] = jnp.full((hb, Rp, 1), MASK_VALUE, jnp.float32)
+        l_sc[:, :Rp] = jnp.zeros((hb, Rp, 1), jnp.float32)
+        acc_sc[:, :Rp] = jnp.zeros((hb, Rp, D), jnp.float32)
+
+        # Last key each row sees (its causal position, within the keys the tile
+        # needs).  Rows of tokens >= n hold stale q and are never copied out.
+        tok = lax.broadcasted_iota(jnp.int32, (Rp, 1), 0) // G
+        last_key = jnp.minimum(cur["first_pos"] + tok, cur["limit"] - 1)    # [Rp, 1]
+
+        def step(j, slot):
+            last = j + 1 == cur["blocks"]
+
+            @pl.when(jnp.logical_not(last))
             def _():
-                action(kc)
-                action(vc)
+                kv_start(cur, j + 1, 1 - slot)
 
-    def start(step, slot):
-        each_copy(step, slot, lambda c: c.start())
+            @pl.when(last & nxt_work)
+            def _():
+                state[0] = 1 - slot
+                kv_start(nxt, 0, 1 - slot)
 
-    def wait(step, slot):
-        each_copy(step, slot, lambda c: c.wait())
+            kv_wait(cur, j, slot)
+            key_row = j * N + lax.broadcasted_iota(jnp.int32, (1, N), 1)    # [1, N]
+            key_col = j * N + lax.broadcasted_iota(jnp.int32, (N, 1), 0)    # [N, 1]
+            vis = key_row <= last_key                                        # [Rp, N]
+            kv_ok = key_col < cur["limit"]
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        start(0, 0)
+            def head(h, carry):
+                k = kv_buf[slot, 0, h]                                       # [N, D]
+                v = kv_buf[slot, 1, h]
+                v = jnp.where(kv_ok, v, jnp.zeros_like(v))
+                s = lax.dot_general(qs_sc[h, :Rp], k, (((1,), (1,)), ((), ())), precision=prec,
+                                    preferred_element_type=jnp.float32)      # [Rp, N]
+                s = jnp.where(vis, s, MASK_VALUE)
+                m_prev = m_sc[h, :Rp]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                alpha = jnp.exp(m_prev - m_new)
+                p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
+                l_sc[h, :Rp] = alpha * l_sc[h, :Rp] + jnp.sum(p, axis=1, keepdims=True)
+                acc_sc[h, :Rp] = alpha * acc_sc[h, :Rp] + lax.dot_general(
+                    p.astype(kv_dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                    preferred_element_type=jnp.float32)
+                m_sc[h, :Rp] = m_new
+                return carry
 
-    @pl.when(j < steps_needed)
-    def _step():
-        slot = j % 2
+            lax.fori_loop(0, hb, head, 0)
+            return 1 - slot
 
-        @pl.when(j + 1 < steps_needed)
-        def _prefetch():
-            start(j + 1, 1 - slot)
+        lax.fori_loop(0, cur["blocks"], step, state[0])
+        for h in range(hb):
+            l = l_sc[h, :R]
+            ok = l > 0
+            out = jnp.where(ok, acc_sc[h, :R] / jnp.where(ok, l, 1.0), 0.0)
+            fin[:ntok, h * G:(h + 1) * G, :] = out.reshape(ntok, G, D)
+        o_buf[i % 2, :ntok] = fin[:ntok].astype(o_buf.dtype)
 
-        wait(j, slot)
-        d = k_buf.shape[-1]
-        k = k_buf[slot].reshape(cb_tokens, d)
-        v = v_buf[slot].reshape(cb_tokens, d)
-        pos = j * cb_tokens + lax.broadcasted_iota(jnp.int32, (1, cb_tokens), 1)   # [1, N]
-        rows = t * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)       # [M, 1]
-        tok = rows // group
-        q_pos = kv_len - q_len + tok
-        kvalid = pos < kv_len                                                       # [1, N]
-        vis = (pos <= q_pos) & kvalid & (tok < q_len)                               # [M, N]
-        k = jnp.where(kvalid.reshape(cb_tokens, 1), k, jnp.zeros_like(k))
-        v = jnp.where(kvalid.reshape(cb_tokens, 1), v, jnp.zeros_like(v))
-        prec = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-        q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(k.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                            preferred_element_type=jnp.float32)                     # [M, N]
-        s = jnp.where(vis, s, MASK_VALUE)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-            preferred_element_type=jnp.float32)
-        m_sc[...] = m_new
+    @pl.when(work)
+    def _work():
+        @pl.when(nxt_work)
+        def _():
+            q_copy(nxt, (i + 1) % 2).start()
 
-    @pl.when(j == n_steps - 1)
-    def _finish():
-        l = l_sc[...]
-        ok = l > 0
-        out = acc_sc[...] / jnp.where(ok, l, 1.0)
-        o_ref[...] = jnp.where(ok, out, 0.0).astype(o_ref.dtype)
+        q_copy(cur, i % 2).wait()
+        if block_q_small < block_q:
+            pl.when(cur["n"] <= block_q_small)(lambda: attend(block_q_small))
+            pl.when(cur["n"] > block_q_small)(lambda: attend(block_q))
+        else:
+            attend(block_q)
 
+    @pl.when(jnp.logical_not(work) & (cur["n"] > 0))
+    def _zeros():
+        o_buf[i % 2] = jnp.zeros(o_buf.shape[1:], o_buf.dtype)
 
-def _default_pages_per_cb(width: int, block_size: int) -> int:
-    return max(1, min(width, 512 // block_size))
+    # ---- output: start this tile's copy, wait the previous tile's (other slot) ----
+    prev_i = jnp.maximum(i - 1, 0)
+    prev_n = tlen_ref[prev_i]
+
+    @pl.when((i > 0) & (prev_n > 0))
+    def _():
+        out_copy(tstart_ref[prev_i], prev_n, prev_i % 2).wait()
+
+    @pl.when(cur["n"] > 0)
+    def _():
+        out_copy(cur["start"], cur["n"], i % 2).start()
+
+    @pl.when((i == NT - 1) & (cur["n"] > 0))
+    def _():
+        out_copy(cur["start"], cur["n"], i % 2).wait()
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_compute_block", "block_m",
-                                             "interpret"))
-def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, q_lens, *, sm_scale=None,
-                        pages_per_compute_block=None, block_m=None, interpret=None):
-    """Paged attention on TPU for any Q (decode: Q == 1).  Contract of `paged_attention`.
+def _vmem_bytes(block_q, hb, G, D, N, q_dtype, kv_dtype) -> int:
+    qi, ki = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    hq = hb * G
+    R = _round_up(block_q * G, _sublanes(kv_dtype))
+    return (2 * block_q * hq * D * qi * 2      # q_buf, o_buf
+            + hb * R * D * ki                  # qs_sc
+            + 2 * 2 * hb * N * D * ki          # kv_buf
+            + block_q * hq * D * 4             # fin
+            + hb * R * (D + 2 * 128) * 4       # acc, m, l (lane-padded)
+            + 3 * R * N * 4)                   # scores / probabilities in flight
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "interpret", "block_q", "block_q_small", "pages_per_compute_block",
+    "kv_heads_per_block", "vmem_limit_bytes"))
+def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
+                        interpret=None, block_q=None, block_q_small=None,
+                        pages_per_compute_block=None, kv_heads_per_block=None,
+                        vmem_limit_bytes=None):
+    """Ragged paged attention on TPU.  Contract of `pallas_kernels.paged_attention`.
 
     `interpret`: None -> real Mosaic on TPU, `pltpu.InterpretParams()` elsewhere;
     pass `pltpu.InterpretParams(detect_races=True)` to run the race detector.
+    Tuning (all static):
+      block_q: tokens per query tile (default ~256 rows' worth: 256 // G as a
+        power of two in 8..128, at most T rounded up to 8).  Bigger tiles
+        re-read a long prompt's K/V fewer times.
+      block_q_small: tokens of the decode code path (default cdiv(8, G) for
+        fp32 K/V, cdiv(16, G) for bf16); tiles of at most this many tokens use it.
+      pages_per_compute_block: pages per K/V step (default 256 // block_size,
+        at most W).
+      kv_heads_per_block: KV heads per grid step, a divisor of KVH (default
+        all, half on a megacore chip): head blocks are the "parallel" axis.
+      vmem_limit_bytes: default by estimate (see the module notes).
     """
-    B, Q, H, D, KVH, BS, G, W, scale = attention_dims(q, kv_pool, block_tables, sm_scale)
+    T, H, D, KVH, BS, G, S, W, scale = attention_dims(q, kv_pool, block_tables, kv_lens,
+                                                      cu_q_lens, sm_scale)
     if interpret is None:
         interpret = default_interpret()
-    ppcb = pages_per_compute_block or _default_pages_per_cb(W, BS)
-    ppcb = max(1, min(ppcb, W))
-    n_steps = -(-W // ppcb)
-    rows = Q * G
-    sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)   # 8 fp32, 16 bf16 rows per tile
-    if block_m is None:
-        block_m = min(_round_up(rows, sublanes), 128)
-    n_tiles = -(-rows // block_m)
-    R = n_tiles * block_m
+    bq, small, ppcb = block_sizes(T, G, BS, W, kv_pool.dtype, block_q, block_q_small,
+                                  pages_per_compute_block)
+    hb = kv_heads_per_block or _default_heads_per_block(KVH, G, q.dtype, not interpret)
+    if KVH % hb:
+        raise ValueError(f"kv_heads_per_block={hb} must divide num_kv_heads={KVH}")
+    head_blocks = KVH // hb
+    NT = _cdiv(T, bq) + S
 
-    qr = q.reshape(B, Q, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
-    if R != rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - rows), (0, 0)))
-    kv_lens = kv_lens.astype(jnp.int32)
-    q_lens = jnp.where(kv_lens > 0, q_lens, 0).astype(jnp.int32)
+    tseq, tstart, tlen = tile_layout(cu_q_lens, kv_lens, T, bq)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    bt_flat = block_tables.astype(jnp.int32).reshape(B * W)
+    bt_flat = block_tables.astype(jnp.int32).reshape(S * W)
+    cu = jnp.minimum(cu_q_lens.astype(jnp.int32), T)
 
-    kernel = functools.partial(_kernel, block_size=BS, pages_per_cb=ppcb, block_m=block_m,
-                               group=G, width=W, sm_scale=scale)
+    if vmem_limit_bytes is None:
+        est = _vmem_bytes(bq, hb, G, D, ppcb * BS, q.dtype, kv_pool.dtype)
+        if est > 12 * 2**20:
+            vmem_limit_bytes = min(int(est * 1.25) + 4 * 2**20, 100 * 2**20)
+
+    kernel = functools.partial(_kernel, block_size=BS, pages_per_cb=ppcb, block_q=bq,
+                               block_q_small=small, group=G, heads_per_blk=hb, width=W,
+                               head_blocks=head_blocks, sm_scale=scale)
+    R = _round_up(bq * G, _sublanes(kv_pool.dtype))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
-        grid=(B, KVH, n_tiles, n_steps),
-        in_specs=[
-            pl.BlockSpec((None, None, block_m, D), lambda b, h, t, j, *_: (b, h, t, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=pl.BlockSpec((None, None, block_m, D), lambda b, h, t, j, *_: (b, h, t, 0)),
+        num_scalar_prefetch=7,
+        grid=(head_blocks, NT),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=[
-            pltpu.VMEM((2, ppcb, BS, D), kv_pool.dtype),
-            pltpu.VMEM((2, ppcb, BS, D), kv_pool.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((block_m, 1), jnp.float32),
-            pltpu.VMEM((block_m, 1), jnp.float32),
-            pltpu.VMEM((block_m, D), jnp.float32),
+            pltpu.VMEM((2, bq, hb * G, D), q.dtype),            # q_buf
+            pltpu.VMEM((hb, R, D), kv_pool.dtype),              # qs_sc: scaled q rows
+            pltpu.VMEM((2, 2, hb, ppcb * BS, D), kv_pool.dtype),  # kv_buf: slot, K/V, head
+            pltpu.VMEM((2, bq, hb * G, D), q.dtype),            # o_buf
+            pltpu.VMEM((bq, hb * G, D), jnp.float32),           # fin
+            pltpu.VMEM((hb, R, 1), jnp.float32),                # m
+            pltpu.VMEM((hb, R, 1), jnp.float32),                # l
+            pltpu.VMEM((hb, R, D), jnp.float32),                # acc
+            pltpu.SemaphoreType.DMA((3, 2)),                    # (kv, q, out) x slot
+            pltpu.SMEM((1,), jnp.int32),                        # kv slot of the next tile
         ],
     )
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((B, KVH, R, D), q.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct((T, H, D), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
-        name="jpaged_attention_tpu",
-    )(layer_arr, bt_flat, kv_lens, q_lens, qr, kv_pool)
-    out = out[:, :, :rows].reshape(B, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, D)
-    return out
+        name="jpaged_ragged_attention_tpu",
+    )(layer_arr, bt_flat, kv_lens.astype(jnp.int32), cu, tseq, tstart, tlen, q, kv_pool)
