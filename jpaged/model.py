@@ -1,13 +1,21 @@
 """A Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) in Flax NNX.
 
-Each layer keeps its own weight arrays and the layer loop is unrolled at trace
-time.  A `lax.scan` over stacked weights compiles faster, but XLA materializes
-each layer's dynamic slice of the stacked weights before the matmul: on the CPU
-that tripled the bytes moved per decode step (measured: 85-180 ms scanned vs
-47-78 ms unrolled for SmolLM2's matmuls at batch 1).  The KV pool is threaded
-through the layers: each scatters its new K/V into the pool and attention reads
-them back through the block tables; with the pool donated, XLA updates it in
-place and never copies it.
+A step is one flat ragged batch of tokens [T]: the new tokens of several
+sequences (prefill chunks and decode tokens alike) back to back.  Every matmul
+runs over all T tokens at once; attention is the only place where sequences
+matter, and it reads them through `StepMetadata` (per-token positions and K/V
+slots, per-sequence block tables, lengths and query offsets).  The LM head runs
+only on each sequence's last token.
+
+The layer loop is unrolled at trace time over per-layer weight arrays by
+default.  `scan_layers=True` runs a `lax.scan` over stacked weights instead:
+it traces one layer, but XLA:CPU then copies each layer's slice of the stacked
+weights before its matmuls, and on the CPU that costs more per step than it
+saves in compile time (measured for SmolLM2: 1.5-2x slower decode steps, about
+the same compile time; see benchmarks/README.md, "Layer loop").  The KV pool
+is threaded through the layers: each writes its new K/V into the pool and
+attention reads them back through the block tables; with the pool donated, XLA
+updates it in place and never copies it.
 
 Pool layout (see `jpaged.kv_cache`):
     kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]

@@ -26,6 +26,8 @@ Parts (--parts):
            the 8 default prompts) with an empty cache dir: subprocess wall, compile
            seconds (summary json) and the compile share of the wall (target <= 25 %);
            and the same command warm (second of two runs).
+  layer_loop  In-process, unrolled layers vs lax.scan: compile seconds per program
+           (no persistent cache) and step times (a 2x512 prefill, a batch-32 decode).
   prefill  In-process: LLM(max_num_seqs=8, max_num_batched_tokens=T=1024, prefix caching
            off); prefill shapes 1x1024, 2x512, 8x128 random prompt tokens, max_tokens=1
            (one step of exactly T tokens): compiled once, then --prefill_iters timed
@@ -63,8 +65,8 @@ from absl import app, flags
 
 from jpaged import bench as B
 
-_PARTS = flags.DEFINE_list("parts", ["e2e", "serve", "prefill", "decode"],
-                           "Parts to run: e2e, serve, prefill, decode.")
+_PARTS = flags.DEFINE_list("parts", ["e2e", "serve", "prefill", "decode", "layer_loop"],
+                           "Parts to run: e2e, serve, prefill, decode, layer_loop.")
 _WORKLOADS = flags.DEFINE_list("workloads", ["mixed", "long", "shared"],
                                "End-to-end workloads (part e2e): mixed, long, shared.")
 _COLD = flags.DEFINE_bool("cold", True, "Also run every CLI command once with an empty cache dir.")
@@ -611,11 +613,48 @@ def part_decode(rep: Report, overrides: dict[str, Any], prompt_len: int) -> None
     gc.collect()
 
 
+def part_layer_loop(rep: Report, overrides: dict[str, Any]) -> None:
+    """Unrolled layers vs lax.scan over stacked layers: compile time (no persistent
+    cache) and step time, on one engine each, back to back."""
+    from jpaged.sequence import SamplingParams
+    print("\n[layer_loop] unroll vs scan", flush=True)
+    rows = []
+    rng = np.random.default_rng(_SEED.value)
+    for loop in ("unroll", "scan"):
+        llm = B.make_llm(**{**overrides, "layer_loop": loop, "compilation_cache": False,
+                            "max_num_seqs": 64, "max_num_batched_tokens": 1024, "num_blocks": 1024,
+                            "enable_prefix_caching": False})
+        compile_s = []
+        for T in (64, 1024):  # the first call compiles 8..64, the second 128..1024
+            c0 = llm.runner.compile_seconds
+            n = llm.precompile(T)
+            compile_s.append((llm.runner.compile_seconds - c0) / n)
+        prompts = [rng.integers(1000, llm.model_config.vocab_size, 512).tolist() for _ in range(2)]
+        devs = []
+        for _ in range(3):
+            llm.generate(prompts, SamplingParams(max_tokens=1))
+            devs.append(llm.stats.device_seconds)
+        d = B.time_decode_steps(llm, 32, 16)
+        rows.append({"layer_loop": loop, "compile_s_per_program_small": compile_s[0],
+                     "compile_s_per_program_large": compile_s[1],
+                     "prefill_2x512_ms": 1000 * float(np.median(devs)), "decode_b32_step_ms": d["step_ms"]})
+        print(f"  {rows[-1]}", flush=True)
+        del llm
+        gc.collect()
+    rep.table("layer_loop", rows, list(rows[0]),
+              {"compile_s_per_program_small": ".2f", "compile_s_per_program_large": ".2f",
+               "prefill_2x512_ms": ".1f", "decode_b32_step_ms": ".1f"},
+              "Layer loop: unrolled vs lax.scan (compile: trace + lower + XLA, no persistent cache)",
+              "compile_s_per_program_small: mean over the buckets 8..64 tokens; _large: 128..1024. "
+              "prefill: device time of one 1024-token step (median of 3); decode: median step with "
+              "32 sequences decoding.")
+
+
 def main(argv):
     del argv
     B.header(_OUT.value)
     parts = set(_PARTS.value)
-    unknown = parts - {"e2e", "serve", "prefill", "decode"} or set(_WORKLOADS.value) - set(WORKLOADS)
+    unknown = parts - {"e2e", "serve", "prefill", "decode", "layer_loop"} or set(_WORKLOADS.value) - set(WORKLOADS)
     if unknown:
         raise app.UsageError(f"unknown parts / workloads: {sorted(unknown)}")
     overrides = parse_overrides(_ENGINE_OVERRIDES.value)
@@ -651,6 +690,8 @@ def main(argv):
         gc.collect()
         if "decode" in parts:
             part_decode(rep, in_process, decode_prompt_len)
+        if "layer_loop" in parts:
+            part_layer_loop(rep, in_process)
         if padding:
             for p in padding:
                 rep.target(f"padding ratio <= 1.15: {p['run']}, {p['label']}", p["padding_ratio"] <= 1.15,
