@@ -1,23 +1,36 @@
-"""Decode (Q == 1) paged attention and the K/V write for XLA:CPU: C++ XLA FFI custom calls.
+"""Ragged paged attention and the K/V write for XLA:CPU: C++ XLA FFI custom calls.
 
-`write_kv_cpu` writes new K/V rows into the pool in place; the engine uses it
-for bf16 pools, which XLA:CPU's scatter would convert whole to f32 and back.
+`paged_attention_cpu` is one kernel for decode tokens and prefill chunks
+alike (the ragged contract of `pallas_kernels.paged_attention`).  It reads K/V
+straight from the pool through the block table, never gathering a padded copy.
+A work item is (sequence, kv head, tile of up to 48 / G of the sequence's new
+tokens); its rows are the tile's tokens x the G query heads sharing the kv
+head.  It walks the keys up to the tile's causal limit in chunks of 48 with an
+fp32 online softmax (base-2, polynomial exp2): Q K^T and P V are
+register-blocked, vectorized micro-kernels (6 x 16 fp32 tiles, ~95 % of the
+FMA peak on AVX2), so prefill runs near the machine's matmul efficiency; items
+of at most 4 rows (decode with G <= 4) take Q K^T as dot products over the head
+dim instead.  Items, largest first, are spread over XLA's intra-op thread
+pool; each is computed by one thread (results do not depend on the thread
+count).  K/V may be float32 or bfloat16 (converted on load); q and the output
+float32 or bfloat16.  Timings: scripts/bench_cpu_attention.py,
+benchmarks/results/cpu_attention.md.
 
-The jnp reference spends most of a CPU decode step in XLA:CPU's gather (the
-copy of every sequence's K/V out of the pool).  This kernel reads K/V straight
-from the pool through the block table: one work item per (sequence, kv head),
-the G query heads of a KV head computed together while that head's K/V rows
-stream through once, fp32 online softmax, items spread over XLA's intra-op
-thread pool.  K/V may be float32 or bfloat16 (converted on load); q and the
-output float32 or bfloat16.
+`write_kv_cpu` writes the new tokens' K/V rows into the pool in place (the
+result aliases the pool; donate it to keep one buffer).  XLA:CPU's own scatter
+converts a whole bf16 pool to f32 and back on every write.
 
-The source (`csrc/paged_decode_cpu.cc`) is compiled lazily on first use with
-g++ into `$JPAGED_CACHE_DIR/kernels/` (default `~/.cache/jpaged/kernels/`),
+`paged_attention_or_reference` / `write_kv_or_reference` (what
+`pallas_kernels.get_backend("cpu")` returns) use the kernels when they apply
+and fall back to the jnp reference otherwise.
+
+The source (`csrc/paged_attention_cpu.cc`) is compiled lazily on first use
+with g++ into `$JPAGED_CACHE_DIR/kernels/` (default `~/.cache/jpaged/kernels/`),
 under a name keyed by a hash of the source, the compiler flags, the compiler,
-the jax version and the host CPU (-march=native); it is built into a temporary file and renamed into place,
-so concurrent processes never load a half-written library.  `available()` is
-False (reason logged once) when g++ is missing or the build or load fails;
-importing this module never compiles or fails.
+the jax version and the host CPU (-march=native); it is built into a temporary
+file and renamed into place, so concurrent processes never load a half-written
+library.  `available()` is False (reason logged once) when g++ is missing or
+the build or load fails; importing this module never compiles or fails.
 """
 
 from __future__ import annotations
@@ -36,14 +49,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.reference import attention_dims, paged_attention_reference, write_kv_reference
+
 log = logging.getLogger(__name__)
 
-TARGET = "jpaged_paged_decode_cpu"
-_SYMBOL = "JpagedPagedDecodeCpu"
+TARGET = "jpaged_paged_attention_cpu"
+_SYMBOL = "JpagedPagedAttentionCpu"
 WRITE_TARGET = "jpaged_write_kv_cpu"
 _WRITE_SYMBOL = "JpagedWriteKvCpu"
-_SRC = pathlib.Path(__file__).parent / "csrc" / "paged_decode_cpu.cc"
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
+_SRC = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC",
+          "-std=c++17")
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "reason": str, "lib": ctypes.CDLL
@@ -83,7 +99,7 @@ def _build() -> pathlib.Path:
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cxx_version.encode(),
                                      jax.__version__.encode(), inc.encode(), _cpu_id()])).hexdigest()[:16]
     out_dir = _cache_dir()
-    out = out_dir / f"paged_decode_cpu-{key}.so"
+    out = out_dir / f"paged_attention_cpu-{key}.so"
     if out.exists():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,60 +150,84 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def supports(q: jax.Array, kv_pool: jax.Array) -> bool:
-    """Whether `paged_decode_cpu` handles these operands (Q == 1, f32/bf16, kernel built)."""
-    return (q.ndim == 4 and q.shape[1] == 1 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
+    """Whether `paged_attention_cpu` takes these operands ([T, H, D] q, f32/bf16, kernel built)."""
+    return (q.ndim == 3 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
             and jnp.dtype(kv_pool.dtype) in SUPPORTED_DTYPES and available())
 
 
-def paged_decode_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
-                     block_tables: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
-                     *, sm_scale: float | None = None, max_threads: int = 0) -> jax.Array:
-    """Decode attention (q: [B, 1, H, D]) over the paged pool; see `pallas_kernels.paged_attention`.
+def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
+                        block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                        *, sm_scale: float | None = None, max_threads: int = 0) -> jax.Array:
+    """Ragged paged attention (q: [T, H, D]); see `pallas_kernels.paged_attention`.
 
-    Only reads the pool, so it works with donated pools and inside jit (layer
-    may be traced).  `max_threads` > 0 caps the threads used (default: XLA's
+    Decode tokens, prefill chunks and padding mixed in one call.  Only reads
+    the pool, so it works with donated pools and inside jit / scan (layer may
+    be traced).  `max_threads` > 0 caps the threads used (default: XLA's
     intra-op pool size, at most the number of cores).
     """
-    if q.ndim != 4 or q.shape[1] != 1:
-        raise ValueError(f"paged_decode_cpu is decode-only: q must be [B, 1, H, D], got {q.shape}")
     for name, x in (("q", q), ("kv_pool", kv_pool)):
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise TypeError(f"paged_decode_cpu: {name} dtype {x.dtype} unsupported "
+            raise TypeError(f"paged_attention_cpu: {name} dtype {x.dtype} unsupported "
                             "(float32 or bfloat16)")
-    if kv_pool.ndim != 6 or kv_pool.shape[2] != 2 or kv_pool.shape[5] != q.shape[3]:
-        raise ValueError(f"paged_decode_cpu: bad kv_pool shape {kv_pool.shape} for q {q.shape}")
-    if q.shape[2] % kv_pool.shape[3]:
-        raise ValueError(f"num_heads {q.shape[2]} not a multiple of num_kv_heads {kv_pool.shape[3]}")
+    *_, scale = attention_dims(q, kv_pool, block_tables, kv_lens, cu_q_lens, sm_scale)
     if not available():
         raise RuntimeError(f"CPU paged-attention kernel unavailable: {unavailable_reason()}")
-    D = q.shape[3]
-    scale = float(D ** -0.5 if sm_scale is None else sm_scale)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, kv_pool, jnp.asarray(layer, jnp.int32).reshape(()),
                 jnp.asarray(block_tables, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
-                jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale),
+                jnp.asarray(cu_q_lens, jnp.int32), sm_scale=np.float32(scale),
                 max_threads=np.int64(max_threads))
 
 
-def write_kv_cpu(kv_pool: jax.Array, layer: jax.Array | int, new_kv: jax.Array,
-                 slots: jax.Array) -> jax.Array:
-    """kv_pool with new_kv [T, 2, KVH, D] written at flat slots [T] of `layer`, in place.
+def paged_attention_or_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
+                                 block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                                 *, sm_scale: float | None = None) -> jax.Array:
+    """`paged_attention_cpu` when `supports(q, kv_pool)`, else the jnp reference."""
+    if supports(q, kv_pool):
+        return paged_attention_cpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
+                                   sm_scale=sm_scale)
+    return paged_attention_reference(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
+                                     sm_scale=sm_scale)
 
-    Slot s is row s % block_size of block s // block_size; slots outside the
-    pool are dropped.  The result aliases the pool (donate it to keep one
-    buffer).  XLA:CPU's own scatter converts a whole bf16 pool to f32 and back
-    on every write; this writes only the new rows.
+
+def _write_args_ok(kv_pool: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    return (kv_pool.ndim == 6 and k.ndim == 3 and k.shape == v.shape and k.dtype == v.dtype
+            and jnp.dtype(kv_pool.dtype) in SUPPORTED_DTYPES
+            and jnp.dtype(k.dtype) in SUPPORTED_DTYPES)
+
+
+def write_kv_cpu(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+                 blocks: jax.Array, offsets: jax.Array) -> jax.Array:
+    """kv_pool with k, v [T, KVH, D] at row offsets[t] of block blocks[t] of `layer`, in place.
+
+    The result aliases the pool (donate it to keep one buffer); writes whose
+    block, offset or layer is out of range are dropped, like the reference's
+    scatter.  Padding tokens carry block 0, the null block.
     """
-    for name, x in (("new_kv", new_kv), ("kv_pool", kv_pool)):
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise TypeError(f"write_kv_cpu: {name} dtype {x.dtype} unsupported (float32 or bfloat16)")
+    if not _write_args_ok(kv_pool, k, v):
+        raise TypeError(f"write_kv_cpu: kv_pool {kv_pool.shape} {kv_pool.dtype}, k {k.shape} "
+                        f"{k.dtype}, v {v.shape} {v.dtype}: need a 6-d pool and [T, KVH, D] k/v "
+                        "of one dtype, float32 or bfloat16")
+    blocks, offsets = jnp.asarray(blocks, jnp.int32), jnp.asarray(offsets, jnp.int32)
+    if k.shape[1:] != (kv_pool.shape[3], kv_pool.shape[5]) or blocks.shape != k.shape[:1] \
+            or offsets.shape != k.shape[:1]:
+        raise ValueError(f"write_kv_cpu: k/v {k.shape}, blocks {blocks.shape}, offsets "
+                         f"{offsets.shape} do not fit pool {kv_pool.shape}")
     if not available():
         raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
-    return call(kv_pool, new_kv, jnp.asarray(layer, jnp.int32).reshape(()),
-                jnp.asarray(slots, jnp.int32))
+    return call(kv_pool, k, v, jnp.asarray(layer, jnp.int32).reshape(()), blocks, offsets)
 
 
-__all__ = ["available", "unavailable_reason", "supports", "paged_decode_cpu", "write_kv_cpu"]
+def write_kv_or_reference(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+                          blocks: jax.Array, offsets: jax.Array) -> jax.Array:
+    """`write_kv_cpu` when the kernel is built and the dtypes fit, else `write_kv_reference`."""
+    if _write_args_ok(kv_pool, k, v) and available():
+        return write_kv_cpu(kv_pool, layer, k, v, blocks, offsets)
+    return write_kv_reference(kv_pool, layer, k, v, blocks, offsets)
+
+
+__all__ = ["available", "unavailable_reason", "supports", "paged_attention_cpu",
+           "paged_attention_or_reference", "write_kv_cpu", "write_kv_or_reference"]

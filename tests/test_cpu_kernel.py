@@ -1,203 +1,286 @@
-"""The CPU decode kernel (pallas_kernels.cpu, a C++ XLA FFI custom call) vs the jnp reference."""
+"""The CPU ragged paged-attention kernel and K/V write (pallas_kernels.cpu, C++ XLA FFI calls).
+
+Attention vs the jnp reference over a covering selection of the grid:
+
+* head_dim {64, 128} (and 20, the scalar paths for a head_dim that is not a
+  multiple of 8) x GQA {1, 3, 4, 8} x block size {1, 8, 16, 32} x dtype
+  {fp32, bf16} for queries and pool, mixed q / pool dtypes included.
+* decode-only batches (contexts up to ~1100 with exact block boundaries,
+  boundary + 1 and 1: `kernel_cases.lens_profile`), whole prompts, chunked
+  prefill over a cached prefix, mixed batches (`kernel_cases.mixed_seqs`);
+  prompts longer than a work item's token tile and a key chunk; padding tokens
+  after the real ones, padding sequences (q_len 0, kv_len 0), a q_len-0
+  sequence with cached K/V mid-batch, an all-padding batch.
+* every case fills all pool memory a sequence may not read with NaN (block 0,
+  unowned blocks, the tail of each last block, every layer but the one read;
+  layer > 0 unless stated); a traced layer inside jit and lax.scan.
+* a hypothesis test draws random ragged batches at fixed shapes.
+
+K/V write vs `write_kv_reference` (all dtype pairs, padding tokens to the null
+block, out-of-range writes dropped), in place when the pool is donated.
+Fallbacks: the reference when the kernel is unavailable or a dtype unsupported.
+
+Tolerances (`kernel_cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
+Inputs are fresh random draws each run; the seed is in every failure message.
+"""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pallas_kernels
+from kernel_cases import (NUM_LAYERS, TOL, check_ragged, fresh_seed, lens_profile,
+                          make_ragged_case, mixed_seqs, reference)
 from pallas_kernels import cpu
-from pallas_kernels.reference import paged_attention_reference
+from pallas_kernels.reference import write_kv_reference
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"CPU kernel unavailable: {cpu.unavailable_reason()}")
 
-NUM_LAYERS = 3
-_ref = jax.jit(paged_attention_reference, static_argnames=("sm_scale",))
+BF16 = jnp.bfloat16
+F32 = np.float32
+kernel = jax.jit(cpu.paged_attention_cpu, static_argnames=("sm_scale", "max_threads"))
 
 
-def _lengths(rng, B, BS, max_len):
-    """Mix of edge lengths (0, 1, block boundaries +-1, the maximum) and random ones."""
-    edges = [0, 1, BS - 1, BS, BS + 1, 2 * BS, 2 * BS + 1, max_len, max_len - 1]
-    edges = [x for x in edges if 0 <= x <= max_len]
-    lens = [edges[i % len(edges)] if i < len(edges) else int(rng.integers(0, max_len + 1))
-            for i in range(B)]
-    return np.asarray(rng.permutation(lens), np.int32)
+def run(args, seed, what, **kw):
+    out = kernel(*args, **kw)
+    check_ragged(out, args, seed, what)
+    return out
 
 
-def make_case(seed, *, B, KVH, G, D, BS, max_len, dtype=jnp.float32, poison=False):
-    """Random pool, permuted block table with padded entries -> block 0, lengths.
+@pytest.mark.parametrize("D,G,KVH,BS,S,max_len,dtype", [
+    (64, 3, 3, 16, 33, 700, F32),      # SmolLM2-135M
+    (128, 1, 2, 8, 9, 300, BF16),
+    (64, 4, 2, 1, 6, 50, F32),
+    (128, 8, 1, 32, 12, 1100, BF16),
+])
+def test_decode(D, G, KVH, BS, S, max_len, dtype):
+    seed = fresh_seed()
+    lens = lens_profile(np.random.default_rng(seed), S, BS, max_len)
+    args = make_ragged_case(seed, [(kv, 1) for kv in lens], G=G, KVH=KVH, D=D, BS=BS, dtype=dtype)
+    assert np.isnan(np.asarray(args[1][0], np.float32)).all()   # the null block is poisoned
+    run(args, seed, f"decode D={D} G={G} BS={BS} {np.dtype(dtype)}")
 
-    With poison, every pool element a sequence must not read (block 0, other
-    layers, unowned blocks, the tail of each last block) is NaN; the clean pool
-    has random values there instead.  Returns (q, clean_pool, pool, layer, bt, kv_lens, q_lens).
-    """
+
+@pytest.mark.parametrize("D,G,KVH,BS,dtype,kind", [
+    (64, 3, 3, 16, F32, "prompts"),
+    (128, 1, 2, 32, F32, "chunks"),
+    (64, 8, 1, 8, BF16, "prompts"),
+    (64, 3, 3, 16, F32, "mixed"),
+    (128, 4, 2, 16, BF16, "mixed"),
+    (64, 1, 4, 1, F32, "mixed"),
+])
+def test_ragged(D, G, KVH, BS, dtype, kind):
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    W = math.ceil(max_len / BS)
-    kv_lens = _lengths(rng, B, BS, max_len)
-    q_lens = (kv_lens > 0).astype(np.int32)
-    q_lens[rng.random(B) < 0.15] = 0                      # some padding rows with a stale kv_len
-    nb = 1 + B * W + 3
-    perm = rng.permutation(np.arange(1, nb))
-    bt = np.zeros((B, W), np.int32)
-    owned = np.zeros((nb, BS), bool)                       # (block, offset) read by someone at `layer`
-    layer = int(rng.integers(1, NUM_LAYERS))
-    i = 0
-    for b in range(B):
-        n = math.ceil(kv_lens[b] / BS)
-        bt[b, :n] = perm[i:i + n]
-        i += n
-        for j in range(n):
-            owned[bt[b, j], :min(BS, kv_lens[b] - j * BS)] = True
-    clean = rng.standard_normal((nb, NUM_LAYERS, 2, KVH, BS, D)).astype(np.float32)
-    pool = clean
-    if poison:
-        mask = np.zeros(clean.shape, bool)
-        mask[:, layer] = owned[:, None, None, :, None]
-        pool = np.where(mask, clean, np.nan).astype(np.float32)
-    q = rng.standard_normal((B, 1, KVH * G, D)).astype(np.float32)
-    return (jnp.asarray(q, dtype), jnp.asarray(clean, dtype), jnp.asarray(pool, dtype), layer,
-            jnp.asarray(bt), jnp.asarray(kv_lens), jnp.asarray(q_lens))
+    if kind == "prompts":    # whole prompts: several token tiles and key chunks, boundaries +-1
+        seqs = [(n, n) for n in (1, 17, 48, 49, 130, 2 * BS + 1)]
+    elif kind == "chunks":   # chunked prefill over a cached prefix
+        seqs = [(500, 37), (64, 48), (97, 1), (250, 200), (BS + 1, 2)]
+    else:
+        seqs = mixed_seqs(rng, 10, BS, 400, 120)
+    args = make_ragged_case(seed, seqs, G=G, KVH=KVH, D=D, BS=BS, dtype=dtype, pad_tokens=5,
+                            pad_seqs=2)
+    run(args, seed, f"{kind} D={D} G={G} BS={BS} {np.dtype(dtype)} seqs={seqs}")
 
 
-def _check_padding_zero(out, q_lens, kv_lens):
-    pad = (np.asarray(q_lens) == 0) | (np.asarray(kv_lens) == 0)
-    assert np.all(np.asarray(out, np.float32)[pad] == 0)
+@pytest.mark.parametrize("q_dtype,pool_dtype", [(F32, BF16), (BF16, F32)])
+def test_mixed_dtypes(q_dtype, pool_dtype):
+    seed = fresh_seed()
+    seqs = mixed_seqs(np.random.default_rng(seed), 7, 16, 200, 40)
+    q, *rest = make_ragged_case(seed, seqs, G=3, KVH=2, D=64, BS=16, dtype=pool_dtype)
+    args = (q.astype(q_dtype), *rest)
+    out = kernel(*args)
+    assert out.dtype == jnp.dtype(q_dtype)
+    ref = np.asarray(reference(*args), np.float32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, **TOL[np.dtype(BF16)],
+                               err_msg=f"seed={seed}")
 
 
-CASES = [  # (D, KVH, G, BS, B, max_len)
-    (64, 2, 1, 16, 7, 600),
-    (64, 3, 3, 16, 33, 150),
-    (128, 2, 4, 8, 17, 333),
-    (128, 1, 3, 64, 9, 600),
-    (64, 2, 4, 1, 5, 70),
-    (64, 1, 1, 64, 1, 64),
-    (128, 4, 1, 8, 12, 97),
-]
+def test_odd_head_dim_and_sm_scale():
+    """head_dim 20 (not a multiple of 8: scalar Q^T and staged V rows) with a custom scale."""
+    seed = fresh_seed()
+    seqs = [(40, 40), (33, 1), (70, 9), (5, 5)]
+    args = make_ragged_case(seed, seqs, G=3, KVH=2, D=20, BS=8)
+    out = kernel(*args, sm_scale=0.3)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(*args, sm_scale=0.3)),
+                               **TOL[np.dtype(F32)], err_msg=f"seed={seed}")
 
 
-@pytest.mark.parametrize("D,KVH,G,BS,B,max_len", CASES)
-def test_matches_reference(D, KVH, G, BS, B, max_len):
-    q, clean, _, layer, bt, kv_lens, q_lens = make_case(D * 1000 + BS + G, B=B, KVH=KVH, G=G, D=D,
-                                                        BS=BS, max_len=max_len)
-    out = cpu.paged_decode_cpu(q, clean, layer, bt, kv_lens, q_lens)
-    ref = _ref(q, clean, layer, bt, kv_lens, q_lens)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    _check_padding_zero(out, q_lens, kv_lens)
+def test_padding():
+    seed = fresh_seed()
+    # A q_len-0 sequence with cached K/V mid-batch, padding sequences, padding tokens.
+    seqs = [(30, 3), (50, 0), (20, 20), (0, 0), (9, 1)]
+    q, pool, layer, bt, kv_lens, cu = make_ragged_case(seed, seqs, G=2, KVH=2, D=64, BS=8,
+                                                       pad_tokens=7, pad_seqs=2)
+    run((q, pool, layer, bt, kv_lens, cu), seed, "padding")
+    # All padding: every output exactly zero.
+    out = kernel(q, pool, layer, bt, jnp.zeros_like(kv_lens), jnp.zeros_like(cu))
+    assert (np.asarray(out) == 0).all()
+    # No tokens at all.
+    assert kernel(q[:0], pool, layer, bt, kv_lens, jnp.zeros_like(cu)).shape == (0, *q.shape[1:])
 
 
-@pytest.mark.parametrize("D,KVH,G,BS,B,max_len", [CASES[1], CASES[2], CASES[4]])
-def test_nan_isolation(D, KVH, G, BS, B, max_len):
-    q, clean, poisoned, layer, bt, kv_lens, q_lens = make_case(7 + BS, B=B, KVH=KVH, G=G, D=D, BS=BS,
-                                                               max_len=max_len, poison=True)
-    assert np.isnan(np.asarray(poisoned[0])).all()                    # the null block is all NaN
-    out = np.asarray(cpu.paged_decode_cpu(q, poisoned, layer, bt, kv_lens, q_lens))
+def test_out_of_contract_lengths_match_reference():
+    """kv_len past the block table's capacity and q_len > kv_len (tokens at negative
+    positions see nothing): no out-of-bounds reads, the reference's output."""
+    seed = fresh_seed()
+    q, pool, layer, bt, _, cu = make_ragged_case(seed, [(40, 4), (24, 6), (16, 2)], G=3, KVH=1,
+                                                 D=64, BS=8, nan=False, pad_seqs=0, width=5)
+    kv_lens = jnp.asarray([60, 3, 16], jnp.int32)                # 60 > 5 * 8; 6 > 3
+    out = np.asarray(kernel(q, pool, layer, bt, kv_lens, cu))
+    ref = np.asarray(reference(q, pool, layer, bt, kv_lens, cu))
+    np.testing.assert_allclose(out, ref, **TOL[np.dtype(F32)], err_msg=f"seed={seed}")
     assert np.isfinite(out).all()
-    ref = _ref(q, clean, layer, bt, kv_lens, q_lens)
-    np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5, rtol=1e-5)
-    _check_padding_zero(out, q_lens, kv_lens)
 
 
-def test_sm_scale_and_padding_rows():
-    q, clean, _, layer, bt, kv_lens, _ = make_case(3, B=6, KVH=2, G=3, D=64, BS=16, max_len=100)
-    q_lens = jnp.asarray([1, 0, 1, 0, 1, 1], jnp.int32)
-    out = cpu.paged_decode_cpu(q, clean, layer, bt, kv_lens, q_lens, sm_scale=0.3)
-    ref = _ref(q, clean, layer, bt, kv_lens, q_lens, sm_scale=0.3)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    assert np.all(np.asarray(out)[[1, 3]] == 0)
-    # All-padding batch.
-    zeros = cpu.paged_decode_cpu(q, clean, layer, bt, jnp.zeros_like(kv_lens), jnp.zeros_like(q_lens))
-    assert np.all(np.asarray(zeros) == 0)
+def test_threads_deterministic():
+    """Each (sequence, kv head, token tile) is computed by one thread: any thread count
+    gives the same bits."""
+    seed = fresh_seed()
+    args = make_ragged_case(seed, mixed_seqs(np.random.default_rng(seed), 9, 16, 300, 100),
+                            G=3, KVH=3, D=64, BS=16)
+    np.testing.assert_array_equal(np.asarray(kernel(*args)),
+                                  np.asarray(kernel(*args, max_threads=1)))
 
 
-def test_jit_traced_layer_scan_and_donation():
-    q, clean, _, _, bt, kv_lens, q_lens = make_case(11, B=9, KVH=3, G=3, D=64, BS=16, max_len=160)
+def test_traced_layer_in_scan_and_vmap():
+    seed = fresh_seed()
+    seqs = [(70, 70), (33, 1), (100, 20)]
+    q, pool, _, bt, kv_lens, cu = make_ragged_case(seed, seqs, G=3, KVH=3, D=64, BS=16, nan=False)
 
     @jax.jit
-    def all_layers(q, pool):  # layer is traced inside the scan, like the engine's layer loop
+    def all_layers(q, pool):  # layer traced inside the scan, like the engine's layer loop
         def body(carry, layer):
-            return carry, pallas_kernels.paged_attention(q, pool, layer, bt, kv_lens, q_lens, impl="cpu")
+            out = pallas_kernels.paged_attention(q, pool, layer, bt, kv_lens, cu, impl="cpu")
+            return carry, out
         return jax.lax.scan(body, 0, jnp.arange(NUM_LAYERS, dtype=jnp.int32))[1]
 
-    outs = all_layers(q, clean)
+    outs = all_layers(q, pool)
     for layer in range(NUM_LAYERS):
-        np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(_ref(q, clean, layer, bt, kv_lens, q_lens)),
-                                   atol=1e-5, rtol=1e-5)
-
-    # Donated pool updated in place after the read: attention sees the old contents.
-    expected = np.asarray(_ref(q, clean, 1, bt, kv_lens, q_lens))
-    step = jax.jit(lambda q, pool, layer: (cpu.paged_decode_cpu(q, pool, layer, bt, kv_lens, q_lens),
-                                           pool.at[:, layer].set(0.0)), donate_argnums=1)
-    out, new_pool = step(q, jnp.array(clean), jnp.int32(1))
-    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
-    assert np.all(np.asarray(new_pool[:, 1]) == 0)
-
-
-def test_dispatch_and_fallbacks():
-    assert "cpu" in pallas_kernels.IMPLS
-    if jax.default_backend() == "cpu":
-        assert pallas_kernels.default_impl() == "cpu"
-    # Q > 1 (prefill) falls back to the reference.
-    rng = np.random.default_rng(5)
-    _, clean, _, layer, bt, kv_lens, q_lens = make_case(5, B=4, KVH=2, G=2, D=64, BS=8, max_len=40)
-    q = jnp.asarray(rng.standard_normal((4, 3, 4, 64)), jnp.float32)
-    q_lens = jnp.minimum(kv_lens, 3)
-    out = jax.jit(pallas_kernels.paged_attention, static_argnames=("impl",))(
-        q, clean, layer, bt, kv_lens, q_lens, impl="cpu")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(_ref(q, clean, layer, bt, kv_lens, q_lens)),
-                               atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="decode-only"):
-        cpu.paged_decode_cpu(q, clean, layer, bt, kv_lens, q_lens)
-
-
-def test_vmap_sequential():
-    q, clean, _, layer, bt, kv_lens, q_lens = make_case(13, B=4, KVH=2, G=2, D=64, BS=16, max_len=60)
+        np.testing.assert_allclose(np.asarray(outs[layer]),
+                                   np.asarray(reference(q, pool, layer, bt, kv_lens, cu)),
+                                   **TOL[np.dtype(F32)], err_msg=f"layer {layer} seed={seed}")
     qs = jnp.stack([q, 2 * q])
-    out = jax.vmap(lambda q: cpu.paged_decode_cpu(q, clean, layer, bt, kv_lens, q_lens))(qs)
+    vmapped = jax.vmap(lambda q: cpu.paged_attention_cpu(q, pool, 2, bt, kv_lens, cu))(qs)
     for i in range(2):
-        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(_ref(qs[i], clean, layer, bt, kv_lens, q_lens)),
-                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(vmapped[i]),
+                                   np.asarray(kernel(qs[i], pool, 2, bt, kv_lens, cu)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
-def test_bf16_pool(q_dtype):
-    q, clean, poisoned, layer, bt, kv_lens, q_lens = make_case(17, B=10, KVH=2, G=3, D=128, BS=16,
-                                                               max_len=300, dtype=jnp.bfloat16, poison=True)
-    q = q.astype(q_dtype)
-    out = cpu.paged_decode_cpu(q, poisoned, layer, bt, kv_lens, q_lens)
-    assert out.dtype == q_dtype
-    ref = _ref(q, clean, layer, bt, kv_lens, q_lens)
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
-    _check_padding_zero(out, q_lens, kv_lens)
-    via_dispatch = pallas_kernels.paged_attention(q, poisoned, layer, bt, kv_lens, q_lens, impl="cpu")
-    np.testing.assert_array_equal(np.asarray(via_dispatch, np.float32), out)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_random_ragged_batches(data):
+    """Random mixes of decodes, prompts and chunks at fixed shapes (one compile per config)."""
+    G, KVH, D, BS, dtype = data.draw(st.sampled_from([(3, 3, 64, 16, F32), (4, 2, 128, 8, BF16)]))
+    T, S, max_len = 96, 6, 150
+    budget, seqs = T - 1, []
+    for _ in range(data.draw(st.integers(1, S - 1), label="n_seqs")):
+        kv = data.draw(st.integers(1, max_len), label="kv_len")
+        q = data.draw(st.sampled_from([1, kv, None]), label="q_kind")
+        q = data.draw(st.integers(1, kv), label="q_len") if q is None else q
+        q = min(q, budget, kv)
+        if q == 0:
+            break
+        budget -= q
+        seqs.append((kv, q))
+    layer = data.draw(st.integers(0, NUM_LAYERS - 1), label="layer")
+    seed = fresh_seed()
+    n_blk = -(-max_len // BS)
+    args = make_ragged_case(seed, seqs, G=G, KVH=KVH, D=D, BS=BS, dtype=dtype, layer=layer,
+                            pad_tokens=T - sum(q for _, q in seqs), pad_seqs=S - len(seqs),
+                            width=n_blk + 1, num_blocks=1 + (S - 1) * n_blk + 3)
+    run(args, seed, f"hypothesis seqs={seqs} layer={layer}")
 
 
-@pytest.mark.parametrize("pool_dtype,kv_dtype", [(jnp.bfloat16, jnp.float32),
-                                                 (jnp.bfloat16, jnp.bfloat16),
-                                                 (jnp.float32, jnp.float32)])
-def test_write_kv_matches_xla_scatter(pool_dtype, kv_dtype):
-    """The C++ K/V write equals XLA's scatter (bf16 rounding included), drops
-    out-of-range slots, leaves everything else alone, and updates the donated
-    pool in place."""
-    rng = np.random.default_rng(7)
-    NB, L, KVH, BS, D, T, layer = 9, NUM_LAYERS, 2, 8, 64, 21, 1
-    pool = jnp.asarray(rng.standard_normal((NB, L, 2, KVH, BS, D)), pool_dtype)
-    new_kv = jnp.asarray(rng.standard_normal((T, 2, KVH, D)), kv_dtype)
-    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
-    slots[3], slots[11] = -1, NB * BS + 5                       # dropped
-    ok = (slots >= 0) & (slots < NB * BS)
-    want = pool.at[slots[ok] // BS, layer, :, :, slots[ok] % BS].set(
-        new_kv[ok].astype(pool_dtype))
+# ---------------------------------------------------------------------------
+# K/V write
+
+def _write_case(rng, *, pool_dtype, kv_dtype, T=21, NB=9, KVH=2, BS=8, D=64):
+    pool = jnp.asarray(rng.standard_normal((NB, NUM_LAYERS, 2, KVH, BS, D)), pool_dtype)
+    k = jnp.asarray(rng.standard_normal((T, KVH, D)), kv_dtype)
+    v = jnp.asarray(rng.standard_normal((T, KVH, D)), kv_dtype)
+    slots = rng.permutation((NB - 1) * BS)[:T] + BS                # distinct rows past block 0
+    blocks, offsets = (slots // BS).astype(np.int32), (slots % BS).astype(np.int32)
+    blocks[-3:], offsets[-3:] = 0, [0, 1, 1]                       # padding tokens: null block
+    blocks[5], offsets[9] = NB + 2, BS                             # out of range: dropped
+    return pool, k, v, jnp.asarray(blocks), jnp.asarray(offsets)
+
+
+@pytest.mark.parametrize("pool_dtype,kv_dtype",
+                         [(F32, F32), (BF16, F32), (BF16, BF16), (F32, BF16)])
+def test_write_kv_matches_reference_in_place(pool_dtype, kv_dtype):
+    rng = np.random.default_rng(fresh_seed())
+    pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=pool_dtype, kv_dtype=kv_dtype)
+    want = np.asarray(write_kv_reference(pool, 1, k, v, blocks, offsets), np.float32)
     write = jax.jit(cpu.write_kv_cpu, donate_argnums=0)
     ptr = pool.unsafe_buffer_pointer()
-    got = write(pool, layer, new_kv, jnp.asarray(slots))
-    assert got.unsafe_buffer_pointer() == ptr
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    got = write(pool, jnp.int32(1), k, v, blocks, offsets)
+    assert got.unsafe_buffer_pointer() == ptr                       # the donated pool, in place
+    assert pool.is_deleted()
+    got = np.asarray(got, np.float32)
+    np.testing.assert_array_equal(got[1:], want[1:])               # block 0 is scratch
+    np.testing.assert_array_equal(got[0, [0, 2]], want[0, [0, 2]])  # other layers untouched
+
+
+def test_write_kv_traced_layer_in_scan():
+    """The engine's pattern: write then read each layer inside a scan over layers."""
+    rng = np.random.default_rng(fresh_seed())
+    pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=F32, kv_dtype=F32)
+
+    def step(write):
+        def body(pool, layer):
+            return write(pool, layer, k * (layer + 1), v - layer, blocks, offsets), None
+        return jax.jit(lambda pool: jax.lax.scan(body, pool, jnp.arange(NUM_LAYERS))[0],
+                       donate_argnums=0)
+
+    want = np.asarray(step(write_kv_reference)(jnp.array(pool)))
+    got = np.asarray(step(cpu.write_kv_cpu)(jnp.array(pool)))
+    np.testing.assert_array_equal(got[1:], want[1:])
+    # Out-of-range layer: dropped, like the reference's scatter.
+    same = cpu.write_kv_cpu(jnp.array(pool), NUM_LAYERS + 1, k, v, blocks, offsets)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(pool))
+
+
+# ---------------------------------------------------------------------------
+# Dispatch and fallbacks
+
+def test_backend_dispatch():
+    backend = pallas_kernels.get_backend("cpu")
+    assert backend.attention is cpu.paged_attention_or_reference
+    assert backend.write_kv is cpu.write_kv_or_reference
+    if jax.default_backend() == "cpu":
+        assert pallas_kernels.default_impl() == "cpu"
+    seed = fresh_seed()
+    args = make_ragged_case(seed, [(20, 20), (9, 1)], G=2, KVH=2, D=64, BS=8)
+    np.testing.assert_array_equal(
+        np.asarray(pallas_kernels.paged_attention(*args, impl="cpu")), np.asarray(kernel(*args)))
+
+
+def test_fallback_to_reference(monkeypatch):
+    seed = fresh_seed()
+    args = make_ragged_case(seed, [(20, 20), (9, 1)], G=2, KVH=2, D=64, BS=8, nan=False)
+    pool, k, v, blocks, offsets = _write_case(np.random.default_rng(seed), pool_dtype=F32,
+                                              kv_dtype=F32)
+    want = np.asarray(kernel(*args))
+    want_pool = np.asarray(jax.jit(write_kv_reference)(pool, 1, k, v, blocks, offsets))
+    # Unsupported dtype: not the kernel's (the reference takes it).
+    q16 = args[0].astype(jnp.float16)
+    assert not cpu.supports(q16, args[1])
+    with pytest.raises(TypeError, match="float16"):
+        cpu.paged_attention_cpu(q16, *args[1:])
+    # Kernel unavailable (e.g. no compiler): both entry points fall back.
+    monkeypatch.setattr(cpu, "_state", {"ok": False, "reason": "RuntimeError: no g++ (test)"})
+    assert not cpu.available() and "no g++" in cpu.unavailable_reason()
+    assert not cpu.supports(*args[:2])
+    out = jax.jit(cpu.paged_attention_or_reference)(*args)    # cannot be the kernel now
+    np.testing.assert_allclose(np.asarray(out), want, **TOL[np.dtype(F32)], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cpu.write_kv_or_reference)(pool, 1, k, v, blocks, offsets)), want_pool)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu.paged_attention_cpu(*args)

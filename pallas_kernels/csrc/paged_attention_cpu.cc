@@ -1,0 +1,858 @@
+// Ragged paged attention and the in-place K/V write for XLA:CPU, as XLA FFI
+// custom calls.  Semantics: see pallas_kernels.paged_attention.
+//
+// Attention.  One kernel for decode tokens and prefill chunks alike.  A work
+// item is (sequence, kv head, tile of that sequence's new tokens); its rows
+// are the tile's tokens x the G query heads of the kv head (row r is token
+// r / G, head r % G), so every K/V row read serves all of them.  An item walks
+// the keys 0 .. (last visible key of its last token) in chunks of kChunk keys
+// and runs an fp32 online softmax.  K/V rows are read straight from the pool
+// through the block table (one pointer per key row; bf16 rows, and V rows when
+// head_dim is not a multiple of 8, go through a chunk-sized fp32 copy) -- never
+// a padded gather of the sequence -- and the next chunk's rows are prefetched.
+// Per chunk:
+//
+//   S^T[key][row] = K . Q^T      register-blocked micro-kernel, kQkKeys keys
+//                                broadcast x kQkVecs*8 rows vectorized
+//   causal mask (only in the chunks past the tile's first token); running
+//   max, sum and exp2 with a polynomial, vectorized over rows
+//   O[row][:] = corr[row] * O[row][:] + P . V
+//                                register-blocked micro-kernel, kPvRows rows
+//                                broadcast x kPvVecs*8 head-dim lanes
+//
+// Q^T is built once per item (scaled by sm_scale * log2(e), so the softmax
+// works in base 2), so neither product needs a transposed K.  Items of at most
+// kDotRows rows (decode with G <= 4) compute S^T as dot products over the head
+// dim instead (qk_dot), which keeps their lanes busy.  Keys at
+// positions >= the sequence's kv_len (or past every row's causal limit, or
+// past the block table) are never loaded, so unowned blocks, the null block
+// and the tail of a last block may hold anything (NaN included).  Items are
+// ordered by decreasing cost and claimed dynamically by the calling thread
+// and XLA's intra-op thread pool; each item is computed by one thread, so the
+// result does not depend on the thread count.
+//
+// K/V write.  pool[blocks[t], layer, {K,V}, h, offsets[t], :] = {k,v}[t, h, :]
+// in place (the result aliases the pool operand); writes with a block, offset
+// or layer out of range are dropped, as in the reference's scatter.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// 8-lane fp32 vectors (GCC vector extensions: AVX/AVX2 ymm with -march=native
+// on x86, pairs of 128-bit registers elsewhere).
+
+constexpr int kLanes = 8;
+typedef float vf __attribute__((vector_size(32)));
+typedef float vfu __attribute__((vector_size(32), aligned(4)));  // unaligned access
+typedef int32_t vi __attribute__((vector_size(32)));
+
+inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+inline vf vbcast(float x) { return vf{x, x, x, x, x, x, x, x}; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }  // NaN a -> b
+
+// 2^x for x <= 0 (x = -inf included -> 0, and x < -127 -> 0): round to
+// nearest, degree-6 polynomial of 2^r on [-0.5, 0.5] (rel. error ~2e-7),
+// 2^n through the exponent bits; branch-free.  n = -127 gives exponent bits 0,
+// i.e. exactly 0, so no select is needed for the underflow (nor for NaN).
+inline vf vexp2_neg(vf x) {
+  x = vmax(x, vbcast(-127.0f));
+  const vf magic = vbcast(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest
+  const vf n = (x + magic) - magic;
+  const vf r = x - n;
+  vf pl = vbcast(1.535336188319500e-4f);
+  pl = pl * r + vbcast(1.339887440266574e-3f);
+  pl = pl * r + vbcast(9.618437357674640e-3f);
+  pl = pl * r + vbcast(5.550332471162809e-2f);
+  pl = pl * r + vbcast(2.402264791363012e-1f);
+  pl = pl * r + vbcast(6.931472028550421e-1f);
+  pl = pl * r + vbcast(1.0f);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return pl * (vf)bits;  // a vector cast reinterprets the bits
+}
+
+inline float load_f(float x) { return x; }
+inline float load_f(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void store_f(float* p, float x) { *p = x; }
+inline void store_f(uint16_t* p, float x) {  // round to nearest even; branch-free (vectorizes)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  *p = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+// n contiguous elements to fp32.
+inline void to_f32(const float* src, int64_t n, float* dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void to_f32(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_f(src[i]);
+}
+
+// 8 consecutive elements as fp32.
+inline vf vload8(const float* p) { return vload(p); }
+inline vf vload8(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = load_f(p[i]);
+  return v;
+}
+
+// In-register 8x8 transpose: r[i][j] -> r[j][i].
+inline void transpose8(vf r[8]) {
+  const vi lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+  const vi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  vf t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo);
+    t[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = __builtin_shuffle(t[4 * i], t[4 * i + 2], lo2);
+    u[4 * i + 1] = __builtin_shuffle(t[4 * i], t[4 * i + 2], hi2);
+    u[4 * i + 2] = __builtin_shuffle(t[4 * i + 1], t[4 * i + 3], lo2);
+    u[4 * i + 3] = __builtin_shuffle(t[4 * i + 1], t[4 * i + 3], hi2);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shuffle(u[i], u[i + 4], lo4);
+    r[i + 4] = __builtin_shuffle(u[i], u[i + 4], hi4);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Micro-kernel: C[MR x NV*8] (=, or = cscale[i] * C +) A . B over k < K, with
+// A(i, k) broadcast and B(k, :) loaded as NV vectors; MR * NV accumulators
+// live in registers.  Operands are addressed through small policies so that
+// K/V rows can come straight from the pool (a pointer per row).
+
+struct StridedA {  // A(i, k) = p[i * sa + k * sk]
+  const float* p;
+  int64_t sa, sk;
+  float get(int i, int64_t k) const { return p[i * sa + k * sk]; }
+  StridedA rows_from(int64_t i) const { return {p + i * sa, sa, sk}; }
+};
+struct RowsA {  // A(i, k) = rows[i][k]
+  const float* const* rows;
+  float get(int i, int64_t k) const { return rows[i][k]; }
+  RowsA rows_from(int64_t i) const { return {rows + i}; }
+};
+struct StridedB {  // B(k, j) = p[k * ld + j]
+  const float* p;
+  int64_t ld;
+  const float* row(int64_t k) const { return p + k * ld; }
+  StridedB cols_from(int64_t j) const { return {p + j, ld}; }
+};
+struct RowsB {  // B(k, j) = rows[k][off + j]
+  const float* const* rows;
+  int64_t off;
+  const float* row(int64_t k) const { return rows[k] + off; }
+  RowsB cols_from(int64_t j) const { return {rows, off + j}; }
+};
+
+template <int MR, int NV, bool ACC, class AOp, class BOp>
+inline void micro(float* __restrict C, int64_t ldc, AOp a, BOp b, int64_t K,
+                  const float* __restrict cscale) {
+  vf acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    const vf c = ACC ? vbcast(cscale[i]) : vbcast(0.0f);
+    for (int j = 0; j < NV; ++j) acc[i][j] = ACC ? vload(C + i * ldc + j * kLanes) * c : c;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* brow = b.row(k);
+    vf bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = vload(brow + j * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const vf ai = vbcast(a.get(i, k));
+      for (int j = 0; j < NV; ++j) acc[i][j] += ai * bv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) vstore(C + i * ldc + j * kLanes, acc[i][j]);
+}
+
+// Rows i < rem (rem <= N) of one column panel, in one N-row tile at most.
+template <int N, int NV, bool ACC, class AOp, class BOp>
+inline void micro_tail(int64_t rem, float* C, int64_t ldc, AOp a, BOp b, int64_t K,
+                       const float* cscale) {
+  if constexpr (N >= 1) {
+    if (rem == N) {
+      micro<N, NV, ACC>(C, ldc, a, b, K, cscale);
+      return;
+    }
+    micro_tail<N - 1, NV, ACC>(rem, C, ldc, a, b, K, cscale);
+  }
+}
+
+// C[M x NV*8] for any M, in MR-row register tiles plus one smaller tail tile.
+template <int MR, int NV, bool ACC, class AOp, class BOp>
+inline void gemm_cols(float* C, int64_t ldc, AOp a, BOp b, int64_t K, const float* cscale,
+                      int64_t M) {
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR)
+    micro<MR, NV, ACC>(C + i * ldc, ldc, a.rows_from(i), b, K, cscale + (ACC ? i : 0));
+  if (i < M)
+    micro_tail<MR - 1, NV, ACC>(M - i, C + i * ldc, ldc, a.rows_from(i), b, K,
+                                cscale + (ACC ? i : 0));
+}
+
+// Column panels j < remv (remv <= NV) in one panel of remv vectors.
+template <int MR, int NV, bool ACC, class AOp, class BOp>
+inline void cols_tail(int64_t remv, float* C, int64_t ldc, AOp a, BOp b, int64_t K,
+                      const float* cscale, int64_t M) {
+  if constexpr (NV >= 1) {
+    if (remv == NV) {
+      gemm_cols<MR, NV, ACC>(C, ldc, a, b, K, cscale, M);
+      return;
+    }
+    cols_tail<MR, NV - 1, ACC>(remv, C, ldc, a, b, K, cscale, M);
+  }
+}
+
+// C[M x N] (N a multiple of 8) = A . B (or cscale * C + A . B), NV-vector panels.
+template <int MR, int NV, bool ACC, class AOp, class BOp>
+void gemm(float* C, int64_t ldc, AOp a, BOp b, int64_t K, const float* cscale, int64_t M,
+          int64_t N) {
+  const int64_t nv = N / kLanes;
+  int64_t j = 0;
+  for (; j + NV <= nv; j += NV)
+    gemm_cols<MR, NV, ACC>(C + j * kLanes, ldc, a, b.cols_from(j * kLanes), K, cscale, M);
+  if (j < nv)
+    cols_tail<MR, NV - 1, ACC>(nv - j, C + j * kLanes, ldc, a, b.cols_from(j * kLanes), K,
+                               cscale, M);
+}
+
+// Register tiles (12 accumulators + 2 B vectors + 1 broadcast of 16 ymm
+// registers): QK is 6 keys x 16 rows, PV 6 rows x 16 head-dim lanes.  Items of
+// 48 rows (16 tokens x G = 3) and chunks of 48 keys keep an item's working set
+// (Q^T, S^T, O: 3 x 12 KB at D = 64) near L1.
+constexpr int kQkKeys = 6, kQkVecs = 2;
+constexpr int kPvRows = 6, kPvVecs = 2;
+constexpr int64_t kChunk = 48;     // keys per online-softmax step
+constexpr int64_t kTileRows = 48;  // target rows (tokens x G) per work item
+constexpr float kLog2e = 1.44269504088896341f;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Params {
+  const void* q;
+  const void* pool;
+  const int32_t* bt;
+  const int32_t* kv_lens;
+  void* out;
+  int64_t T, H, D, Dp, NB, L, KVH, BS, W, G, S;
+  int64_t layer;
+  int64_t tile_tokens, max_rows_p;
+  float scale;  // sm_scale * log2(e): scores are kept in base-2 units
+};
+
+struct Item {
+  int32_t seq, kvh;
+  int64_t q_start;  // flat index of the sequence's first new token
+  int64_t q_len, kv_len;
+  int64_t tok0, ntok;  // this tile: the sequence's new tokens tok0 .. tok0 + ntok - 1
+  double cost;
+};
+
+constexpr int64_t kChunkP = (kChunk + kQkKeys - 1) / kQkKeys * kQkKeys;
+
+// Per-thread buffers, sized for the largest item.
+struct Scratch {
+  std::unique_ptr<float[]> mem;
+  float *qt, *st, *kb, *vb, *o, *m, *l, *corr, *lim, *zero;
+  const float* krow[kChunkP];  // K row of each key of the chunk (padding keys: zero)
+  const float* vrow[kChunkP];  // V row of each key of the chunk
+  void init(const Params& p) {
+    const int64_t Rp = p.max_rows_p, D = p.D, Dp = p.Dp;
+    const int64_t sizes[] = {D * Rp, kChunkP * Rp, kChunkP * D, kChunkP * Dp, Rp * Dp,
+                             Rp, Rp, Rp, Rp, Dp};
+    constexpr int n = sizeof(sizes) / sizeof(sizes[0]);
+    int64_t total = 0;
+    for (int64_t s : sizes) total += round_up(s, 16) + 16;
+    mem.reset(new float[total + 16]());  // zeroed: vb's padding columns, the zero row
+    float* base = mem.get();
+    base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte align
+    float** ptrs[n] = {&qt, &st, &kb, &vb, &o, &m, &l, &corr, &lim, &zero};
+    for (int i = 0; i < n; ++i) {
+      *ptrs[i] = base;
+      base += round_up(sizes[i], 16) + 16;
+    }
+  }
+};
+
+// Row pointers of keys [k0, k0 + nk) of (sequence, kv head) into sc.krow /
+// sc.vrow, block by block through the block table: straight into the pool
+// for fp32 (V rows too when D is a multiple of 8), else through fp32 copies.
+template <typename KT>
+void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int64_t nk,
+                Scratch& sc) {
+  constexpr bool f32 = sizeof(KT) == sizeof(float);
+  const KT* pool = static_cast<const KT*>(p.pool);
+  const int64_t D = p.D, Dp = p.Dp;
+  const int64_t head_stride = p.BS * D;
+  const int64_t kv_stride = p.KVH * head_stride;
+  const int64_t block_stride = p.L * 2 * kv_stride;
+  const int64_t base = p.layer * 2 * kv_stride + kvh * head_stride;
+  const bool v_direct = f32 && Dp == D;
+  for (int64_t k = k0; k < k0 + nk;) {
+    const int64_t j = k / p.BS, off = k % p.BS;
+    const int64_t n = std::min(p.BS - off, k0 + nk - k);
+    const int64_t phys = std::min<int64_t>(std::max<int64_t>(bt[j], 0), p.NB - 1);
+    const KT* ksrc = pool + phys * block_stride + base + off * D;
+    const KT* vsrc = ksrc + kv_stride;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t idx = k - k0 + t;
+      if constexpr (f32) {
+        sc.krow[idx] = reinterpret_cast<const float*>(ksrc + t * D);
+      } else {
+        to_f32(ksrc + t * D, D, sc.kb + idx * D);
+        sc.krow[idx] = sc.kb + idx * D;
+      }
+      if (v_direct) {
+        sc.vrow[idx] = reinterpret_cast<const float*>(vsrc + t * D);
+      } else {
+        to_f32(vsrc + t * D, D, sc.vb + idx * Dp);
+        sc.vrow[idx] = sc.vb + idx * Dp;
+      }
+    }
+    k += n;
+  }
+  for (int64_t idx = nk; idx < round_up(nk, kQkKeys); ++idx) sc.krow[idx] = sc.zero;
+}
+
+// Prefetch the K and V rows of keys [k0, k0 + nk): a chunk's blocks are
+// scattered over the pool, which defeats the hardware prefetcher (decode is
+// bound by memory latency without this).
+template <typename KT>
+void prefetch_chunk(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int64_t nk) {
+  const char* pool = static_cast<const char*>(p.pool);
+  const int64_t row = p.D * static_cast<int64_t>(sizeof(KT));
+  const int64_t head_stride = p.BS * row;
+  const int64_t kv_stride = p.KVH * head_stride;
+  const int64_t block_stride = p.L * 2 * kv_stride;
+  const int64_t base = p.layer * 2 * kv_stride + kvh * head_stride;
+  for (int64_t k = k0; k < k0 + nk;) {
+    const int64_t j = k / p.BS, off = k % p.BS;
+    const int64_t n = std::min(p.BS - off, k0 + nk - k);
+    const int64_t phys = std::min<int64_t>(std::max<int64_t>(bt[j], 0), p.NB - 1);
+    const char* ksrc = pool + phys * block_stride + base + off * row;
+    for (int64_t b = 0; b < n * row; b += 64) {
+      __builtin_prefetch(ksrc + b, 0, 1);
+      __builtin_prefetch(ksrc + kv_stride + b, 0, 1);
+    }
+    k += n;
+  }
+}
+
+// Q^T [D x Rp] of an item's rows, scaled; rows >= R are zero.
+template <typename QT>
+void load_qt(const Params& p, const Item& it, int64_t R, int64_t Rp, float* qt) {
+  const int64_t G = p.G, D = p.D;
+  const QT* q = static_cast<const QT*>(p.q);
+  auto q_row = [&](int64_t r) {
+    return q + ((it.q_start + it.tok0 + r / G) * p.H + it.kvh * G + r % G) * D;
+  };
+  const vf scale = vbcast(p.scale);
+  if (D % kLanes == 0) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += kLanes) {
+      const QT* rows[kLanes];
+      for (int i = 0; i < kLanes; ++i) rows[i] = r0 + i < R ? q_row(r0 + i) : nullptr;
+      for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+        vf blk[kLanes];
+        for (int i = 0; i < kLanes; ++i)
+          blk[i] = rows[i] ? vload8(rows[i] + d0) * scale : vbcast(0.0f);
+        transpose8(blk);
+        for (int i = 0; i < kLanes; ++i) vstore(qt + (d0 + i) * Rp + r0, blk[i]);
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < Rp; ++r) {
+    const QT* qr = r < R ? q_row(r) : nullptr;
+    for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = qr ? load_f(qr[d]) * p.scale : 0.0f;
+  }
+}
+
+inline float hsum(vf v) {
+  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
+}
+
+// S^T[n][r] = K[n] . Q[r] for n < nk and R <= 4 rows (decode: the G query heads
+// of one token), as dot products vectorized over the head dim (D a multiple
+// of 8; q [R x D] row-major, scaled): with so few rows, vectorizing over rows
+// would leave most lanes idle.  Two keys at a time share each q load.
+template <int R>
+void qk_dot(float* st, int64_t Rp, const float* const* krow, int64_t nk, const float* q,
+            int64_t D) {
+  int64_t n = 0;
+  for (; n + 2 <= nk; n += 2) {
+    const float *k0 = krow[n], *k1 = krow[n + 1];
+    vf a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = vbcast(0.0f);
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vf x0 = vload(k0 + d), x1 = vload(k1 + d);
+      for (int r = 0; r < R; ++r) {
+        const vf qv = vload(q + r * D + d);
+        a0[r] += x0 * qv;
+        a1[r] += x1 * qv;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      st[n * Rp + r] = hsum(a0[r]);
+      st[(n + 1) * Rp + r] = hsum(a1[r]);
+    }
+  }
+  if (n < nk) {
+    vf a0[R];
+    for (int r = 0; r < R; ++r) a0[r] = vbcast(0.0f);
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vf x0 = vload(krow[n] + d);
+      for (int r = 0; r < R; ++r) a0[r] += x0 * vload(q + r * D + d);
+    }
+    for (int r = 0; r < R; ++r) st[n * Rp + r] = hsum(a0[r]);
+  }
+}
+using QkDotFn = void (*)(float*, int64_t, const float* const*, int64_t, const float*, int64_t);
+constexpr QkDotFn kQkDot[5] = {nullptr, qk_dot<1>, qk_dot<2>, qk_dot<3>, qk_dot<4>};
+constexpr int64_t kDotRows = 4;  // at most this many rows: qk_dot
+
+// q [R x D] of an item's rows, scaled, row-major (for qk_dot).
+template <typename QT>
+void load_q_rows(const Params& p, const Item& it, int64_t R, float* qr) {
+  const QT* q = static_cast<const QT*>(p.q);
+  for (int64_t r = 0; r < R; ++r) {
+    const QT* src = q + ((it.q_start + it.tok0 + r / p.G) * p.H + it.kvh * p.G + r % p.G) * p.D;
+    for (int64_t d = 0; d < p.D; ++d) qr[r * p.D + d] = load_f(src[d]) * p.scale;
+  }
+}
+
+// One chunk's causal mask and online-softmax step over S^T [nk x Rp] (in
+// place: P^T = 2^(S^T - max)), vectorized over rows; m, l: running max and
+// sum per row; corr: the factor for O.  Keys from mask_from on are masked
+// against each row's limit lim.  NV > 0: that many row vectors, kept in
+// registers over a sweep of the keys; NV == 0: any count, one vector at a time.
+template <int NV>
+void softmax_chunk(float* st, int64_t Rp, int64_t nvr, int64_t nk, int64_t k0, int64_t mask_from,
+                   const float* lim, float* m, float* l, float* corr) {
+  if constexpr (NV == 0) {
+    for (int64_t n = mask_from; n < nk; ++n) {
+      const vf key = vbcast(static_cast<float>(k0 + n));
+      for (int64_t j = 0; j < nvr; ++j) {
+        const vf s = vload(st + n * Rp + j * kLanes);
+        vstore(st + n * Rp + j * kLanes, key < vload(lim + j * kLanes) ? s : vbcast(-INFINITY));
+      }
+    }
+    for (int64_t j = 0; j < nvr; ++j) {
+      float* sj = st + j * kLanes;
+      const vf m_old = vload(m + j * kLanes);
+      vf mx = m_old;
+      for (int64_t n = 0; n < nk; ++n) mx = vmax(mx, vload(sj + n * Rp));
+      vf sum = vbcast(0.0f);
+      for (int64_t n = 0; n < nk; ++n) {
+        const vf e = vexp2_neg(vload(sj + n * Rp) - mx);
+        vstore(sj + n * Rp, e);
+        sum += e;
+      }
+      const vf c = vexp2_neg(m_old - mx);  // 0 on the first chunk (m_old = -inf)
+      vstore(corr + j * kLanes, c);
+      vstore(m + j * kLanes, mx);
+      vstore(l + j * kLanes, vload(l + j * kLanes) * c + sum);
+    }
+  } else {
+    vf mx[NV], sum[NV];
+    for (int j = 0; j < NV; ++j) mx[j] = vload(m + j * kLanes);
+    for (int64_t n = 0; n < std::min(mask_from, nk); ++n)
+      for (int j = 0; j < NV; ++j) mx[j] = vmax(mx[j], vload(st + n * Rp + j * kLanes));
+    if (mask_from < nk) {
+      vf lv[NV];
+      for (int j = 0; j < NV; ++j) lv[j] = vload(lim + j * kLanes);
+      for (int64_t n = mask_from; n < nk; ++n) {
+        const vf key = vbcast(static_cast<float>(k0 + n));
+        for (int j = 0; j < NV; ++j) {
+          const vf s = key < lv[j] ? vload(st + n * Rp + j * kLanes) : vbcast(-INFINITY);
+          vstore(st + n * Rp + j * kLanes, s);
+          mx[j] = vmax(mx[j], s);
+        }
+      }
+    }
+    for (int j = 0; j < NV; ++j) sum[j] = vbcast(0.0f);
+    for (int64_t n = 0; n < nk; ++n) {
+      for (int j = 0; j < NV; ++j) {
+        const vf e = vexp2_neg(vload(st + n * Rp + j * kLanes) - mx[j]);
+        vstore(st + n * Rp + j * kLanes, e);
+        sum[j] += e;
+      }
+    }
+    for (int j = 0; j < NV; ++j) {
+      const vf c = vexp2_neg(vload(m + j * kLanes) - mx[j]);  // 0 on the first chunk
+      vstore(corr + j * kLanes, c);
+      vstore(m + j * kLanes, mx[j]);
+      vstore(l + j * kLanes, vload(l + j * kLanes) * c + sum[j]);
+    }
+  }
+}
+using SoftmaxFn = void (*)(float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
+                           float*, float*, float*);
+constexpr int64_t kSoftmaxVecs = 6;
+constexpr SoftmaxFn kSoftmax[kSoftmaxVecs + 1] = {
+    softmax_chunk<0>, softmax_chunk<1>, softmax_chunk<2>, softmax_chunk<3>,
+    softmax_chunk<4>, softmax_chunk<5>, softmax_chunk<6>};
+
+template <typename QT, typename KT>
+void run_item(const Params& p, const Item& it, Scratch& sc) {
+  const int64_t G = p.G, D = p.D, Dp = p.Dp;
+  const int64_t R = it.ntok * G, Rp = round_up(R, kLanes);
+  const int64_t key_cap = p.W * p.BS;
+  const int64_t first_pos = it.kv_len - it.q_len;  // position of the sequence's new token 0
+  const int32_t* bt = p.bt + static_cast<int64_t>(it.seq) * p.W;
+
+  // Keys visible to each row: 0 .. lim - 1.  Rows that see nothing (only
+  // possible for malformed lengths) and the padding rows of the last vector
+  // run unmasked and are written as zeros / dropped.
+  int64_t kmax = 0, kmin = INT64_MAX;
+  for (int64_t i = 0; i < it.ntok; ++i) {
+    const int64_t lim = std::min(first_pos + it.tok0 + i + 1, key_cap);
+    if (lim > 0) {
+      kmax = std::max(kmax, lim);
+      kmin = std::min(kmin, lim);
+    }
+  }
+  float* lim = sc.lim;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const int64_t l = r < R ? std::min(first_pos + it.tok0 + r / G + 1, key_cap) : 0;
+    lim[r] = static_cast<float>(l > 0 ? l : kmax);
+  }
+
+  QT* out = static_cast<QT*>(p.out);
+  auto out_row = [&](int64_t r) {
+    return out + ((it.q_start + it.tok0 + r / G) * p.H + it.kvh * G + r % G) * D;
+  };
+  if (kmax == 0) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) store_f(out_row(r) + d, 0.0f);
+    return;
+  }
+  // The output rows (G heads of a token are contiguous) are written at the
+  // end: fetch their lines while the item computes.
+  for (int64_t i = 0; i < it.ntok; ++i) {
+    const char* row = reinterpret_cast<const char*>(out_row(i * G));
+    for (int64_t b = 0; b < G * D * static_cast<int64_t>(sizeof(QT)); b += 64)
+      __builtin_prefetch(row + b, 1, 2);
+  }
+
+  float *qt = sc.qt, *o = sc.o, *m = sc.m, *l = sc.l, *corr = sc.corr, *st = sc.st;
+  const bool dot = R <= kDotRows && D % kLanes == 0;
+  if (dot) {
+    load_q_rows<QT>(p, it, R, qt);
+    // Lanes of the padding rows are never written by qk_dot: keep them finite.
+    std::fill(st, st + kChunkP * Rp, 0.0f);
+  } else {
+    load_qt<QT>(p, it, R, Rp, qt);
+  }
+  std::fill(o, o + R * Dp, 0.0f);
+  std::fill(m, m + Rp, -INFINITY);
+  std::fill(l, l + Rp, 0.0f);
+  const int64_t nvr = Rp / kLanes;
+
+  for (int64_t k0 = 0; k0 < kmax; k0 += kChunk) {
+    const int64_t nk = std::min(kChunk, kmax - k0);
+    chunk_rows<KT>(p, bt, it.kvh, k0, nk, sc);
+    if (k0 + nk < kmax)
+      prefetch_chunk<KT>(p, bt, it.kvh, k0 + nk, std::min(kChunk, kmax - k0 - nk));
+
+    // S^T [nk x Rp] = K . Q^T  (scaled scores, base-2 units)
+    if (dot)
+      kQkDot[R](st, Rp, sc.krow, nk, qt, D);
+    else
+      gemm<kQkKeys, kQkVecs, false>(st, Rp, RowsA{sc.krow}, StridedB{qt, Rp}, D, nullptr,
+                                    round_up(nk, kQkKeys), Rp);
+
+    // Causal mask (only from the first key past some row's limit), online
+    // softmax; S^T becomes P^T in place.
+    kSoftmax[nvr <= kSoftmaxVecs ? nvr : 0](st, Rp, nvr, nk, k0, std::max<int64_t>(0, kmin - k0),
+                                            lim, m, l, corr);
+    // O = corr * O + P . V   (P(row, key) = S^T[key][row])
+    gemm<kPvRows, kPvVecs, true>(o, Dp, StridedA{st, 1, Rp}, RowsB{sc.vrow, 0}, nk, corr, R,
+                                 Dp);
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    QT* dst = out_row(r);
+    const int64_t rl = std::min(first_pos + it.tok0 + r / G + 1, key_cap);
+    if (rl <= 0) {
+      for (int64_t d = 0; d < D; ++d) store_f(dst + d, 0.0f);
+      continue;
+    }
+    const float inv = 1.0f / l[r];
+    const float* orow = o + r * Dp;
+    for (int64_t d = 0; d < D; ++d) store_f(dst + d, orow[d] * inv);
+  }
+}
+
+using ItemFn = void (*)(const Params&, const Item&, Scratch&);
+
+struct Shared {
+  Params p;
+  ItemFn fn;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+void work_loop(Shared& sh) {
+  Scratch sc;
+  bool ready = false;
+  const int64_t n = static_cast<int64_t>(sh.items.size());
+  for (;;) {
+    const int64_t i = sh.next.fetch_add(1);
+    if (i >= n) break;
+    if (!ready) {
+      sc.init(sh.p);
+      ready = true;
+    }
+    sh.fn(sh.p, sh.items[i], sc);
+  }
+}
+
+template <typename QT>
+void zero_tokens(void* out, int64_t t0, int64_t t1, int64_t row) {
+  if (t1 > t0) std::memset(static_cast<QT*>(out) + t0 * row, 0, (t1 - t0) * row * sizeof(QT));
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
+                              ffi::AnyBuffer kv_pool, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> cu_q_lens, ffi::Result<ffi::AnyBuffer> out,
+                              float sm_scale, int64_t max_threads) {
+  auto qd = q.dimensions();
+  auto pd = kv_pool.dimensions();
+  auto bd = block_tables.dimensions();
+  if (qd.size() != 3)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q must be [T, H, D]");
+  if (pd.size() != 6 || pd[2] != 2)
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: kv_pool must be [NB, L, 2, KVH, BS, D]");
+  if (bd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: block_tables must be [S, W]");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: layer must be a scalar");
+  if (kv_lens.element_count() != static_cast<size_t>(bd[0]) ||
+      cu_q_lens.element_count() != static_cast<size_t>(bd[0] + 1))
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: kv_lens must be [S], cu_q_lens [S + 1]");
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("paged_attention_cpu: output must match q");
+
+  Params p;
+  p.T = qd[0];
+  p.H = qd[1];
+  p.D = qd[2];
+  p.Dp = round_up(p.D, kLanes);
+  p.NB = pd[0];
+  p.L = pd[1];
+  p.KVH = pd[3];
+  p.BS = pd[4];
+  p.S = bd[0];
+  p.W = bd[1];
+  if (pd[5] != p.D) return ffi::Error::InvalidArgument("paged_attention_cpu: head_dim mismatch");
+  if (p.KVH <= 0 || p.H % p.KVH != 0)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: num_heads % num_kv_heads != 0");
+  p.G = p.H / p.KVH;
+  p.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0),
+                              std::max<int64_t>(p.L - 1, 0));
+  p.scale = sm_scale * kLog2e;
+  p.q = q.untyped_data();
+  p.pool = kv_pool.untyped_data();
+  p.bt = block_tables.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.out = out->untyped_data();
+  p.tile_tokens = std::max<int64_t>(1, kTileRows / p.G);
+  p.max_rows_p = round_up(p.tile_tokens * p.G, kLanes);
+
+  const auto qt = q.element_type(), kt = kv_pool.element_type();
+  const bool q32 = qt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
+  if ((!q32 && qt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q and kv_pool must be f32 or bf16");
+  if (p.T == 0 || p.H == 0 || p.D == 0) return ffi::Error::Success();
+  const int64_t row = p.H * p.D;
+  auto zero = q32 ? zero_tokens<float> : zero_tokens<uint16_t>;
+  if (p.NB == 0 || p.L == 0 || p.W == 0 || p.BS == 0) {  // nothing can be visible
+    zero(p.out, 0, p.T, row);
+    return ffi::Error::Success();
+  }
+
+  // Work items; tokens no item covers are zeroed here.
+  auto sh = std::make_shared<Shared>();
+  const int32_t* cu = cu_q_lens.typed_data();
+  int64_t covered = 0;  // tokens [0, covered) are owned by a sequence seen so far
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(cu[s], covered), p.T);
+    const int64_t end = std::min<int64_t>(std::max<int64_t>(cu[s + 1], start), p.T);
+    zero(p.out, covered, start, row);  // gap (malformed cu_q_lens)
+    covered = std::max(covered, end);
+    const int64_t q_len = end - start, kv_len = p.kv_lens[s];
+    if (q_len <= 0) continue;
+    if (kv_len <= 0) {
+      zero(p.out, start, end, row);
+      continue;
+    }
+    const int64_t full_q_len = static_cast<int64_t>(cu[s + 1]) - cu[s];  // positions use it
+    for (int64_t t0 = 0; t0 < q_len; t0 += p.tile_tokens) {
+      Item it;
+      it.seq = static_cast<int32_t>(s);
+      it.q_start = start;
+      it.q_len = full_q_len;
+      it.kv_len = kv_len;
+      it.tok0 = t0;
+      it.ntok = std::min(p.tile_tokens, q_len - t0);
+      const double keys = static_cast<double>(
+          std::max<int64_t>(0, std::min(kv_len - full_q_len + t0 + it.ntok, p.W * p.BS)));
+      it.cost = (static_cast<double>(round_up(it.ntok * p.G, kLanes)) + 8.0) * (keys + 16.0);
+      for (int64_t h = 0; h < p.KVH; ++h) {
+        it.kvh = static_cast<int32_t>(h);
+        sh->items.push_back(it);
+      }
+    }
+  }
+  zero(p.out, covered, p.T, row);  // padding tokens
+  if (sh->items.empty()) return ffi::Error::Success();
+  std::stable_sort(sh->items.begin(), sh->items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  if (q32 && k32) sh->fn = &run_item<float, float>;
+  else if (q32) sh->fn = &run_item<float, uint16_t>;
+  else if (k32) sh->fn = &run_item<uint16_t, float>;
+  else sh->fn = &run_item<uint16_t, uint16_t>;
+  sh->p = p;
+
+  const int64_t n_items = static_cast<int64_t>(sh->items.size());
+  int64_t threads = pool_threads.num_threads();
+  if (threads <= 0) threads = 1;
+  const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  threads = std::min(threads, hw);
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  threads = std::min(threads, n_items);
+  for (int64_t t = 1; t < threads; ++t) {
+    pool_threads.Schedule([sh]() {
+      sh->active.fetch_add(1);
+      work_loop(*sh);
+      sh->active.fetch_sub(1);
+    });
+  }
+  work_loop(*sh);
+  // Every item is claimed now; wait for workers still computing theirs.  A
+  // worker increments `active` before it claims an item, so once the caller
+  // has seen the queue exhausted, active == 0 means all items are done.
+  while (sh->active.load() != 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// K/V write, in place.  XLA:CPU lowers a scatter into a bf16 buffer by
+// converting the whole buffer to f32 and back; this touches only the rows
+// written.
+
+template <typename PT, typename KT>
+void write_rows(void* pool, const void* k, const void* v, const int32_t* blocks,
+                const int32_t* offsets, int64_t T, int64_t NB, int64_t L, int64_t KVH, int64_t BS,
+                int64_t D, int64_t layer) {
+  PT* dst_pool = static_cast<PT*>(pool);
+  const KT* src[2] = {static_cast<const KT*>(k), static_cast<const KT*>(v)};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blk = blocks[t], off = offsets[t];
+    if (blk < 0 || blk >= NB || off < 0 || off >= BS) continue;
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      for (int64_t h = 0; h < KVH; ++h) {
+        PT* dst = dst_pool + ((((blk * L + layer) * 2 + kv) * KVH + h) * BS + off) * D;
+        const KT* row = src[kv] + (t * KVH + h) * D;
+        if constexpr (sizeof(PT) == sizeof(KT)) {
+          std::memcpy(dst, row, D * sizeof(PT));
+        } else {
+          for (int64_t i = 0; i < D; ++i) store_f(dst + i, load_f(row[i]));
+        }
+      }
+    }
+  }
+}
+
+ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> blocks,
+                       ffi::Buffer<ffi::S32> offsets, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions();
+  auto kd = k.dimensions();
+  auto vd = v.dimensions();
+  if (pd.size() != 6 || pd[2] != 2)
+    return ffi::Error::InvalidArgument("write_kv_cpu: kv_pool must be [NB, L, 2, KVH, BS, D]");
+  if (kd.size() != 3 || kd[1] != pd[3] || kd[2] != pd[5] || vd.size() != 3 || vd[0] != kd[0] ||
+      vd[1] != kd[1] || vd[2] != kd[2])
+    return ffi::Error::InvalidArgument(
+        "write_kv_cpu: k and v must be [T, KVH, D] matching the pool");
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("write_kv_cpu: k and v dtypes differ");
+  if (blocks.element_count() != static_cast<size_t>(kd[0]) ||
+      offsets.element_count() != static_cast<size_t>(kd[0]))
+    return ffi::Error::InvalidArgument("write_kv_cpu: blocks and offsets must be [T]");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("write_kv_cpu: layer must be a scalar");
+  if (out->element_type() != pool.element_type() || out->size_bytes() != pool.size_bytes())
+    return ffi::Error::InvalidArgument("write_kv_cpu: output must match the pool");
+  const auto pt = pool.element_type(), kt = k.element_type();
+  const bool p32 = pt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
+  if ((!p32 && pt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("write_kv_cpu: pool and k/v must be f32 or bf16");
+  if (out->untyped_data() != pool.untyped_data())  // XLA did not alias: copy, then write
+    std::memcpy(out->untyped_data(), pool.untyped_data(), pool.size_bytes());
+  const int64_t lay = layer.typed_data()[0];
+  if (lay < 0 || lay >= pd[1]) return ffi::Error::Success();  // dropped, like the scatter
+  auto fn = p32 ? (k32 ? write_rows<float, float> : write_rows<float, uint16_t>)
+                : (k32 ? write_rows<uint16_t, float> : write_rows<uint16_t, uint16_t>);
+  fn(out->untyped_data(), k.untyped_data(), v.untyped_data(), blocks.typed_data(),
+     offsets.typed_data(), kd[0], pd[0], pd[1], pd[3], pd[4], pd[5], lay);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionCpu, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q [T, H, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Ret<ffi::AnyBuffer>()         // out [T, H, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // kv_pool (aliased to the result)
+                                  .Arg<ffi::AnyBuffer>()         // k [T, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()         // v [T, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // blocks [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets [T]
+                                  .Ret<ffi::AnyBuffer>());       // kv_pool
