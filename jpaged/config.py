@@ -44,7 +44,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.top_p = 1.0
     c.top_k = 0
     c.seed = 0
-    # Attention: reference (jnp) | cpu (C++ decode kernel) | pallas_gpu | pallas_tpu | auto (by backend)
+    # Attention: reference (jnp) | cpu (C++ kernel) | pallas_gpu | pallas_tpu | auto (by backend)
     c.attention_impl = "auto"
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
     # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
