@@ -67,8 +67,6 @@ class ModelRunner:
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.timing = StepTiming()
-        self.num_tokens_real = 0      # scheduled tokens, summed over steps
-        self.num_tokens_computed = 0  # token slots computed (bucket sizes), summed over steps
 
     # ----------------------------------------------------------------- shapes
     @property
@@ -138,7 +136,7 @@ class ModelRunner:
         if not out.scheduled:
             return np.zeros(0, np.int32)
         t0 = time.perf_counter()
-        tokens, meta, num_tokens = self._build(out.scheduled)
+        tokens, meta = self._build(out.scheduled)
         sampling = self._sampling_arrays(out.scheduled, meta.kv_lens.shape[0])
         self.timing.build = time.perf_counter() - t0
         exe = self._executable((self.kv_pool, tokens, meta, sampling))
@@ -146,11 +144,9 @@ class ModelRunner:
         next_tokens, self.kv_pool = exe(self.params, self.kv_pool, tokens, meta, sampling)
         next_tokens = np.asarray(next_tokens)
         self.timing.forward = time.perf_counter() - t0
-        self.num_tokens_real += num_tokens
-        self.num_tokens_computed += tokens.shape[0]
         return next_tokens[:len(out.scheduled)]
 
-    def _build(self, scheduled: list[ScheduledSeq]) -> tuple[np.ndarray, StepMetadata, int]:
+    def _build(self, scheduled: list[ScheduledSeq]) -> tuple[np.ndarray, StepMetadata]:
         """The step's flat host arrays: each token's id, position and (block, offset)."""
         n = sum(s.num_new for s in scheduled)
         T = self.token_bucket(n)
@@ -177,7 +173,7 @@ class ModelRunner:
         meta = StepMetadata(positions=positions, write_blocks=write_blocks,
                             write_offsets=write_offsets, block_tables=block_tables,
                             kv_lens=kv_lens, cu_q_lens=cu_q_lens, logits_indices=logits_indices)
-        return tokens, meta, n
+        return tokens, meta
 
     def _swap(self, out: SchedulerOutput) -> None:
         """One jitted gather of every victim's blocks (device -> host pool), then one

@@ -69,7 +69,7 @@ flags.DEFINE_integer("q_len", 1, "New tokens per sequence (1 = decode).")
 flags.DEFINE_integer("block_k", None, "gpu: keys per loop iteration (default: the kernel's).")
 flags.DEFINE_integer("block_m", None, "gpu: query rows per ragged tile (default: the kernel's).")
 flags.DEFINE_integer("decode_rows", None,
-                     "gpu: rows of a split-KV tile, 0 = no split-KV kernel (default: kernel's)."))
+                     "gpu: rows of a split-KV tile, 0 = no split-KV kernel (default: kernel's).")
 flags.DEFINE_integer("num_warps", None, "gpu: warps per CTA (default: the kernel's).")
 flags.DEFINE_integer("num_stages", None, "gpu: Triton pipeline stages (default: the kernel's).")
 flags.DEFINE_integer("num_partitions", None, "gpu: split-KV partitions (default: heuristic).")

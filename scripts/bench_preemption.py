@@ -21,7 +21,6 @@ Writes benchmarks/results/preemption.{csv,md,png}.
 from __future__ import annotations
 
 import math
-import pathlib
 import time
 
 import numpy as np

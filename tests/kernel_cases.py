@@ -65,6 +65,18 @@ def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int
             jnp.asarray(kv_lens), jnp.asarray(cu))
 
 
+def attention_per_layer(impl: str, q, pool, block_tables, kv_lens, cu_q_lens, *, sm_scale=0.3,
+                        **jit_kwargs):
+    """[NUM_LAYERS, T, H, D]: paged_attention of every layer through the public entry
+    point, the layer index traced inside lax.scan under jit (as a scanned model does)."""
+    import pallas_kernels
+
+    def body(carry, layer):
+        return carry, pallas_kernels.paged_attention(q, pool, layer, block_tables, kv_lens,
+                                                     cu_q_lens, impl=impl, sm_scale=sm_scale)
+    return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(NUM_LAYERS))[1], **jit_kwargs)()
+
+
 def check_ragged(out, args, seed: int, what: str) -> None:
     """out matches the reference; padding tokens are exactly zero."""
     q, cu = args[0], np.asarray(args[5])

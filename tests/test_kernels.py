@@ -8,11 +8,10 @@ Kernel tests: test_cpu_kernel.py, test_kernels_gpu.py, test_kernels_tpu.py.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import check_ragged, fresh_seed, make_ragged_case, mixed_seqs
+from kernel_cases import attention_per_layer, check_ragged, fresh_seed, make_ragged_case, mixed_seqs
 
 import pallas_kernels
 from pallas_kernels.reference import write_kv_reference
@@ -81,10 +80,7 @@ def test_reference_in_a_layer_scan_under_jit():
     seed = fresh_seed()
     args = make_ragged_case(seed, [(20, 3), (7, 7), (9, 1)], G=2, KVH=1, D=16, BS=4, nan=False)
     q, pool, _, bt, kv_lens, cu = args
-
-    def body(c, layer):
-        return c, pallas_kernels.paged_attention(q, pool, layer, bt, kv_lens, cu)
-    out = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(3))[1])()
+    out = attention_per_layer("reference", q, pool, bt, kv_lens, cu, sm_scale=None)
     for layer in range(3):
         want = numpy_attention(q, pool, layer, bt, kv_lens, cu)
         np.testing.assert_allclose(np.asarray(out[layer]), want, atol=2e-5, rtol=1e-5)

@@ -39,8 +39,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from kernel_cases import (NUM_LAYERS, TOL, check_ragged, fresh_seed, lens_profile,
-                          make_ragged_case, mixed_seqs)
+from kernel_cases import (NUM_LAYERS, TOL, attention_per_layer, check_ragged, fresh_seed,
+                          lens_profile, make_ragged_case, mixed_seqs)
 from pallas_kernels import gpu as kgpu
 from pallas_kernels import triton_aot
 
@@ -152,11 +152,7 @@ def test_traced_layer_in_scan():
                                                    D=64, BS=16, nan=False)
 
     def run_impl(impl):
-        def body(c, layer):
-            return c, pallas_kernels.paged_attention(q, pool, layer, bt, kv_lens, cu, impl=impl,
-                                                     sm_scale=0.3)
-        return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(NUM_LAYERS))[1],
-                       compiler_options=FAST_COMPILE)()
+        return attention_per_layer(impl, q, pool, bt, kv_lens, cu, compiler_options=FAST_COMPILE)
 
     out, ref = run_impl("gpu"), run_impl("reference")
     assert out.shape == (NUM_LAYERS,) + q.shape

@@ -34,10 +34,9 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-import pallas_kernels
 from pallas_kernels import tpu as ktpu
-from kernel_cases import (NUM_LAYERS, TOL, check_ragged, fresh_seed, lens_profile,
-                          make_ragged_case, mixed_seqs)
+from kernel_cases import (TOL, attention_per_layer, check_ragged, fresh_seed,
+                          lens_profile, make_ragged_case, mixed_seqs)
 
 try:
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
@@ -256,10 +255,7 @@ def test_traced_layer_in_scan(monkeypatch):
                                                    D=64, BS=16, nan=False)
 
     def run(impl):
-        def body(c, layer):
-            return c, pallas_kernels.paged_attention(q, pool, layer, bt, kv_lens, cu, impl=impl,
-                                                     sm_scale=0.3)
-        return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(NUM_LAYERS))[1])()
+        return attention_per_layer(impl, q, pool, bt, kv_lens, cu)
 
     out = run("tpu")
     assert_no_race()

@@ -6,7 +6,6 @@ The reference for every comparison is the same request run alone.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
