@@ -33,8 +33,11 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-def token_buckets(max_num_batched_tokens: int, min_tokens: int = 8) -> tuple[int, ...]:
-    """The step-size ladder: powers of two from min_tokens, then the budget itself."""
+def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
+    """The step-size ladder: powers of two from min(8, max_num_seqs rounded up), then
+    the budget itself.  Steps of up to 8 tokens cost about the same on every
+    backend (the weights' memory traffic dominates), so they share one program."""
+    min_tokens = min(8, bucket(max_num_seqs))
     top = max(max_num_batched_tokens, 1)
     ladder = [b for b in (1 << i for i in range(top.bit_length() + 1)) if min_tokens <= b < top]
     return tuple(ladder + [top])
@@ -59,7 +62,7 @@ class ModelRunner:
         self.block_size = block_size
         self.table_width = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
-        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs)
         self.kv_pool = create_kv_pool(model_cfg, num_blocks, block_size, kv_dtype)
         self.swap_space = swap_space
         step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
