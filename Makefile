@@ -35,7 +35,7 @@ clean:
 # Experiments (scripts/bench_*.py): each prints its table and writes CSV + PNG
 # under benchmarks/results/.  Pass flags with ARGS='--flag=value ...'.
 .PHONY: bench-sweep bench-waste bench-latency bench-memory-wall bench-alloc bench-snapshot \
-        bench-block-size bench-serving bench-throughput bench-ragged bench-all
+        bench-block-size bench-serving bench-throughput bench-ragged bench-cpu-attention bench-all
 
 bench-sweep: $(STAMP)
 	$(PY) scripts/bench_sweep.py $(ARGS)
@@ -71,3 +71,6 @@ bench-ragged: $(STAMP)
 
 bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wall bench-sweep \
            bench-block-size bench-serving bench-throughput bench-ragged
+
+bench-cpu-attention: $(STAMP)
+	$(PY) scripts/bench_cpu_attention.py $(ARGS)
