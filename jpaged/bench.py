@@ -103,10 +103,20 @@ def truncate_at_eos(tokens: Sequence[int], eos: set[int], max_tokens: int) -> li
 
 # --------------------------------------------------------------- machine
 def machine() -> str:
+    """The CPU (model, the vector ISA that matters here, cores) and the accelerator."""
     import jax
     backend = jax.default_backend()
     acc = "no accelerator" if backend == "cpu" else f"{backend}: {jax.devices()[0].device_kind}"
-    return f"{os.cpu_count()}-core CPU ({platform.machine()}), {acc}"
+    model, isa = platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        model = info.get("model name", model)
+        flags = set(info.get("flags", "").split())
+        isa = ", " + (" ".join(x for x in ("avx2", "fma", "avx512f") if x in flags) or "no avx2")
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core CPU ({model}{isa}), {acc}"
 
 
 def today() -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jpaged import bench as B  # noqa: E402
 from pallas_kernels import cpu  # noqa: E402
 from pallas_kernels.reference import paged_attention_reference  # noqa: E402
 
@@ -72,22 +72,6 @@ flags.DEFINE_integer("max_threads", 0, "Kernel thread cap (0: XLA's intra-op poo
 flags.DEFINE_bool("reference", True, "Also time the jnp reference.")
 flags.DEFINE_string("out", None, "Write the markdown table here too (e.g. "
                     "benchmarks/results/cpu_attention.md).")
-
-
-def machine() -> str:
-    model, isa = platform.processor() or platform.machine(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f if ":" in line)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        model = info.get("model name", model)
-        flags_ = set(info.get("flags", "").split())
-        isa = " ".join(x for x in ("avx2", "fma", "avx512f") if x in flags_) or "no avx2"
-        isa = f" ({isa}; family {info.get('cpu family', '?')} model {info.get('model', '?')})"
-    except OSError:
-        pass
-    return (f"{model}{isa}, {os.cpu_count()} cores, jax {jax.__version__} "
-            f"(backend {jax.default_backend()})")
 
 
 def median_time(fn, *args, reps: int) -> float:
@@ -196,8 +180,8 @@ def main(argv):
     need = max(sum(-(-kv // BS) for kv, _ in SHAPES[s]) for s in FLAGS.shapes)
     t0 = time.time()
     pool = make_pool(rng, need + 1, dtype)
-    print(f"{machine()}\npool {pool.shape} {dtype} ({pool.nbytes / 2 ** 30:.2f} GiB), "
-          f"built in {time.time() - t0:.1f} s", flush=True)
+    print(f"{B.machine()}, jax {jax.__version__}\npool {pool.shape} {dtype} "
+          f"({pool.nbytes / 2 ** 30:.2f} GiB), built in {time.time() - t0:.1f} s", flush=True)
     mm_cache: dict[int, float] = {}
     rows = []
     for name in FLAGS.shapes:
@@ -221,7 +205,7 @@ def main(argv):
               f"{row['gflops']:6.1f} GFLOP/s  {row['gbps']:5.1f} GB/s", flush=True)
 
     lines = [f"# CPU paged attention per layer ({FLAGS.dtype})", "",
-             f"{machine()}; {datetime.date.today()}; "
+             f"{B.machine()}, jax {jax.__version__}; {datetime.date.today()}; "
              f"H={FLAGS.num_heads} KVH={FLAGS.num_kv_heads} D={FLAGS.head_dim} "
              f"block_size={BS} layers={FLAGS.num_layers}; median of {FLAGS.reps} "
              f"(reference: {FLAGS.ref_reps} runs over {FLAGS.ref_layers} layers).", "",
