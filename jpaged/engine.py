@@ -132,9 +132,13 @@ class LLM:
 
     def __init__(self, config: ml_collections.ConfigDict | None = None, **overrides: Any):
         cfg = default_config()
-        if config is not None:
-            cfg.update(config)
-        cfg.update(overrides)
+        cfg.lock()  # a misspelt field is an error ("did you mean ..."), not a silent default
+        try:
+            if config is not None:
+                cfg.update(config)
+            cfg.update(overrides)
+        except KeyError as e:
+            raise ValueError(f"unknown config field: {e.args[0]}") from None
         self.config = cfg
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "

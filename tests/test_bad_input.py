@@ -80,3 +80,9 @@ def test_non_integer_token_ids_are_rejected_not_truncated(tiny_llm):
     outs = tiny_llm.generate([[5, 3.7, 9], [5, 6, 7]], SamplingParams(max_tokens=3))
     assert outs[0].finish_reason == "error" and "integers" in outs[0].error
     assert outs[1].finish_reason in ("stop", "length") and len(outs[1].token_ids) > 0
+
+
+def test_misspelt_config_field_is_an_error():
+    from jpaged.engine import LLM
+    with pytest.raises(ValueError, match='Did you mean "block_size"'):
+        LLM(model="unused", blok_size=32)
