@@ -175,10 +175,11 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + seq.num_seats > self.max_num_seqs:
                 break
-            if self._prefix_in_flight(seq):
+            match = self.block_manager.match(seq)
+            if self._prefix_in_flight(seq, len(match[1])):
                 deferred.append(self.waiting.popleft())
                 continue
-            n = self._try_admit(seq, budget)
+            n = self._try_admit(seq, budget, match)
             if n is None:
                 if not self.running:  # not even an empty pool holds its first chunk
                     self.waiting.popleft()
@@ -195,14 +196,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return scheduled
 
-    def _prefix_in_flight(self, seq: Sequence) -> bool:
+    def _prefix_in_flight(self, seq: Sequence, num_cached_blocks: int) -> bool:
         """Whether a prefilling sequence will cache the first full block of seq that
         the prefix cache does not hold yet (same tokens up to it, same extra keys)."""
         bm = self.block_manager
         if not bm.enable_prefix_caching:
             return False
-        bs = bm.block_size
-        end = (len(bm.match(seq)[1]) + 1) * bs  # through the first uncached block
+        end = (num_cached_blocks + 1) * bm.block_size  # through the first uncached block
         if end > seq.num_tokens - 1:
             return False  # no uncached full block before its last token
         prefix = seq.token_slice(0, end)
@@ -225,12 +225,13 @@ class Scheduler:
         if up - n > n // 8 and down >= 32 and last.num_new > n - down:
             last.num_new -= n - down
 
-    def _try_admit(self, seq: Sequence, budget: int) -> int | None:
-        """Reuses seq's longest cached prefix and makes room for its first chunk;
-        returns the chunk's token count (0: a fork leader that is fully cached),
-        or None, changing nothing, when the pool cannot hold it."""
+    def _try_admit(self, seq: Sequence, budget: int, match: tuple[list, list[int]]) -> int | None:
+        """Reuses seq's longest cached prefix (`match`: BlockManager.match(seq)) and
+        makes room for its first chunk; returns the chunk's token count (0: a fork
+        leader that is fully cached), or None, changing nothing, when the pool
+        cannot hold it."""
         bm = self.block_manager
-        handles, blocks = bm.match(seq)
+        handles, blocks = match
         bs = bm.block_size
         # Always recompute the last token (its logits give the next one).
         computed = min(len(blocks) * bs, seq.num_tokens - 1)
