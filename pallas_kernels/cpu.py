@@ -29,8 +29,11 @@ with g++ into `$JPAGED_CACHE_DIR/kernels/` (default `~/.cache/jpaged/kernels/`),
 under a name keyed by a hash of the source, the compiler flags, the compiler,
 the jax version and the host CPU (-march=native); it is built into a temporary
 file and renamed into place, so concurrent processes never load a half-written
-library.  `available()` is False (reason logged once) when g++ is missing or
-the build or load fails; importing this module never compiles or fails.
+library.  A `<library>.sha256` digest written with it is checked before every
+load: a cached library that is truncated, altered or has no digest is rebuilt
+rather than handed to dlopen (where a truncated file dies of SIGBUS).
+`available()` is False (reason logged once) when g++ is missing or the build
+or load fails; importing this module never compiles or fails.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +90,7 @@ def _cpu_id() -> bytes:
 
 
 def _build() -> pathlib.Path:
+    """The path of a verified kernel library for this source/compiler/CPU, built if needed."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ not on PATH, $CXX unset)")
@@ -101,20 +106,103 @@ def _build() -> pathlib.Path:
     out_dir = _cache_dir()
     out = out_dir / f"paged_attention_cpu-{key}.so"
     if out.exists():
-        return out
+        problem = _damage(out)
+        if not problem:
+            return out
+        # Rebuilt and renamed over it, never truncated or rewritten in place: a
+        # process that has the old file mapped keeps its (old) inode intact.
+        log.warning("cached CPU kernel %s is unusable (%s); rebuilding", out, problem)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_files(out_dir)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
         cmd = [cxx, *_FLAGS, f"-I{inc}", str(_SRC), "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"build failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+        problem = _elf_problem(pathlib.Path(tmp).read_bytes())
+        if problem:
+            raise RuntimeError(f"the compiler wrote no usable library ({' '.join(cmd)}): {problem}")
+        # The digest goes in place first, so whoever sees the new library also sees
+        # its digest; a reader that catches an older library beside it rebuilds.
+        _write_atomic(_digest_file(out), f"{_sha256_file(pathlib.Path(tmp))}  {out.name}\n".encode())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+_BUILD_TIMEOUT_S = 600
+_ELF_MAGIC = b"\x7fELF"
+
+
+def _digest_file(lib: pathlib.Path) -> pathlib.Path:
+    """`<lib>.sha256`, in `sha256sum` format, written when `lib` was built."""
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _sha256_file(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _elf_problem(data: bytes) -> str:
+    """Why `data` is not a whole ELF file ("" if it looks like one).  The digest is the
+    real check; this one also covers a fresh build, and names what a truncation cut."""
+    if len(data) < 64 or data[:4] != _ELF_MAGIC:  # 64: an ELF64 header
+        return f"not an ELF shared library ({len(data):,} bytes)"
+    if data[4:6] == b"\x02\x01":  # ELF64, little-endian: the section headers end the file
+        sh_end = int.from_bytes(data[0x28:0x30], "little") + \
+            int.from_bytes(data[0x3A:0x3C], "little") * int.from_bytes(data[0x3C:0x3E], "little")
+        if sh_end > len(data):
+            return f"truncated ELF file ({len(data):,} of at least {sh_end:,} bytes)"
+    return ""
+
+
+def _damage(lib: pathlib.Path) -> str:
+    """Why the cached library must not be loaded ("" if it is the one we built).
+
+    dlopen maps the file; a truncated one dies of SIGBUS at load (or later), and a
+    flipped bit runs wrong code, so only a file matching the digest recorded at
+    build time is loaded.  A library without a digest (built by an older jpaged,
+    or whose build was cut short) is rebuilt too.
+    """
+    try:
+        data = lib.read_bytes()
+        recorded = _digest_file(lib).read_text().split()
+    except FileNotFoundError as e:
+        return f"{pathlib.Path(e.filename).name} is missing"
+    problem = _elf_problem(data)
+    if problem:
+        return problem
+    if not recorded or recorded[0] != hashlib.sha256(data).hexdigest():
+        return "sha256 differs from the one recorded at build time"
+    return ""
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from other users of a shared cache
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _remove_stale_temp_files(out_dir: pathlib.Path) -> None:
+    """Removes `*.tmp` files of builds killed midway.  A build is cut off after
+    _BUILD_TIMEOUT_S, so a temp file untouched for an hour has no live writer."""
+    cutoff = time.time() - max(3600, 2 * _BUILD_TIMEOUT_S)
+    for tmp in out_dir.glob("*.tmp"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+        except OSError:  # gone already, or not ours to remove
+            pass
 
 
 def _load() -> bool:
