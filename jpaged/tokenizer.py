@@ -8,8 +8,12 @@ the same way `transformers` renders it.
 
 from __future__ import annotations
 
+import bisect
 import json
 import pathlib
+import re
+import secrets
+import unicodedata
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -96,6 +100,108 @@ class Tokenizer:
         return _compile_template(self.chat_template).render(
             messages=messages, tools=None, documents=None,
             add_generation_prompt=add_generation_prompt, **context)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> tuple[str, list[int]]:
+        """Renders `messages` with the chat template and tokenizes the result: (text, ids).
+
+        Unlike `encode(apply_chat_template(messages), add_special_tokens=False)`, a
+        special-token string inside message content ("<|im_end|>", "<|im_start|>", ...)
+        is tokenized as plain text, so a user cannot forge a system or assistant turn.
+        Only the template's own markers become control tokens. For content without
+        special-token strings the ids are exactly those of that unsafe call.
+
+        Trust model. Protected: each message's `content` when it is a string, and the
+        `text` of `{"type": "text"}` parts when it is a list (other part types raise
+        ValueError). Not protected, rendered as the template writes them: roles, names,
+        tool calls and any other message field, and `kwargs`; these belong to the caller,
+        who must validate them (a role "system<|im_end|>" is a forged control token).
+        Non-special added tokens (tokenizer.json `special: false`, GGUF USER_DEFINED, e.g.
+        Qwen's `<think>`) are not control tokens and still match inside content.
+
+        How content is found: the template is rendered a second time with each content
+        replaced by an unguessable placeholder, and the real render must equal that
+        skeleton with each placeholder replaced by its content, or by its content
+        stripped of whitespace or newlines (templates that `| trim`). Searching the real
+        render for the content instead would be unsafe: content that also occurs in
+        template text (say "<|im_end|>\\n" in a default system prompt) would be found there.
+        If a template changes content in another way, content holding a special-token
+        string is refused (ValueError), and other content is accepted only when the
+        template emitted the same control tokens as for the placeholders.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        nonce = _fresh_nonce(text)
+        placeheld, contents = _with_placeholders(messages, nonce)
+        if not contents:
+            return text, self.encode(text, add_special_tokens=False)
+        skeleton = self.apply_chat_template(placeheld, add_generation_prompt, **kwargs)
+        spans = _align_contents(text, skeleton, _placeholder_regex(nonce), contents)
+        if spans is None:
+            return text, self._encode_untracked(text, skeleton, contents)
+        return text, self._encode_with_content(text, spans)
+
+    def _special_ids(self) -> dict[int, str]:
+        """Special added tokens, id -> string. Read each time: the backend may gain tokens."""
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
+    def _escaping_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that splits special-token strings like normal text.
+
+        A copy, rather than toggling `backend.encode_special_tokens`, because that flag
+        is shared state: a concurrent `encode()` would see it flipped. Built on first use
+        (about 0.1 s) and rebuilt if the backend was replaced or gained tokens; two
+        threads racing here just build it twice.
+        """
+        key = (id(self.backend), self.backend.get_vocab_size(with_added_tokens=True))
+        cached = getattr(self, "_escaping", None)
+        if cached is None or cached[0] != key:
+            copy = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            copy.encode_special_tokens = True
+            cached = self._escaping = (key, copy)
+        return cached[1]
+
+    def _encode_with_content(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Encodes `text`; special tokens are control tokens only outside the content `spans`."""
+        special = self._special_ids()
+        enc = self.backend.encode(text, add_special_tokens=False)
+        if not any(i in special and _overlaps(_strip_span(text, off), spans)
+                   for i, off in zip(enc.ids, enc.offsets)):
+            return enc.ids  # the common case, and exactly today's ids
+        # Control tokens are looked up in the template text alone, so content cannot merge
+        # with a template marker into one longer match that hides the marker.
+        cuts: list[tuple[int, int, int]] = []
+        for a, b in _complement(spans, len(text)):
+            part = self.backend.encode(text[a:b], add_special_tokens=False)
+            cuts += [(a + s, a + e, i) for i, (s, e) in zip(part.ids, part.offsets) if i in special]
+        # The text between two control tokens is encoded in one piece, as `encode` would,
+        # so BPE sees the same pre-tokens across the template/content boundary.
+        escaping, ids, pos = self._escaping_backend(), [], 0
+        for start, end, token_id in cuts:
+            if start > pos:
+                ids += escaping.encode(text[pos:start], add_special_tokens=False).ids
+            ids.append(token_id)
+            pos = end
+        if pos < len(text):
+            ids += escaping.encode(text[pos:], add_special_tokens=False).ids
+        return ids
+
+    def _encode_untracked(self, text: str, skeleton: str, contents: list[str]) -> list[int]:
+        """Encoding for a template whose output could not be split into template and content."""
+        special = self._special_ids()
+        for token in special.values():
+            if any(token in c for c in contents):
+                raise ValueError(
+                    f"message content contains the special token {token!r}, and this chat template "
+                    "changes message content in a way jpaged cannot follow, so it cannot keep the "
+                    "token as plain text; remove it from the content")
+        ids = self.encode(text, add_special_tokens=False)
+        # Content has no special-token string, but could still complete one with the template
+        # text next to it: then the control tokens differ from the placeholder render's.
+        controls = [i for i in ids if i in special]
+        if controls != [i for i in self.encode(skeleton, add_special_tokens=False) if i in special]:
+            raise ValueError("the chat template's control tokens depend on message content; "
+                             "refusing to tokenize this chat")
+        return ids
 
     # ---------------------------------------------------------- serialisation
     def to_json(self) -> str:
@@ -191,6 +297,149 @@ class Tokenizer:
 
 
 # ------------------------------------------------------------------ helpers
+def printable(text: str) -> str:
+    """`text` with control characters escaped, safe to echo to a terminal.
+
+    C0 controls other than newline and tab, DEL and C1 controls are written as Python
+    escapes ("\\x1b", "\\r"), so model output or a prompt cannot move the cursor,
+    rewrite a line, change colours or start an escape sequence. Other text is unchanged.
+    """
+    return text.translate(_CONTROL_ESCAPES)
+
+
+# Every Unicode "Cc" character (C0, DEL, C1) except "\t" and "\n", mapped to its repr() escape.
+_CONTROL_ESCAPES = {cp: repr(chr(cp))[1:-1] for cp in range(0xA0)
+                    if unicodedata.category(chr(cp)) == "Cc" and chr(cp) not in "\t\n"}
+
+
+# ------------------------------------------------- chat content tracking
+def _fresh_nonce(text: str) -> str:
+    """A random tag for placeholders; random so content cannot contain or forge one."""
+    while True:
+        nonce = secrets.token_hex(8)
+        if nonce not in text:
+            return nonce
+
+
+def _placeholder(nonce: str, k: int) -> str:
+    # Letters and digits only: survives `trim`, `tojson`, `split` and friends unchanged.
+    return f"JPAGED{nonce}C{k}E"
+
+
+def _placeholder_regex(nonce: str) -> re.Pattern[str]:
+    return re.compile(f"JPAGED{nonce}C([0-9]+)E")
+
+
+def _with_placeholders(messages: list[dict[str, Any]], nonce: str
+                       ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Copies of `messages` with each non-empty content string replaced by a placeholder.
+
+    Returns (copies, contents) where placeholder k stands for contents[k]. Empty
+    strings stay: there is nothing in them to protect, and templates often branch on
+    emptiness (an assistant turn with only tool calls).
+    """
+    contents: list[str] = []
+
+    def hold(s: str) -> str:
+        if not s:
+            return s
+        contents.append(s)
+        return _placeholder(nonce, len(contents) - 1)
+
+    copies = []
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict):
+            copies.append(message)  # the template reports it
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            message = {**message, "content": hold(content)}
+        elif isinstance(content, list):
+            message = {**message, "content": [_hold_part(n, part, hold) for part in content]}
+        copies.append(message)
+    return copies, contents
+
+
+def _hold_part(n: int, part: Any, hold: Any) -> dict[str, Any]:
+    """A content part with its text held; only text parts are supported."""
+    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ValueError(f"message {n}: content part of type {kind!r} is not supported "
+                         "(only {'type': 'text', 'text': str} parts)")
+    return {**part, "text": hold(part["text"])}
+
+
+def _content_variants(content: str) -> list[str]:
+    """How a template may have written `content`: as is, or trimmed (`| trim`, `.strip('\\n')`)."""
+    variants = [content, content.strip(), content.lstrip(), content.rstrip(),
+                content.strip("\n"), content.lstrip("\n"), content.rstrip("\n")]
+    return list(dict.fromkeys(variants))
+
+
+def _align_contents(text: str, skeleton: str, placeholder: re.Pattern[str], contents: list[str]
+                    ) -> list[tuple[int, int]] | None:
+    """Spans of `text` holding message content, or None if `text` is not `skeleton` filled in.
+
+    `skeleton` is template pieces and placeholders, t0 P t1 P ... tn; `text` must be
+    t0 x t1 x ... tn with each x a variant of its placeholder's content. Variants can
+    make several splits fit, so every reachable position is kept (at most a few per
+    placeholder) and the first split that uses all of `text` wins, untrimmed preferred.
+    """
+    parts = placeholder.split(skeleton)
+    pieces, slots = parts[0::2], [int(k) for k in parts[1::2]]
+    if not text.startswith(pieces[0]):
+        return None
+    # position in text -> spans that got there, as a linked list (span, previous).
+    frontier: dict[int, Any] = {len(pieces[0]): None}
+    for slot, piece in zip(slots, pieces[1:]):
+        reached: dict[int, Any] = {}
+        for pos, path in frontier.items():
+            for variant in _content_variants(contents[slot]):
+                end = pos + len(variant)
+                if text.startswith(variant, pos) and text.startswith(piece, end):
+                    reached.setdefault(end + len(piece), ((pos, end), path))
+        if not reached:
+            return None
+        frontier = reached
+    if len(text) not in frontier:
+        return None
+    spans, path = [], frontier[len(text)]
+    while path is not None:
+        span, path = path
+        if span[1] > span[0]:
+            spans.append(span)
+    return spans[::-1]
+
+
+def _strip_span(text: str, span: tuple[int, int]) -> tuple[int, int]:
+    """`span` without surrounding whitespace: what an lstrip/rstrip added token absorbed."""
+    start, end = span
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return start, end
+
+
+def _overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether `span` shares a character with any of the sorted, disjoint `spans`."""
+    start, end = span
+    k = bisect.bisect_left(spans, (end,)) - 1  # the last span starting before `end`
+    return start < end and k >= 0 and spans[k][1] > start
+
+
+def _complement(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The non-empty gaps between sorted, disjoint `spans` in [0, length)."""
+    gaps, pos = [], 0
+    for start, end in spans:
+        if start > pos:
+            gaps.append((pos, start))
+        pos = end
+    if pos < length:
+        gaps.append((pos, length))
+    return gaps
+
+
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
