@@ -9,9 +9,11 @@ tokens, applies stop conditions and frees finished sequences.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import pathlib
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ import numpy as np
 import tqdm
 
 import pallas_kernels
-from jpaged.config import default_config
+from jpaged.config import apply_overrides, default_config, validate_config
 from jpaged.block_manager import BlockManager, CacheCounters
 from jpaged.kv_cache import HostSwapSpace, bytes_per_block, num_blocks_for, swap_capacity_blocks
 from jpaged.model import Llama, split_model
@@ -28,6 +30,8 @@ from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import PreemptionCounters, Scheduler, SchedulerOutput
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.weights import default_cache_dir, load_weights
+
+log = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = {"reference": "reference", "cpu": "cpu", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
@@ -42,12 +46,18 @@ def resolve_kv_cache_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
     return dtype if name == "auto" else jnp.dtype(name)
 
 
-def resolve_attention_impl(name: str) -> str:
+def resolve_attention_impl(name: str) -> tuple[str, str]:
+    """(the impl that will really run, why it differs from the one asked for or "")."""
     if name == "auto":
-        return pallas_kernels.default_impl()
+        return pallas_kernels.default_impl(), ""
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS) + ['auto']}, got {name!r}")
-    return ATTENTION_IMPLS[name]
+    impl = ATTENTION_IMPLS[name]
+    if impl == "cpu":
+        from pallas_kernels import cpu
+        if not cpu.available():  # the backend would fall back to the reference on every call
+            return "reference", f"cpu kernel unavailable: {cpu.unavailable_reason()}"
+    return impl, ""
 
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
@@ -61,6 +71,12 @@ def resolve_layer_loop(name: str) -> bool:
     return name == "scan"
 
 
+def default_sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
+    """The config's sampling defaults, which each request may override."""
+    return SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature,
+                          top_p=config.top_p, top_k=config.top_k)
+
+
 @dataclasses.dataclass
 class RequestOutput:
     request_id: int
@@ -68,13 +84,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # stop | length | error
+    finish_reason: str  # stop | length | error | abort
     error: str | None
     ttft_ms: float | None
     latency_ms: float
     # Every sample of the request (SamplingParams.n); the fields above are samples[0].
     samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    index: int = 0              # position of the request in the prompts given to generate()
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,23 +144,17 @@ class StepStats:
         return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
 
 
+class EngineStalled(RuntimeError):
+    """A step could schedule nothing while requests waited (they were failed)."""
+
+
 class LLM:
     """Loads a model, sizes the KV pool and serves batches of requests."""
 
     def __init__(self, config: ml_collections.ConfigDict | None = None, **overrides: Any):
-        cfg = default_config()
-        cfg.lock()  # a misspelt field is an error ("did you mean ..."), not a silent default
-        try:
-            if config is not None:
-                cfg.update(config)
-            cfg.update(overrides)
-        except KeyError as e:
-            raise ValueError(f"unknown config field: {e.args[0]}") from None
+        cfg = apply_overrides(default_config(), config, **overrides)
+        validate_config(cfg)  # one line per problem, before anything loads
         self.config = cfg
-        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
-                             f"max_num_seqs ({cfg.max_num_seqs}): every running sequence's decode "
-                             "token must fit in one step")
         self.scan_layers = resolve_layer_loop(cfg.layer_loop)
         self.dtype = jnp.dtype(cfg.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
@@ -164,7 +175,9 @@ class LLM:
             num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
             weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len)
-        self.attention_impl = resolve_attention_impl(cfg.attention_impl)
+        self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
+        if self.attention_note:
+            log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching,
                                           index=cfg.prefix_cache_index)
@@ -192,11 +205,16 @@ class LLM:
         self.stats = StepStats()
         self._cache_base = CacheCounters()
         self._preempt_base = PreemptionCounters()
+        self._idle_state: tuple | None = None  # scheduler state after the last step that ran nothing
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (only between generate() calls)."""
         if self.scheduler.has_work:
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
+        self._new_block_manager()
+
+    def _new_block_manager(self) -> None:
+        """A fresh block manager (empty prefix cache); no sequence may hold blocks."""
         cfg = self.config
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching,
@@ -208,9 +226,7 @@ class LLM:
 
     # ----------------------------------------------------------------- requests
     def default_sampling_params(self) -> SamplingParams:
-        c = self.config
-        return SamplingParams(max_tokens=c.max_new_tokens, temperature=c.temperature,
-                              top_p=c.top_p, top_k=c.top_k)
+        return default_sampling_params(self.config)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -224,10 +240,12 @@ class LLM:
         """Queues one request; an invalid one is finished at once with an error."""
         request_id = self._next_id
         self._next_id += 1
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
-        seq = Sequence(request_id, prompt_token_ids or [], params, prompt=prompt, seed=seed)
+        prompt_token_ids = list(prompt_token_ids or [])
+        error = error or self._validate(prompt_token_ids, params)
+        # A request that fails draws no seed: its neighbours' draws do not depend on it.
+        seed = 0 if error else params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        seq = Sequence(request_id, prompt_token_ids, params, prompt=prompt, seed=seed)
         self._active[request_id] = seq
-        error = error or self._validate(seq)
         if error:
             seq.finish("error", error)
             return request_id
@@ -242,22 +260,25 @@ class LLM:
         self.scheduler.add(seq)
         return request_id
 
-    def _validate(self, seq: Sequence) -> str | None:
+    def _validate(self, ids: list[int], params: SamplingParams) -> str | None:
         try:
-            seq.params.validate()
-        except ValueError as e:
+            params.validate()
+        except (ValueError, TypeError) as e:
             return str(e)
-        ids, vocab = seq.prompt_token_ids, self.model_config.vocab_size
+        vocab = self.model_config.vocab_size
         if not ids:
             return "empty prompt: at least one token is required"
         if len(ids) >= self.config.max_model_len:
             return (f"prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
                     "(room is needed for at least one generated token)")
+        not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if not_ints:
+            return f"token ids must be integers, got {not_ints[:8]}"
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             return f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}"
-        if seq.params.n > self.config.max_num_seqs:
-            return f"n={seq.params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
+        if params.n > self.config.max_num_seqs:
+            return f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
         if self.block_manager.blocks_for(len(ids) + 1) > self.num_blocks - 1:
             return f"prompt needs more KV blocks than the pool has ({self.num_blocks - 1})"
         return None
@@ -268,8 +289,9 @@ class LLM:
         try:
             if isinstance(prompt, dict):
                 messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
-                text = self._require_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
-                return text, self.tokenizer.encode(text, add_special_tokens=False), None
+                # Special-token strings in message contents stay text: a user cannot forge turns.
+                text, ids = self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
+                return text, ids, None
             if isinstance(prompt, str):
                 return prompt, self._require_tokenizer().encode(prompt), None
             ids = list(prompt)
@@ -294,20 +316,91 @@ class LLM:
 
     # -------------------------------------------------------------------- steps
     def step(self) -> list[Sequence]:
-        """Runs one scheduled step; returns sequences that finished in it."""
+        """Runs one scheduled step; returns sequences that finished in it (with
+        finish_reason "error" for those a failed step took down).
+
+        An exception inside the step fails only the sequences it involved (their
+        blocks are freed) and the engine stays usable; see `_recover`.  A step
+        that can make no progress while requests wait raises EngineStalled."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        next_tokens = self.runner.execute(out)
+        try:
+            next_tokens = self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - one bad step must not poison the engine
+            self._recover(out, e)
+            next_tokens = []
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         eos = self._eos_ids()
         for s, token in zip(out.scheduled, next_tokens):
-            self._advance(s.seq, s.num_new, int(token), eos)
+            try:
+                self._advance(s.seq, s.num_new, int(token), eos)
+            except Exception as e:  # noqa: BLE001 - pinned to this sequence
+                log.exception("request %d failed after its step", s.seq.seq_id)
+                self.scheduler.fail(s.seq, f"internal error: {type(e).__name__}: {e}")
         self._record(out, prefill, time.perf_counter() - t0)
         running = {id(s) for s in self.scheduler.running}
         finished = [s for s in self._active.values() if s.is_done and id(s) not in running]
         for seq in finished:
             del self._active[seq.seq_id]
+        if finished or out.scheduled or out.swap_out or out.swap_in or not self.scheduler.has_work:
+            self._idle_state = None
+        else:  # an empty step may still move state (a preemption, a fork): stalled only if not
+            state = self._scheduler_state()
+            if state == self._idle_state:
+                self._stalled()
+            self._idle_state = state
         return finished
+
+    def _scheduler_state(self) -> tuple:
+        """Everything schedule() decides from: equal before and after a step that ran
+        nothing means every later schedule() runs nothing too."""
+        sched = self.scheduler
+        return (self.block_manager.num_free_blocks,
+                *((id(s), s.status, s.num_computed_tokens, len(s.block_table.block_ids), len(s.forks))
+                  for q in (sched.waiting, sched.running, sched.swapped) for s in q))
+
+    def _recover(self, out: SchedulerOutput, error: Exception) -> None:
+        """Fails every sequence the step involved and frees their blocks.  If the
+        exception struck after the donated pool was consumed, the pool is rebuilt
+        empty: the prefix cache is dropped and the other running sequences
+        recompute their K/V (as after a recompute preemption)."""
+        message = f"step failed: {type(error).__name__}: {error}"
+        log.error("%s (failing %d sequences)", message, len(out.scheduled))
+        involved = [s.seq for s in out.scheduled] + [r.seq for r in (*out.swap_out, *out.swap_in)]
+        for seq in dict.fromkeys(involved):
+            if not seq.is_done:
+                self.scheduler.fail(seq, message)
+        if self.runner.restore_pool():
+            log.error("the KV pool was lost with the failed step: recomputing %d running sequences",
+                      len(self.scheduler.running))
+            self.scheduler.requeue_running()
+            self._new_block_manager()
+
+    def _stalled(self) -> None:
+        """Two steps in a row scheduled nothing, finished nothing and left the
+        scheduler's state unchanged: schedule() is deterministic, so every later
+        step would do the same.  Fail what waits (freeing everything) and raise,
+        rather than spin."""
+        sched = self.scheduler
+        state = (f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} swapped; "
+                 f"{self.block_manager.num_free_blocks} free blocks, max_num_batched_tokens "
+                 f"{self.config.max_num_batched_tokens}, max_num_seqs {self.config.max_num_seqs}")
+        message = f"engine stalled: a step could schedule nothing ({state})"
+        for seq in [*sched.waiting, *sched.running, *sched.swapped]:
+            sched.fail(seq, message)
+        raise EngineStalled(message)
+
+    def abort(self, request_ids: Iterable[int]) -> None:
+        """Ends the given requests (every sample) now and frees what they hold;
+        they finish with finish_reason "abort"."""
+        for rid in request_ids:
+            seq = self._active.get(rid)
+            if seq is None:
+                continue
+            for s in seq.group:
+                if not s.is_done:
+                    self.scheduler.fail(s, "aborted", reason="abort")
+                self._active.pop(s.seq_id, None)
 
     def _advance(self, seq: Sequence, num_new: int, token: int, eos: set[int]) -> None:
         seq.num_computed_tokens += num_new
@@ -368,41 +461,61 @@ class LLM:
 
         A prompt is a raw string, a list of token ids, or a chat request
         {"messages": [...]} / {"prompt": "a user message"} (rendered with the
-        model's chat template).
+        model's chat template).  A request that cannot run (bad input, or a step
+        that failed under it) comes back with finish_reason "error".
         """
+        outputs = list(self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm))
+        return sorted(outputs, key=lambda o: o.index)
+
+    def generate_iter(self, prompts: Iterable[Any],
+                      sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                      *, use_tqdm: bool = False, stop: threading.Event | None = None
+                      ) -> Iterator[RequestOutput]:
+        """generate(), yielding each request's output as soon as it (every sample)
+        finishes; `output.index` is its position in `prompts`.  Closing the
+        iterator early, or setting `stop` (checked before every step, so a
+        signal handler may set it), aborts the requests that have not finished."""
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        ids = []
         self.stats = StepStats()
         self._cache_base = dataclasses.replace(self.block_manager.counters)
         self._preempt_base = dataclasses.replace(self.scheduler.counters)
-        for prompt, params in zip(prompts, sampling_params):
-            text, token_ids, error = self._tokenize(prompt)
-            if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
-                params = dataclasses.replace(params, cache_salt=str(prompt["cache_salt"]))
-            ids.append(self.add_request(token_ids, params, prompt=text, error=error))
-        done: dict[int, Sequence] = {}
-        remaining = {i: len(self._active[i].group) for i in ids}
-        with tqdm.tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            while remaining:
-                for seq in self.step():
-                    done[seq.seq_id] = seq
-                    rid = seq.group[0].seq_id
-                    remaining[rid] -= 1
-                    if not remaining[rid]:
-                        del remaining[rid]
-                        bar.update(1)
-        return [self._output(done[i]) for i in ids]
+        index = {self._add_prompt(p, sp): i for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
+        pending = {rid: len(self._active[rid].group) for rid in index}
+        try:
+            with tqdm.tqdm(total=len(index), desc="requests", disable=not use_tqdm) as bar:
+                while pending and not (stop is not None and stop.is_set()):
+                    for seq in self.step():
+                        rid = seq.group[0].seq_id
+                        if rid not in pending:
+                            continue  # a request added through add_request by someone else
+                        pending[rid] -= 1
+                        if not pending[rid]:
+                            del pending[rid]
+                            bar.update(1)
+                            yield self._output(seq.group[0], index[rid])
+        finally:
+            self.abort(pending)  # closed early, or an exception: nothing stays queued
+
+    def _add_prompt(self, prompt: Any, params: SamplingParams) -> int:
+        text, token_ids, error = self._tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = prompt["cache_salt"]
+            if isinstance(salt, str):
+                params = dataclasses.replace(params, cache_salt=salt)
+            else:
+                error = f"cache_salt must be a string, got {type(salt).__name__} {salt!r}"
+        return self.add_request(token_ids, params, prompt=text, error=error)
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None or not token_ids:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, index: int = 0) -> RequestOutput:
         ms = lambda t: None if t is None else 1000 * (t - seq.arrival_time)  # noqa: E731
         samples = [dict(text=self._decode(s.output_token_ids), token_ids=list(s.output_token_ids),
                         finish_reason=s.finish_reason) for s in seq.group]
@@ -411,8 +524,18 @@ class LLM:
             request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=samples[0]["text"], token_ids=samples[0]["token_ids"], finish_reason=seq.finish_reason,
             error=seq.error, ttft_ms=ms(seq.first_token_time), latency_ms=ms(last),
-            samples=samples, num_cached_tokens=seq.num_cached_tokens)
+            samples=samples, num_cached_tokens=seq.num_cached_tokens, index=index)
 
     @property
     def num_compilations(self) -> int:
         return self.runner.num_compilations
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling step programs since the engine started."""
+        return self.runner.compile_seconds
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """The step-size ladder: each bucket is one compiled program."""
+        return self.runner.token_buckets

@@ -15,7 +15,8 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
     """
     ok = [o for o in outputs if o.finish_reason != "error"]
     num_tokens = sum(len(o.token_ids) for o in ok)
-    ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None]) if ok else np.zeros(1)
+    ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
+    ttft = ttft if ttft.size else np.zeros(1)
     stats = llm.stats
     step_seconds = stats.device_seconds + stats.host_seconds
     return {
@@ -34,7 +35,7 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "steps": stats.steps,
         "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
         "compilations": llm.num_compilations,
-        "compile_s": llm.runner.compile_seconds,
+        "compile_s": llm.compile_seconds,
         "padding_ratio": stats.padding_ratio,
         "prefix_cache": bool(getattr(llm.config, "enable_prefix_caching", False)),
         "prompt_tokens": getattr(stats, "prompt_tokens", 0),

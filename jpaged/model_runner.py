@@ -63,7 +63,8 @@ class ModelRunner:
         self.table_width = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs)
-        self.kv_pool = create_kv_pool(model_cfg, num_blocks, block_size, kv_dtype)
+        self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype)
+        self.kv_pool = self._new_pool()
         self.swap_space = swap_space
         step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
         self._step = jax.jit(step, donate_argnums=(1,))
@@ -124,6 +125,15 @@ class ModelRunner:
         return zeros(T), meta
 
     # ------------------------------------------------------------------- step
+    def restore_pool(self) -> bool:
+        """After a failed step: a pool the step had already donated is gone, so
+        allocate a fresh (zeroed) one.  True when that happened (its contents,
+        every sequence's K/V, are lost)."""
+        if not self.kv_pool.is_deleted():
+            return False
+        self.kv_pool = self._new_pool()
+        return True
+
     def execute(self, out: SchedulerOutput) -> np.ndarray:
         """Applies the step's block moves, then one forward + sample over its
         tokens; returns the sampled token of each scheduled sequence."""

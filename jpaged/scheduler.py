@@ -173,7 +173,7 @@ class Scheduler:
         deferred = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + seq.num_seats > self.max_num_seqs:
+            if self._seats_taken() + seq.num_seats > self.max_num_seqs:
                 break
             match = self.block_manager.match(seq)
             if self._prefix_in_flight(seq, len(match[1])):
@@ -195,6 +195,10 @@ class Scheduler:
                 budget -= n
         self.waiting.extendleft(reversed(deferred))
         return scheduled
+
+    def _seats_taken(self) -> int:
+        """Seats of the running sequences, the samples their leaders will fork included."""
+        return sum(s.num_seats for s in self.running)
 
     def _prefix_in_flight(self, seq: Sequence, num_cached_blocks: int) -> bool:
         """Whether a prefilling sequence will cache the first full block of seq that
@@ -350,7 +354,7 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped:
             seq = self.swapped[0]
-            if len(self.running) + seq.num_seats > self.max_num_seqs:
+            if self._seats_taken() + seq.num_seats > self.max_num_seqs:
                 return False
             n = len(seq.swap_slots)
             # Room for the restored blocks and for its next token.
@@ -384,7 +388,26 @@ class Scheduler:
         self.counters.swapped_in_blocks += sum(len(r.block_ids) for r in ins)
         return outs, ins
 
-    def _fail(self, seq: Sequence, error: str) -> None:
+    def fail(self, seq: Sequence, error: str, reason: str = "error") -> None:
+        """Ends seq wherever it is (waiting, running or swapped) with `reason` and
+        `error`, freeing its blocks and host swap slots."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.swapped:
+            self.swapped.remove(seq)
+        self._fail(seq, error, reason)
+
+    def requeue_running(self) -> None:
+        """Sends every running sequence back to the waiting queue with no K/V (the
+        pool's contents were lost): it prefills prompt + output again on resume."""
+        for seq in reversed(self.running):
+            self._release(seq)
+            seq.num_computed_tokens = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        self.running.clear()
+
+    def _fail(self, seq: Sequence, error: str, reason: str = "error") -> None:
         """Ends seq (and samples it has not forked yet) with an error, freeing what it holds."""
         if seq in self.running:
             self.running.remove(seq)
@@ -397,7 +420,8 @@ class Scheduler:
             seq.swap_slots = []
         self._release(seq)
         for s in [seq] + seq.forks:
-            s.finish("error", error)
+            if not s.is_done:  # (a finished member of a static batch keeps its result)
+                s.finish(reason, error)
         seq.forks = []
 
     def finish(self, seq: Sequence) -> None:

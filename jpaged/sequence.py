@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 import time
 
 from jpaged.kv_cache import BlockTable
@@ -37,16 +39,46 @@ class SamplingParams:
     adapter_id: str | int | None = None  # part of the prefix-cache key (LoRA etc.)
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        """Raises ValueError naming the first bad field: its type, range and, for
+        what goes to the device (top_k as int32, the seeds of all n samples as
+        uint32, temperature and top_p as float32), that it fits there."""
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -INT32_MAX, INT32_MAX, allowed="an integer (<= 0 disables top-k)")
+        _check_int("n", self.n, 1, INT32_MAX)
+        if self.seed is not None:  # samples 0..n-1 draw with seeds seed..seed+n-1
+            _check_int("seed", self.seed, 0, UINT32_MAX - (self.n if _is_int(self.n) else 1) + 1,
+                       allowed="null or an integer in [0, 2**32 - n]")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_int, self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__} "
+                             f"{self.cache_salt!r}")
+
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # JSON true is not 1 here
+
+
+def _check_int(name: str, value: object, low: int, high: int, allowed: str | None = None) -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be {allowed or f'an integer in [{low}, {high}]'}, got {value!r}")
+
+
+def _check_real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+          and (low < value if low_open else low <= value) and value <= high)
+    if not ok:
+        bound = "(" if low_open else "["
+        raise ValueError(f"{name} must be a finite number in {bound}{low:g}, {high:g}], got {value!r}")
 
 
 class Sequence:

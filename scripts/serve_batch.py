@@ -2,90 +2,226 @@
 
     python scripts/serve_batch.py --config configs/smollm2_135m.py \
         [--config.block_size=32 --config.scheduler=static ...] \
-        [--prompts prompts.jsonl] [--output out.jsonl]
+        [--prompts prompts.jsonl] [--output out.jsonl [--resume]]
 
 A prompts line is {"prompt": "a user message"} or {"messages": [...]}, rendered
 with the model's chat template, with optional per-request max_tokens,
-temperature, top_p, top_k, seed, stop_token_ids, n (parallel samples) and
-cache_salt (prefix-cache namespace: no KV reuse across salts).
+temperature, top_p, top_k, seed, stop_token_ids, n (parallel samples),
+ignore_eos and cache_salt (prefix-cache namespace: no KV reuse across salts).
+
+Nothing is lost to bad input or an interruption: the config and every request
+line are checked before the model loads (a bad config exits 2 with one line; a
+bad request line becomes that line's error result), each result is written and
+flushed to --output as it finishes, SIGINT/SIGTERM stop the batch after the
+current step and keep what finished, and --resume skips the requests already in
+--output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
+import sys
+import threading
 import time
+from typing import Any, TextIO
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from jpaged.bench import DEFAULT_PROMPTS  # the latency demo's queue: short and long answers
-from jpaged.engine import LLM
+from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
+from jpaged.engine import LLM, RequestOutput, default_sampling_params
 from jpaged.metrics import format_summary, summarize
-from jpaged.sequence import SamplingParams
-
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "cache_salt")
+from jpaged.request_parsing import ParsedRequest, parse_request, read_request_file
+from jpaged.tokenizer import printable
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts).")
-_OUTPUT = flags.DEFINE_string("output", None, "Write one JSON line per request here.")
+_OUTPUT = flags.DEFINE_string("output", None, "Write one JSON line per request here, as each finishes.")
+_RESUME = flags.DEFINE_bool("resume", False, "Skip the requests whose index is already in --output "
+                            "and append the rest (after an interrupted run).")
 _SUMMARY_JSON = flags.DEFINE_string("summary_json", None, "Write the summary table as JSON here.")
 _PRECOMPILE = flags.DEFINE_bool("precompile", False,
                                 "Compile every step bucket before the first request (default: "
                                 "each bucket compiles the first time a step needs it).")
 
 
-def read_requests(path: str | None) -> list[dict]:
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------ output
+def open_output(path: str | None, prompts: str | None, resume: bool) -> tuple[TextIO | None, set[int]]:
+    """Opens --output before anything loads (a bad path costs nothing) and, with
+    --resume, returns the indices already written there."""
     if path is None:
-        return [{"prompt": p} for p in DEFAULT_PROMPTS]
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        if resume:
+            raise UsageError("--resume: needs --output")
+        return None, set()
+    if prompts is not None and os.path.exists(path) and os.path.samefile(path, prompts):
+        raise UsageError(f"--output: {path} is the prompts file; writing there would destroy the input")
+    done = _finished_indices(path) if resume else set()
+    try:
+        return open(path, "a" if resume else "w", encoding="utf-8"), done
+    except OSError as e:
+        raise UsageError(f"--output: cannot write {path}: {e.strerror}") from None
 
 
-def sampling_params(request: dict, default: SamplingParams) -> SamplingParams:
-    overrides = {k: request[k] for k in SAMPLING_KEYS if k in request}
-    if "stop_token_ids" in overrides:
-        overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
-    return SamplingParams(**{**default.__dict__, **overrides})
+def _finished_indices(path: str) -> set[int]:
+    """Indices of the complete lines of an earlier run's output; a torn last
+    line (the process died mid-write) is cut off so appending starts clean."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    except OSError as e:
+        raise UsageError(f"--output: cannot read {path} to resume: {e.strerror}") from None
+    complete = data[:data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
+    done = set()
+    for line in complete.splitlines():
+        try:
+            done.add(int(json.loads(line)["index"]))
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"--output: {path} has a line that is not a jpaged result; "
+                             "refusing to append to it") from None
+    return done
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    config = _CONFIG.value
-    t_start = t0 = time.perf_counter()
-    llm = LLM(config)
-    print(f"model {llm.loaded.source}: loaded in {llm.loaded.load_seconds:.2f} s "
-          f"({'converted-weights cache' if llm.loaded.from_cache else 'converted; cached for next start'}); "
+def write_result(f: TextIO | None, record: dict[str, Any]) -> None:
+    if f is not None:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()  # on disk (in the OS) now: a kill later loses nothing written
+
+
+def error_record(request: ParsedRequest) -> dict[str, Any]:
+    record = {f.name: None for f in dataclasses.fields(RequestOutput)}
+    record.update(index=request.index, text="", token_ids=[], prompt_token_ids=[], samples=[],
+                  finish_reason="error", error=request.error, num_cached_tokens=0)
+    return record
+
+
+# ---------------------------------------------------------------- requests
+def read_requests(path: str | None, llm_defaults: Any) -> list[ParsedRequest]:
+    if path is None:
+        return [parse_request({"prompt": p}, llm_defaults, i) for i, p in enumerate(DEFAULT_PROMPTS)]
+    try:
+        return read_request_file(path, llm_defaults)
+    except OSError as e:
+        raise UsageError(f"--prompts: cannot read {path}: {e.strerror}") from None
+
+
+def print_result(index: int, request: ParsedRequest, out: RequestOutput | None = None) -> None:
+    """Echoes a request and its answer with control characters escaped: neither
+    may move the cursor or recolour the terminal."""
+    if out is None:
+        print(f"\n--- line {index + 1} [error]\n>>> ERROR: {printable(request.error or '')}")
+        return
+    print(f"\n--- line {index + 1} [{out.finish_reason}, {len(out.token_ids)} tokens, "
+          f"TTFT {out.ttft_ms or 0:.0f} ms, latency {out.latency_ms or 0:.0f} ms]")
+    print(printable(request.text))
+    print(">>> " + printable(out.text if out.error is None else f"ERROR: {out.error}"))
+
+
+# -------------------------------------------------------------------- main
+class StopOnSignal:
+    """SIGINT/SIGTERM set an event the engine checks before each step; a second
+    SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+
+
+def run(config_file: Any) -> int:
+    t_start = time.perf_counter()
+    config = apply_overrides(default_config(), config_file)  # a misspelt field names the right one
+    validate_config(config)
+    out_file, done = open_output(_OUTPUT.value, _PROMPTS.value, _RESUME.value)
+    requests = read_requests(_PROMPTS.value, default_sampling_params(config))
+    todo = [r for r in requests if r.index not in done]
+    for r in todo:
+        for w in r.warnings:
+            print(f"warning: {printable(w)}", file=sys.stderr)
+        if r.error:
+            print(f"error: {printable(r.error)}", file=sys.stderr)
+            write_result(out_file, error_record(r))
+    good = [r for r in todo if not r.error]
+    if done:
+        print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {_OUTPUT.value}")
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(config)
+    except (ValueError, OSError) as e:  # a missing, truncated or unreadable model
+        raise UsageError(f"model: {e}") from None
+    loaded = llm.loaded
+    note = f"; {loaded.cache_note}" if loaded.cache_note else ""
+    print(f"model {loaded.source}: loaded in {loaded.load_seconds:.2f} s ({loaded.origin}{note}); "
           f"engine ready in {time.perf_counter() - t0:.2f} s")
+    attention = llm.attention_impl + (f" ({llm.attention_note})" if llm.attention_note else "")
     print(f"KV pool: {llm.num_blocks} blocks x {config.block_size} tokens "
-          f"({llm.kv_pool_bytes / 2**20:.0f} MiB), attention {llm.attention_impl}, "
-          f"scheduler {config.scheduler}")
+          f"({llm.kv_pool_bytes / 2**20:.0f} MiB), attention {attention}, scheduler {config.scheduler}")
     if _PRECOMPILE.value:
         t0 = time.perf_counter()
         n = llm.precompile()
-        print(f"precompiled {n} step buckets {llm.runner.token_buckets} in "
-              f"{time.perf_counter() - t0:.1f} s")
-    requests = read_requests(_PROMPTS.value)
-    default = llm.default_sampling_params()
-    params = [sampling_params(r, default) for r in requests]
-    prompts = [{k: r[k] for k in ("prompt", "messages") if k in r} for r in requests]
+        print(f"precompiled {n} step buckets {llm.token_buckets} in {time.perf_counter() - t0:.1f} s")
+
+    stopper = StopOnSignal()
+    outputs = []
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    stream = llm.generate_iter([r.prompt for r in good], [r.params for r in good],
+                               use_tqdm=True, stop=stopper.event)
+    try:
+        for out in stream:
+            request = good[out.index]
+            outputs.append(out)
+            write_result(out_file, {**out.to_json(), "index": request.index})
+            print_result(request.index, request, out)
+    finally:
+        stream.close()
+        if out_file is not None:
+            out_file.close()
     wall = time.perf_counter() - t0
-    for out in outputs:
-        print(f"\n--- request {out.request_id} [{out.finish_reason}, {len(out.token_ids)} tokens, "
-              f"TTFT {out.ttft_ms or 0:.0f} ms, latency {out.latency_ms or 0:.0f} ms]")
-        print(requests[out.request_id].get("prompt") or json.dumps(requests[out.request_id].get("messages")))
-        print(">>> " + (out.text if out.error is None else f"ERROR: {out.error}"))
+    if stopper.signum is not None:
+        name = signal.Signals(stopper.signum).name
+        where = f" in {_OUTPUT.value} (rerun with --resume to finish the rest)" if _OUTPUT.value else ""
+        print(f"interrupted by {name}: {len(outputs)} of {len(good)} requests finished and were "
+              f"written{where}", file=sys.stderr)
+        return 128 + stopper.signum
     summary = summarize(outputs, llm, wall)
     summary["process_wall_s"] = time.perf_counter() - t_start
+    summary["requests"] += len(todo) - len(good)  # the lines rejected before the model loaded
+    summary["errors"] += len(todo) - len(good)
     print("\n" + format_summary(summary))
     if _SUMMARY_JSON.value:
         with open(_SUMMARY_JSON.value, "w") as f:
             json.dump(summary, f, indent=1)
-    if _OUTPUT.value:
-        with open(_OUTPUT.value, "w") as f:
-            for out in outputs:
-                f.write(json.dumps(out.to_json()) + "\n")
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    try:
+        status = run(_CONFIG.value)
+    except (ConfigError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -84,5 +84,5 @@ def test_non_integer_token_ids_are_rejected_not_truncated(tiny_llm):
 
 def test_misspelt_config_field_is_an_error():
     from jpaged.engine import LLM
-    with pytest.raises(ValueError, match='Did you mean "block_size"'):
+    with pytest.raises(ValueError, match=r"blok_size: unknown field; did you mean block_size\?"):
         LLM(model="unused", blok_size=32)

@@ -23,10 +23,18 @@ def test_greedy_tokens_match_reference(make_tiny_llm, impl):
 def test_attention_impl_names():
     from pallas_kernels import cpu
     # CPU backend: the C++ kernel when it builds here, else the reference.
-    assert resolve_attention_impl("auto") == ("cpu" if cpu.available() else "reference")
-    assert resolve_attention_impl("cpu") == "cpu"
-    assert resolve_attention_impl("pallas_gpu") == "gpu"
-    assert resolve_attention_impl("pallas_tpu") == "tpu"
+    assert resolve_attention_impl("auto") == ("cpu" if cpu.available() else "reference", "")
+    assert resolve_attention_impl("cpu") == ("cpu", "")
+    assert resolve_attention_impl("pallas_gpu") == ("gpu", "")
+    assert resolve_attention_impl("pallas_tpu") == ("tpu", "")
+
+
+def test_an_unavailable_cpu_kernel_is_reported_not_hidden(monkeypatch):
+    """attention_impl=cpu without a buildable kernel runs the reference, and says so."""
+    from pallas_kernels import cpu
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "no C++ compiler")
+    assert resolve_attention_impl("cpu") == ("reference", "cpu kernel unavailable: no C++ compiler")
     with pytest.raises(ValueError, match="attention_impl"):
         resolve_attention_impl("flash")
 

@@ -17,9 +17,16 @@ REQUESTS = [
     {"prompt": "What is 2 + 2?"},
     {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a color."}],
      "max_tokens": 4, "seed": 5, "temperature": 0.7},
-    {"prompt": "Name one fruit.", "max_tokens": 6},
+    {"prompt": "Name one fruit.\x1b[31m", "max_tokens": 6, "temprature": 0.3},  # escape, misspelt field
 ]
-FIELDS = {"prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error", "ttft_ms", "latency_ms"}
+# The prompts file: a BOM, the requests above, bad lines between them and a blank line.
+LINES = [b"\xef\xbb\xbf" + json.dumps(REQUESTS[0]).encode(), b"{not json", json.dumps(REQUESTS[1]).encode(),
+         b"[1, 2]", json.dumps({"prompt": "\x1b[2J", "temperature": "hot"}).encode(), b"", b'{"prompt": "caf\xe9"}',
+         json.dumps(REQUESTS[2]).encode()]
+GOOD_LINES = {0: 0, 2: 1, 7: 2}  # line index -> REQUESTS index
+BAD_LINES = {1: "not valid JSON", 3: "JSON object", 4: "temperature", 6: "UTF-8"}
+FIELDS = {"index", "prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error", "ttft_ms",
+          "latency_ms"}
 SMALL = ["--config.max_new_tokens=8", "--config.max_model_len=256", "--config.num_blocks=48",
          "--config.max_num_seqs=4", "--config.attention_impl=reference"]
 
@@ -28,19 +35,38 @@ SMALL = ["--config.max_new_tokens=8", "--config.max_model_len=256", "--config.nu
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     prompts, output = tmp / "prompts.jsonl", tmp / "out.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    prompts.write_bytes(b"\n".join(LINES) + b"\n")
     # -X importtime lists every module the script imports (on stderr).
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
          *SMALL, f"--prompts={prompts}", f"--output={output}"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in output.read_text().splitlines()]
-    return proc, lines
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    by_index = {r["index"]: r for r in records}
+    assert len(by_index) == len(records)  # one line per request
+    return proc, [by_index[i] for i in sorted(GOOD_LINES)], by_index
+
+
+def test_every_line_gets_one_result_and_bad_lines_name_their_problem(served):
+    _, _, by_index = served
+    assert sorted(by_index) == sorted([*GOOD_LINES, *BAD_LINES])  # the blank line 5 is no request
+    for i, words in BAD_LINES.items():
+        rec = by_index[i]
+        assert rec["finish_reason"] == "error" and rec["token_ids"] == []
+        assert rec["error"].startswith(f"line {i + 1}: ") and words in rec["error"], rec["error"]
+
+
+def test_unknown_field_warns_and_escapes_reach_the_terminal_escaped(served):
+    proc, _, _ = served
+    assert "'temprature'" in proc.stderr and "did you mean 'temperature'" in proc.stderr
+    assert "\x1b" not in proc.stdout
+    assert not [ln for ln in proc.stderr.splitlines() if ln.startswith(("warning", "error")) and "\x1b" in ln]
+    assert "Name one fruit.\\x1b[31m" in proc.stdout
 
 
 def test_output_jsonl_fields(served):
-    _, lines = served
+    _, lines, _ = served
     assert len(lines) == len(REQUESTS)
     limits = [8, 4, 6]  # config default, then per-request max_tokens
     for rec, limit in zip(lines, limits):
@@ -58,24 +84,24 @@ def test_output_jsonl_fields(served):
 
 def test_served_tokens_match_the_library(served, smollm_llm):
     """The script's greedy answer equals LLM.generate's on the same chat prompt."""
-    _, lines = served
+    _, lines, _ = served
     out = smollm_llm.generate([REQUESTS[0]], SamplingParams(max_tokens=8))[0]
     assert out.prompt_token_ids == lines[0]["prompt_token_ids"]
     assert out.token_ids == lines[0]["token_ids"] and out.text == lines[0]["text"]
 
 
 def test_summary_table_printed(served):
-    proc, _ = served
+    proc, _, _ = served
     out = proc.stdout
     for row in ("requests (errors)", "output tokens", "wall time", "TTFT mean / p50 / p99",
                 "peak KV blocks in use", "compilations"):
         assert row in out, f"summary row {row!r} missing"
-    assert re.search(r"requests \(errors\)\s+3 \(0\)", out)
+    assert re.search(r"requests \(errors\)\s+7 \(4\)", out)
     assert "KV pool: 48 blocks x 16 tokens" in out
 
 
 def test_serve_never_imports_torch(served):
-    proc, _ = served
+    proc, _, _ = served
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "jpaged.engine" in imported  # importtime really listed the imports
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}

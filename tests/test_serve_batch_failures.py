@@ -1,0 +1,82 @@
+"""serve_batch.py under failure: bad settings fail fast in one line, before
+anything loads; results survive a kill and --resume finishes the rest."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CMD = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
+       "--config.max_model_len=256", "--config.num_blocks=48", "--config.attention_impl=reference"]
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CMD, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, prefix: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: {prefix}"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "loaded in" not in proc.stdout  # rejected before the model loaded
+
+
+def test_bad_config_field_fails_fast_in_one_line():
+    assert_one_line_error(run("--config.block_size=0"), "block_size: ")
+
+
+def test_output_equal_to_prompts_is_refused(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert_one_line_error(run(f"--prompts={prompts}", f"--output={prompts}"), "--output: ")
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
+
+
+def test_unwritable_output_fails_before_loading(tmp_path):
+    assert_one_line_error(run(f"--output={tmp_path / 'no-such-dir' / 'out.jsonl'}"), "--output: ")
+
+
+def test_missing_prompts_file_fails_before_loading(tmp_path):
+    assert_one_line_error(run(f"--prompts={tmp_path / 'nope.jsonl'}"), "--prompts: ")
+
+
+def read_results(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_killed_batch_keeps_finished_lines_and_resume_completes_it(tmp_path):
+    n = 10
+    prompts, output = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count from 1 to {10 + i}.", "max_tokens": 12 + 2 * i,
+                                           "ignore_eos": True}) + "\n" for i in range(n)))
+    args = [*CMD, "--config.max_num_seqs=2", f"--prompts={prompts}", f"--output={output}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if output.exists() and output.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "interrupted by SIGTERM" in stderr and "--resume" in stderr
+    first = read_results(output)
+    assert 2 <= len(first) < n
+    assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 12 + 2 * r["index"] for r in first)
+
+    kept = output.read_text()
+    with open(output, "a") as f:
+        f.write('{"index": 9, "text": "torn by a ki')  # a line cut off mid-write
+    resumed = subprocess.run([*args, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"{len(first)} of {n} requests already in" in resumed.stdout
+    assert output.read_text().startswith(kept)  # what finished before is untouched
+    final = read_results(output)
+    assert sorted(r["index"] for r in final) == list(range(n))
+    assert all(len(r["token_ids"]) == 12 + 2 * r["index"] for r in final)
