@@ -74,3 +74,9 @@ bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wal
 
 bench-cpu-attention: $(STAMP)
 	$(PY) scripts/bench_cpu_attention.py $(ARGS)
+
+# 2,000 mixed requests, 10% bad, a pool that preempts, both preemption modes:
+# isolation, no leaked blocks, flat memory (benchmarks/results/soak.{csv,md}).
+.PHONY: soak
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py $(ARGS)

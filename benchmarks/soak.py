@@ -38,7 +38,7 @@ _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 2000, "Request lines in all
 _BAD_FRACTION = flags.DEFINE_float("bad_fraction", 0.1, "Share of bad lines.")
 _WAVES = flags.DEFINE_integer("waves", 10, "generate() calls the lines are split into.")
 _MODES = flags.DEFINE_list("modes", ["recompute", "swap"], "Preemption modes to soak.")
-_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 40, "KV pool blocks (small: preemption).")
+_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 20, "KV pool blocks (small: preemption).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 16, "Sequences running at once.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 8, "Longest answer of a good request.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
@@ -127,6 +127,10 @@ def run_lines(llm: LLM, lines: list[bytes], waves: int) -> tuple[dict[int, dict]
                            swap_slots_used=llm.swap_space.num_used_blocks,
                            preemptions=s.preemptions, cache_hit_pct=100 * s.cache_hit_rate,
                            errors=sum(o.finish_reason == "error" for o in outs)))
+        h = health[-1]
+        print(f"  [{llm.config.preemption_mode}] wave {w}: {h['seconds']:.1f} s, RSS {h['rss_mb']:.0f} MiB, "
+              f"blocks held {h['blocks_held']}, swap slots {h['swap_slots_used']}, "
+              f"preemptions {h['preemptions']}, errors {h['errors']}", flush=True)
     return results, health
 
 
@@ -148,10 +152,6 @@ def soak(mode: str, lines: list[bytes], bad: set[int]) -> dict:
     engine_errors = [i for i in good_idx if mixed[i]["error"]]
     mismatches = [i for i in good_idx if mixed[i] != alone[i]]
     rss = [h["rss_mb"] for h in health]
-    for h in health:
-        print(f"  [{mode}] wave {h['wave']}: {h['seconds']:.1f} s, RSS {h['rss_mb']:.0f} MiB, "
-              f"blocks held {h['blocks_held']}, swap slots {h['swap_slots_used']}, "
-              f"preemptions {h['preemptions']}, errors {h['errors']}")
     return dict(
         mode=mode, lines=len(lines), bad_lines=len(bad),
         one_result_per_line=len(mixed) == len(lines),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import pathlib
+import threading
 import time
 from typing import Any, Iterable, Iterator
 
@@ -22,7 +22,8 @@ import numpy as np
 import tqdm
 
 import pallas_kernels
-from jpaged.config import apply_overrides, default_config, validate_config
+from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, apply_overrides, default_config,
+                           validate_config)
 from jpaged.block_manager import BlockManager, CacheCounters
 from jpaged.kv_cache import HostSwapSpace, bytes_per_block, num_blocks_for, swap_capacity_blocks
 from jpaged.model import Llama, split_model
@@ -33,10 +34,8 @@ from jpaged.weights import default_cache_dir, load_weights
 
 log = logging.getLogger(__name__)
 
+# Config names -> pallas_kernels backend names.
 ATTENTION_IMPLS = {"reference": "reference", "cpu": "cpu", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
-
-
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def resolve_kv_cache_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
@@ -58,9 +57,6 @@ def resolve_attention_impl(name: str) -> tuple[str, str]:
         if not cpu.available():  # the backend would fall back to the reference on every call
             return "reference", f"cpu kernel unavailable: {cpu.unavailable_reason()}"
     return impl, ""
-
-
-LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 def resolve_layer_loop(name: str) -> bool:

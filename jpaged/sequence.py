@@ -12,6 +12,7 @@ import math
 import numbers
 import time
 
+from jpaged.config import FLOAT32_MAX, INT32_MAX
 from jpaged.kv_cache import BlockTable
 
 
@@ -59,9 +60,7 @@ class SamplingParams:
                              f"{self.cache_salt!r}")
 
 
-INT32_MAX = 2**31 - 1
-UINT32_MAX = 2**32 - 1
-FLOAT32_MAX = 3.4028234663852886e38
+UINT32_MAX = 2**32 - 1  # per-sample seeds are uint32 on the device
 
 
 def _is_int(x: object) -> bool:

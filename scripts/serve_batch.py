@@ -28,17 +28,40 @@ import threading
 import time
 from typing import Any, TextIO
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import app, flags, logging
+from ml_collections import ConfigDict, config_flags
 
 from jpaged.bench import DEFAULT_PROMPTS  # the latency demo's queue: short and long answers
 from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.engine import LLM, RequestOutput, default_sampling_params
+from jpaged.engine import LLM, EngineStalled, RequestOutput, default_sampling_params
 from jpaged.metrics import format_summary, summarize
 from jpaged.request_parsing import ParsedRequest, parse_request, read_request_file
 from jpaged.tokenizer import printable
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
+
+
+def _misspelt_override(argv: list[str]) -> str | None:
+    """The one-line error for the first --config.<field> naming no field, if any."""
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0].removeprefix("--config.")
+        if arg.startswith("--config.") and name.split(".")[0] not in default_config():
+            try:
+                apply_overrides(default_config(), **{name: None})
+            except ConfigError as e:
+                return str(e)
+            return f"{name}: unknown field"
+    return None
+
+
+def _exit_usage(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
+except (KeyError, AttributeError, TypeError, ValueError) as e:  # config_flags applies overrides here
+    _exit_usage(_misspelt_override(sys.argv) or f"--config.* overrides: {str(e).splitlines()[0]}")
 _PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write one JSON line per request here, as each finishes.")
 _RESUME = flags.DEFINE_bool("resume", False, "Skip the requests whose index is already in --output "
@@ -68,6 +91,13 @@ def open_output(path: str | None, prompts: str | None, resume: bool) -> tuple[Te
         return open(path, "a" if resume else "w", encoding="utf-8"), done
     except OSError as e:
         raise UsageError(f"--output: cannot write {path}: {e.strerror}") from None
+
+
+def open_summary(path: str | None) -> TextIO | None:
+    try:
+        return open(path, "w") if path else None
+    except OSError as e:
+        raise UsageError(f"--summary_json: cannot write {path}: {e.strerror}") from None
 
 
 def _finished_indices(path: str) -> set[int]:
@@ -103,7 +133,8 @@ def write_result(f: TextIO | None, record: dict[str, Any]) -> None:
 def error_record(request: ParsedRequest) -> dict[str, Any]:
     record = {f.name: None for f in dataclasses.fields(RequestOutput)}
     record.update(index=request.index, text="", token_ids=[], prompt_token_ids=[], samples=[],
-                  finish_reason="error", error=request.error, num_cached_tokens=0)
+                  finish_reason="error", error=request.error, num_cached_tokens=0,
+                  warnings=request.warnings)
     return record
 
 
@@ -149,9 +180,12 @@ class StopOnSignal:
 
 def run(config_file: Any) -> int:
     t_start = time.perf_counter()
+    logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
     config = apply_overrides(default_config(), config_file)  # a misspelt field names the right one
     validate_config(config)
     out_file, done = open_output(_OUTPUT.value, _PROMPTS.value, _RESUME.value)
+    summary_file = open_summary(_SUMMARY_JSON.value)
+    stopper = StopOnSignal()  # from here on a signal stops the batch cleanly, even mid-load
     requests = read_requests(_PROMPTS.value, default_sampling_params(config))
     todo = [r for r in requests if r.index not in done]
     for r in todo:
@@ -181,7 +215,6 @@ def run(config_file: Any) -> int:
         n = llm.precompile()
         print(f"precompiled {n} step buckets {llm.token_buckets} in {time.perf_counter() - t0:.1f} s")
 
-    stopper = StopOnSignal()
     outputs = []
     t0 = time.perf_counter()
     stream = llm.generate_iter([r.prompt for r in good], [r.params for r in good],
@@ -190,7 +223,7 @@ def run(config_file: Any) -> int:
         for out in stream:
             request = good[out.index]
             outputs.append(out)
-            write_result(out_file, {**out.to_json(), "index": request.index})
+            write_result(out_file, {**out.to_json(), "index": request.index, "warnings": request.warnings})
             print_result(request.index, request, out)
     finally:
         stream.close()
@@ -208,10 +241,25 @@ def run(config_file: Any) -> int:
     summary["requests"] += len(todo) - len(good)  # the lines rejected before the model loaded
     summary["errors"] += len(todo) - len(good)
     print("\n" + format_summary(summary))
-    if _SUMMARY_JSON.value:
-        with open(_SUMMARY_JSON.value, "w") as f:
-            json.dump(summary, f, indent=1)
+    if summary_file is not None:
+        with summary_file:
+            json.dump(summary, summary_file, indent=1)
     return 0
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with every mistake (an unknown flag or config field, a
+    value of the wrong type, a config file that does not load) reported as one
+    line and exit status 2, like the config checks."""
+    try:
+        rest = flags.FLAGS(argv)
+    except Exception as e:  # noqa: BLE001 - absl and config_flags raise assorted types
+        _exit_usage(_misspelt_override(argv) or str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if not isinstance(_CONFIG.value, ConfigDict):  # config_flags defers a file's load error
+        path = flags.FLAGS["config"].config_filename
+        cause = "no such file" if not os.path.exists(path) else vars(_CONFIG.value).get("_error", "")
+        _exit_usage(f"--config: cannot load {path} ({str(cause).splitlines()[0]})")
+    return rest
 
 
 def main(argv: list[str]) -> None:
@@ -219,10 +267,12 @@ def main(argv: list[str]) -> None:
     try:
         status = run(_CONFIG.value)
     except (ConfigError, UsageError) as e:
+        _exit_usage(str(e))
+    except EngineStalled as e:  # every finished result is already on disk
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1)
     sys.exit(status)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

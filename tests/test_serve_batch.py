@@ -58,11 +58,12 @@ def test_every_line_gets_one_result_and_bad_lines_name_their_problem(served):
 
 
 def test_unknown_field_warns_and_escapes_reach_the_terminal_escaped(served):
-    proc, _, _ = served
+    proc, _, by_index = served
     assert "'temprature'" in proc.stderr and "did you mean 'temperature'" in proc.stderr
     assert "\x1b" not in proc.stdout
     assert not [ln for ln in proc.stderr.splitlines() if ln.startswith(("warning", "error")) and "\x1b" in ln]
     assert "Name one fruit.\\x1b[31m" in proc.stdout
+    assert any("'temprature'" in w for w in by_index[7]["warnings"]) and by_index[0]["warnings"] == []
 
 
 def test_output_jsonl_fields(served):

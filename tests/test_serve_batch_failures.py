@@ -80,3 +80,9 @@ def test_killed_batch_keeps_finished_lines_and_resume_completes_it(tmp_path):
     final = read_results(output)
     assert sorted(r["index"] for r in final) == list(range(n))
     assert all(len(r["token_ids"]) == 12 + 2 * r["index"] for r in final)
+
+
+def test_command_line_mistakes_are_one_line_errors():
+    assert_one_line_error(run("--config.blok_size=3"), "blok_size: unknown field; did you mean block_size?")
+    assert_one_line_error(run("--config.block_size=abc"), "flag --config.block_size=abc")
+    assert_one_line_error(run("--config=configs/no_such_config.py"), "--config: cannot load")
