@@ -29,6 +29,7 @@ from jpaged.kv_cache import HostSwapSpace, bytes_per_block, num_blocks_for, swap
 from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import PreemptionCounters, Scheduler, SchedulerOutput
+from jpaged.request_parsing import default_sampling_params
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.weights import default_cache_dir, load_weights
 
@@ -65,12 +66,6 @@ def resolve_layer_loop(name: str) -> bool:
     if name not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {name!r}")
     return name == "scan"
-
-
-def default_sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
-    """The config's sampling defaults, which each request may override."""
-    return SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature,
-                          top_p=config.top_p, top_k=config.top_k)
 
 
 @dataclasses.dataclass

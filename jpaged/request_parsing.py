@@ -40,6 +40,12 @@ class ParsedRequest:
         return self.prompt.get("prompt") or json.dumps(self.prompt.get("messages"), ensure_ascii=False)
 
 
+def default_sampling_params(config: Any) -> SamplingParams:
+    """The config's sampling defaults, which each request may override."""
+    return SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature,
+                          top_p=config.top_p, top_k=config.top_k)
+
+
 def parse_request(obj: Any, default: SamplingParams, index: int = 0, where: str = "") -> ParsedRequest:
     """Validates one decoded JSON request against `default` sampling settings."""
     where = where or f"request {index}"

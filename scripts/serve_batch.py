@@ -33,9 +33,7 @@ from ml_collections import ConfigDict, config_flags
 
 from jpaged.bench import DEFAULT_PROMPTS  # the latency demo's queue: short and long answers
 from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.engine import LLM, EngineStalled, RequestOutput, default_sampling_params
-from jpaged.metrics import format_summary, summarize
-from jpaged.request_parsing import ParsedRequest, parse_request, read_request_file
+from jpaged.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
 from jpaged.tokenizer import printable
 
 
@@ -131,6 +129,7 @@ def write_result(f: TextIO | None, record: dict[str, Any]) -> None:
 
 
 def error_record(request: ParsedRequest) -> dict[str, Any]:
+    from jpaged.engine import RequestOutput
     record = {f.name: None for f in dataclasses.fields(RequestOutput)}
     record.update(index=request.index, text="", token_ids=[], prompt_token_ids=[], samples=[],
                   finish_reason="error", error=request.error, num_cached_tokens=0,
@@ -148,7 +147,7 @@ def read_requests(path: str | None, llm_defaults: Any) -> list[ParsedRequest]:
         raise UsageError(f"--prompts: cannot read {path}: {e.strerror}") from None
 
 
-def print_result(index: int, request: ParsedRequest, out: RequestOutput | None = None) -> None:
+def print_result(index: int, request: ParsedRequest, out: Any = None) -> None:
     """Echoes a request and its answer with control characters escaped: neither
     may move the cursor or recolour the terminal."""
     if out is None:
@@ -199,6 +198,8 @@ def run(config_file: Any) -> int:
         print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {_OUTPUT.value}")
 
     t0 = time.perf_counter()
+    from jpaged.engine import LLM, EngineStalled  # jax loads here: every check above ran without it
+    from jpaged.metrics import format_summary, summarize
     try:
         llm = LLM(config)
     except (ValueError, OSError) as e:  # a missing, truncated or unreadable model
@@ -225,6 +226,9 @@ def run(config_file: Any) -> int:
             outputs.append(out)
             write_result(out_file, {**out.to_json(), "index": request.index, "warnings": request.warnings})
             print_result(request.index, request, out)
+    except EngineStalled as e:  # every result that finished is already on disk
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         stream.close()
         if out_file is not None:
@@ -268,9 +272,6 @@ def main(argv: list[str]) -> None:
         status = run(_CONFIG.value)
     except (ConfigError, UsageError) as e:
         _exit_usage(str(e))
-    except EngineStalled as e:  # every finished result is already on disk
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
     sys.exit(status)
 
 
