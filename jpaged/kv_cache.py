@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.model import ModelConfig
+from jpaged.model_config import ModelConfig
 
 NULL_BLOCK = 0
 

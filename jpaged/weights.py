@@ -1,6 +1,6 @@
 """Weight loading: GGUF files, Hugging Face checkpoints, random weights, and a cache.
 
-Every loader returns arrays named and shaped as `jpaged.model.weight_shapes(cfg)`:
+Every loader returns arrays named and shaped as `jpaged.model_config.weight_shapes(cfg)`:
 matrices stored [in, out] (the transpose of torch's `nn.Linear.weight`), layer
 weights stacked on a leading `num_layers` axis, Q/K in Hugging Face's rotate-half
 RoPE layout.
@@ -37,7 +37,7 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from jpaged.model import ModelConfig, rope_inv_freq, weight_shapes
+from jpaged.model_config import ModelConfig, rope_inv_freq, weight_shapes
 from jpaged.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
