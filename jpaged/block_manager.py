@@ -33,6 +33,7 @@ from typing import Any
 
 from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
 from jpaged.prefix_cache import ROOT, make_index
+from jpaged.rounding import cdiv
 
 
 @dataclasses.dataclass
@@ -156,7 +157,7 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens tokens."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         """Blocks `table` must grow by to hold num_tokens tokens in total."""

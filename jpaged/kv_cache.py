@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.model_config import ModelConfig
+from jpaged.rounding import cdiv, next_pow2
 
 NULL_BLOCK = 0
 
@@ -102,7 +103,7 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
         return num_blocks
     budget = int(free_device_memory(weight_bytes) * kv_memory_fraction)
     by_budget = budget // bytes_per_block(cfg, block_size, dtype)
-    useful = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    useful = max_num_seqs * cdiv(max_model_len, block_size) + 1
     return int(max(2, min(by_budget, useful)))
 
 
@@ -124,7 +125,7 @@ def copy_blocks(kv_pool: jax.Array, copies: list[tuple[int, int]]) -> jax.Array:
     """Copy-on-write on the device: one jitted, donated pool update for all
     (src, dst) block copies of a step.  The count is padded to a power of two
     with null-block self-copies so few shapes compile."""
-    n = 1 << (len(copies) - 1).bit_length()
+    n = next_pow2(len(copies))
     pairs = np.zeros((n, 2), np.int32)  # padding: NULL_BLOCK -> NULL_BLOCK
     pairs[:len(copies)] = copies
     return _copy_blocks(kv_pool, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
@@ -184,10 +185,6 @@ def swap_capacity_blocks(swap_space_gb: float, block_bytes: int) -> int:
     return int(swap_space_gb * 2**30) // block_bytes
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 @jax.jit
 def _gather_blocks(kv_pool: jax.Array, ids: jax.Array) -> jax.Array:
     return kv_pool[ids]
@@ -201,7 +198,7 @@ def _scatter_blocks(kv_pool: jax.Array, ids: jax.Array, blocks: jax.Array) -> ja
 def gather_blocks(kv_pool: jax.Array, block_ids: list[int]) -> np.ndarray:
     """Swap-out: the given device blocks, copied to host, in one jitted gather.
     The count is padded to a power of two (with the null block) so few shapes compile."""
-    ids = np.zeros(_pow2(len(block_ids)), np.int32)
+    ids = np.zeros(next_pow2(len(block_ids)), np.int32)
     ids[:len(block_ids)] = block_ids
     return np.asarray(_gather_blocks(kv_pool, jnp.asarray(ids)))[:len(block_ids)]
 
@@ -209,7 +206,7 @@ def gather_blocks(kv_pool: jax.Array, block_ids: list[int]) -> np.ndarray:
 def scatter_blocks(kv_pool: jax.Array, block_ids: list[int], blocks: np.ndarray) -> jax.Array:
     """Swap-in: writes host `blocks` into device `block_ids` with one jitted, donated
     `kv_pool.at[ids].set(blocks)`; padding rows (power-of-two count) go to the null block."""
-    n = _pow2(len(block_ids))
+    n = next_pow2(len(block_ids))
     ids = np.zeros(n, np.int32)
     ids[:len(block_ids)] = block_ids
     data = np.zeros((n, *kv_pool.shape[1:]), kv_pool.dtype)

@@ -242,7 +242,7 @@ class Scheduler:
         n = min(seq.prefill_target - computed, budget)
         end = computed + n
         revived = sum(bm.refcount[b] == 0 for b in blocks)
-        fresh = max(0, -(-end // bs) - len(blocks))
+        fresh = max(0, bm.blocks_for(end) - len(blocks))
         # Writing into the last reused block (a fully cached prompt) copies it.
         cow = int(n > 0 and computed < len(blocks) * bs)
         if revived + fresh + cow > bm.num_free_blocks:

@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from jpaged.model_config import ModelConfig, rope_inv_freq, weight_shapes
+from jpaged.rounding import cdiv
 from jpaged.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTe
     align = meta.get("general.alignment", 32)
     if not isinstance(align, int) or align <= 0:
         raise bad(f"general.alignment is {align!r}")
-    data_start = -(-pos // align) * align
+    data_start = cdiv(pos, align) * align
     return meta, {name: GGUFTensor(name, ttype, _gguf_tensor_data(buf, data_start + offset, dims, ttype, bad))
                   for name, dims, ttype, offset in infos}
 
