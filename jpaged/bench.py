@@ -260,7 +260,7 @@ def timed_generate(llm: Any, prompts: Sequence[Any], params: Any) -> tuple[list,
 
 
 def kv_bytes_per_token(llm: Any) -> int:
-    from jpaged.kv_cache import bytes_per_block
+    from jpaged.kv_pool import bytes_per_block
     return bytes_per_block(llm.model_config, 1, llm.kv_dtype)
 
 

@@ -25,11 +25,12 @@ import pallas_kernels
 from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, apply_overrides, default_config,
                            validate_config)
 from jpaged.block_manager import BlockManager, CacheCounters
-from jpaged.kv_cache import HostSwapSpace, bytes_per_block, num_blocks_for, swap_capacity_blocks
+from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import PreemptionCounters, Scheduler, SchedulerOutput
 from jpaged.sequence import SamplingParams, Sequence, Status
+from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
 from jpaged.weights import default_cache_dir, load_weights
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,7 @@ class LLM:
         block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
         self.swap_space = HostSwapSpace(
             swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if cfg.preemption_mode == "swap" else 0,
-            (self.model_config.num_layers, 2, self.model_config.num_kv_heads, cfg.block_size,
-             self.model_config.head_dim), self.kv_dtype)
+            block_shape(self.model_config, cfg.block_size), self.kv_dtype)
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,

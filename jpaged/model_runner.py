@@ -22,12 +22,13 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import generate_step
-from jpaged.kv_cache import HostSwapSpace, copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
+from jpaged.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
 from jpaged.model import StepMetadata
 from jpaged.model_config import ModelConfig
 from jpaged.rounding import cdiv, next_pow2
 from jpaged.sampling import SamplingArrays
 from jpaged.scheduler import ScheduledSeq, SchedulerOutput
+from jpaged.swap_space import HostSwapSpace
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:

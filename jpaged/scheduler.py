@@ -39,8 +39,8 @@ import dataclasses
 import time
 
 from jpaged.block_manager import BlockManager
-from jpaged.kv_cache import HostSwapSpace
 from jpaged.sequence import Sequence, Status
+from jpaged.swap_space import HostSwapSpace
 
 
 @dataclasses.dataclass

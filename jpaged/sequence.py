@@ -13,7 +13,7 @@ import numbers
 import time
 
 from jpaged.config import FLOAT32_MAX, INT32_MAX
-from jpaged.kv_cache import BlockTable
+from jpaged.block_manager import BlockTable
 
 
 class Status(enum.Enum):

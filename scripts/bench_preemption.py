@@ -29,9 +29,10 @@ from absl import app, flags
 from jpaged import bench
 from jpaged.block_manager import BlockManager
 from jpaged.engine import LLM
-from jpaged.kv_cache import HostSwapSpace, bytes_per_block, swap_capacity_blocks
+from jpaged.kv_pool import bytes_per_block
 from jpaged.metrics import summarize
 from jpaged.sequence import SamplingParams
+from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (default: the embedded SmolLM2-135M).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Weights / KV dtype.")

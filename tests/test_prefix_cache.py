@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from jpaged.block_manager import BlockManager
 from jpaged.engine import LLM
-from jpaged.kv_cache import NoFreeBlocksError
+from jpaged.block_manager import NoFreeBlocksError
 from jpaged.metrics import format_summary, summarize
 from jpaged.prefix_cache import block_hash
 from jpaged.sequence import SamplingParams, Sequence

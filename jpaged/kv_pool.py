@@ -1,4 +1,6 @@
-"""The paged KV pool: one device array, a host free list and per-sequence block tables.
+"""The paged KV pool on the device: its layout, its size, and the jitted block
+moves on it (copy-on-write, swap).  Which block holds what is host bookkeeping,
+in jpaged.block_manager.
 
 Pool layout, chosen block-major so that one block (all layers, K and V) is one
 contiguous slab: copy-on-write and swap move a block with one slice.
@@ -11,8 +13,6 @@ at it, and it is never handed out.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import math
 
@@ -23,64 +23,14 @@ import numpy as np
 from jpaged.model_config import ModelConfig
 from jpaged.rounding import cdiv, next_pow2
 
-NULL_BLOCK = 0
 
-
-class NoFreeBlocksError(RuntimeError):
-    """The pool has no free block left."""
-
-
-class BlockAllocator:
-    """O(1) free-list allocator over physical blocks 1..num_blocks-1."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
-        self._in_use = np.zeros(num_blocks, dtype=bool)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise NoFreeBlocksError("KV pool exhausted: no free block")
-        block = self._free.popleft()
-        self._in_use[block] = True
-        return block
-
-    def free(self, block: int) -> None:
-        if block == NULL_BLOCK or not self._in_use[block]:
-            raise ValueError(f"block {block} is not allocated (double free?)")
-        self._in_use[block] = False
-        self._free.append(block)
-
-    def is_allocated(self, block: int) -> bool:
-        return bool(self._in_use[block])
-
-
-@dataclasses.dataclass
-class BlockTable:
-    """One sequence's map from logical block to physical block (grown and copied
-    by the BlockManager, which owns the block size)."""
-
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-
-    def release(self, allocator) -> None:
-        """Frees every block, last first (so that the deepest is evicted first)."""
-        for block in reversed(self.block_ids):
-            allocator.free(block)
-        self.block_ids.clear()
+def block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
+    """One block of the pool (every layer, K and V): also the host swap space's unit."""
+    return (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return math.prod(block_shape(cfg, block_size)) * jnp.dtype(dtype).itemsize
 
 
 def free_device_memory(weight_bytes: int) -> int:
@@ -110,8 +60,7 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
 def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> jax.Array:
     if not 1 <= block_size <= 256:
         raise ValueError(f"block_size must be in [1, 256], got {block_size}")
-    shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
-    return jnp.zeros(shape, dtype=dtype)
+    return jnp.zeros((num_blocks, *block_shape(cfg, block_size)), dtype=dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -129,60 +78,6 @@ def copy_blocks(kv_pool: jax.Array, copies: list[tuple[int, int]]) -> jax.Array:
     pairs = np.zeros((n, 2), np.int32)  # padding: NULL_BLOCK -> NULL_BLOCK
     pairs[:len(copies)] = copies
     return _copy_blocks(kv_pool, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
-
-
-# ----------------------------------------------------------------------- swap
-class HostSwapSpace:
-    """Host-memory (numpy) pool that preempted sequences' blocks are swapped to.
-
-    `capacity` blocks of the device block shape; the array is allocated on the
-    first swap-out (np.empty: pages are committed only as they are written).
-    Slot accounting (allocate/free) is the scheduler's; the engine moves data
-    with `store` (device -> host) and `load` (host -> device).
-    """
-
-    def __init__(self, capacity: int, block_shape: tuple[int, ...], dtype):
-        self.capacity = max(0, int(capacity))
-        self.block_shape = tuple(block_shape)
-        self.dtype = np.dtype(dtype)
-        self._free: collections.deque[int] = collections.deque(range(self.capacity))
-        self.data: np.ndarray | None = None
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.capacity - len(self._free)
-
-    @property
-    def block_bytes(self) -> int:
-        return math.prod(self.block_shape) * self.dtype.itemsize
-
-    def allocate(self, n: int) -> list[int] | None:
-        """n host slots, or None (taking nothing) when fewer are free."""
-        if n > len(self._free):
-            return None
-        return [self._free.popleft() for _ in range(n)]
-
-    def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
-
-    def _array(self) -> np.ndarray:
-        if self.data is None:
-            self.data = np.empty((self.capacity, *self.block_shape), self.dtype)
-        return self.data
-
-    def store(self, slots: list[int], blocks: np.ndarray) -> None:
-        self._array()[np.asarray(slots, np.int64)] = blocks
-
-    def load(self, slots: list[int]) -> np.ndarray:
-        return self._array()[np.asarray(slots, np.int64)]
-
-
-def swap_capacity_blocks(swap_space_gb: float, block_bytes: int) -> int:
-    return int(swap_space_gb * 2**30) // block_bytes
 
 
 @jax.jit
