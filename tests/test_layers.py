@@ -34,3 +34,8 @@ def test_host_modules_import_no_device_stack():
     assert "jpaged" in loaded
     assert not loaded & set(DEVICE_PACKAGES), sorted(loaded & set(DEVICE_PACKAGES))
 
+
+def test_gguf_and_tokenizer_import_no_device_stack():
+    """Reading a GGUF file or tokenizing needs no jax either (nor the weight loader's cycle)."""
+    loaded = imported_packages(("jpaged.gguf", "jpaged.tokenizer"))
+    assert not loaded & set(DEVICE_PACKAGES), sorted(loaded & set(DEVICE_PACKAGES))
