@@ -11,7 +11,7 @@ API (the scheduler is its only writer):
   share(block)             refcount + 1 (revives a cached block at refcount 0)
   cow(block) -> block      the block itself if the caller may write into it,
                            else a private copy (the device copy is queued;
-                           take_copies() hands the step's copies to the engine)
+                           take_copies() hands the step's copies to the runner)
   match(seq)               the longest run of cached full blocks for seq's tokens
   cache_full_blocks(seq)   registers seq's newly filled, computed blocks
 
@@ -149,9 +149,6 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._handle
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, next victim first (for tests and debugging)."""

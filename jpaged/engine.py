@@ -249,7 +249,7 @@ class LLM:
             self._next_child_id -= 1
             child = Sequence(self._next_child_id, seq.prompt_token_ids, params, prompt=prompt,
                              seed=seed + i)
-            child.sample_index, child.group = i, seq.group
+            child.group = seq.group
             seq.group.append(child)
             seq.forks.append(child)
             self._active[child.seq_id] = child

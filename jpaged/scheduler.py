@@ -311,7 +311,7 @@ class Scheduler:
         (cached ones stay cached) and it is requeued first; on resume it prefills
         prompt + generated tokens in one pass, reusing what is still cached.
         swap: its computed blocks are queued for a device->host copy (run by the
-        engine before anything writes the pool again) and it waits in `swapped`
+        runner before anything writes the pool again) and it waits in `swapped`
         until there is room; recompute when the host pool is full."""
         self.running.remove(victim)
         victim.num_preemptions += 1
@@ -349,7 +349,7 @@ class Scheduler:
 
     def _schedule_swap_in(self) -> bool:
         """Resumes swapped sequences, earliest arrival first, into whatever blocks
-        are free now (the engine copies their host blocks in before the step).
+        are free now (the runner copies their host blocks in before the step).
         True when none is left waiting in host memory."""
         bm = self.block_manager
         while self.swapped:

@@ -103,7 +103,6 @@ class Sequence:
         self.num_cached_tokens = 0     # prompt tokens reused from the cache at first admission
         self.block_keys: list = []     # prefix-index handle of each full, computed block
         self.forks: list[Sequence] = []  # samples 1..n-1, forked once the prompt is prefilled
-        self.sample_index = 0
         self.group: list[Sequence] = [self]  # all samples of this request, in order
         # Preemption.
         self.num_preemptions = 0
