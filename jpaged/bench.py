@@ -259,11 +259,6 @@ def timed_generate(llm: Any, prompts: Sequence[Any], params: Any) -> tuple[list,
     return outs, time.perf_counter() - t0
 
 
-def kv_bytes_per_token(llm: Any) -> int:
-    from jpaged.kv_pool import bytes_per_block
-    return bytes_per_block(llm.model_config, 1, llm.kv_dtype)
-
-
 def weight_bytes(llm: Any) -> int:
     import jax
     return int(sum(x.nbytes for x in jax.tree.leaves(llm.params)))

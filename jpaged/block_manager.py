@@ -105,10 +105,6 @@ class CacheCounters:
     cow_copies: int = 0
     peak_shared_blocks: int = 0   # most blocks with refcount > 1 at once
 
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
     def minus(self, base: "CacheCounters") -> "CacheCounters":
         out = CacheCounters(**{f.name: getattr(self, f.name) - getattr(base, f.name)
                                for f in dataclasses.fields(self)})

@@ -217,7 +217,6 @@ class LLM:
                                           index=cfg.prefix_cache_index)
         self.allocator = self.block_manager.allocator
         self.scheduler.block_manager = self.block_manager
-        self.scheduler.allocator = self.allocator
         self._cache_base = CacheCounters()
 
     # ----------------------------------------------------------------- requests

@@ -1,10 +1,6 @@
-"""GGUF, llama.cpp's model file: reading it (metadata as python values, tensors
-memory-mapped), what its names and metadata mean for a Llama-family model, and
-undoing its conventions (quantisation, the Q/K row permutation).
-
-The tokenizer reads its metadata and the weight loader its tensors: both import
-this module, neither the other.  No jax here.
-"""
+"""GGUF, llama.cpp's model file: its metadata and memory-mapped tensors, what its
+names mean for a Llama-family model, and undoing its quantisation and Q/K row
+permutation.  Its own module so the tokenizer and the weight loader share it."""
 
 from __future__ import annotations
 

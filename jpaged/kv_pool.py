@@ -70,13 +70,19 @@ def _copy_blocks(kv_pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Arra
     return kv_pool.at[dst].set(kv_pool[src])
 
 
+def _pad(rows: list | np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """rows padded with zeros to a power-of-two count, so that few shapes compile;
+    a zero block id is the null block, which nothing reads."""
+    rows = np.asarray(rows, dtype)
+    out = np.zeros((next_pow2(len(rows)), *rows.shape[1:]), dtype)
+    out[:len(rows)] = rows
+    return out
+
+
 def copy_blocks(kv_pool: jax.Array, copies: list[tuple[int, int]]) -> jax.Array:
     """Copy-on-write on the device: one jitted, donated pool update for all
-    (src, dst) block copies of a step.  The count is padded to a power of two
-    with null-block self-copies so few shapes compile."""
-    n = next_pow2(len(copies))
-    pairs = np.zeros((n, 2), np.int32)  # padding: NULL_BLOCK -> NULL_BLOCK
-    pairs[:len(copies)] = copies
+    (src, dst) block copies of a step (padding: null-block self-copies)."""
+    pairs = _pad(copies, np.int32)
     return _copy_blocks(kv_pool, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
 
 
@@ -91,19 +97,12 @@ def _scatter_blocks(kv_pool: jax.Array, ids: jax.Array, blocks: jax.Array) -> ja
 
 
 def gather_blocks(kv_pool: jax.Array, block_ids: list[int]) -> np.ndarray:
-    """Swap-out: the given device blocks, copied to host, in one jitted gather.
-    The count is padded to a power of two (with the null block) so few shapes compile."""
-    ids = np.zeros(next_pow2(len(block_ids)), np.int32)
-    ids[:len(block_ids)] = block_ids
-    return np.asarray(_gather_blocks(kv_pool, jnp.asarray(ids)))[:len(block_ids)]
+    """Swap-out: the given device blocks, copied to host, in one jitted gather."""
+    return np.asarray(_gather_blocks(kv_pool, jnp.asarray(_pad(block_ids, np.int32))))[:len(block_ids)]
 
 
 def scatter_blocks(kv_pool: jax.Array, block_ids: list[int], blocks: np.ndarray) -> jax.Array:
     """Swap-in: writes host `blocks` into device `block_ids` with one jitted, donated
-    `kv_pool.at[ids].set(blocks)`; padding rows (power-of-two count) go to the null block."""
-    n = next_pow2(len(block_ids))
-    ids = np.zeros(n, np.int32)
-    ids[:len(block_ids)] = block_ids
-    data = np.zeros((n, *kv_pool.shape[1:]), kv_pool.dtype)
-    data[:len(block_ids)] = blocks
+    `kv_pool.at[ids].set(blocks)`; padding rows go to the null block."""
+    ids, data = _pad(block_ids, np.int32), _pad(blocks, kv_pool.dtype)
     return _scatter_blocks(kv_pool, jnp.asarray(ids), jnp.asarray(data))

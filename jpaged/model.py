@@ -17,8 +17,8 @@ is threaded through the layers: each writes its new K/V into the pool and
 attention reads them back through the block tables; with the pool donated, XLA
 updates it in place and never copies it.
 
-Pool layout (see `jpaged.kv_pool`):
-    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+Pool layout: kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+(see `jpaged.kv_pool`).
 """
 
 from __future__ import annotations

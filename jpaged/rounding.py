@@ -1,5 +1,4 @@
-"""Integer rounding, spelled once: tokens to blocks, offsets to an alignment,
-counts to the power-of-two buckets that keep the number of compiled shapes small."""
+"""Integer rounding, spelled once: tokens to blocks, counts to power-of-two buckets."""
 
 
 def cdiv(a: int, b: int) -> int:

@@ -108,7 +108,6 @@ class Scheduler:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         self.block_manager = block_manager
-        self.allocator = block_manager.allocator
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -122,10 +121,6 @@ class Scheduler:
         self._swap_out: list[SwapOut] = []
         self._swap_in: list[SwapIn] = []
         self._preempted_now = False
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.counters.preemptions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -184,7 +179,7 @@ class Scheduler:
                 if not self.running:  # not even an empty pool holds its first chunk
                     self.waiting.popleft()
                     self._fail(seq, f"request of {seq.num_tokens} tokens cannot fit in the KV pool "
-                                    f"({self.allocator.num_blocks - 1} blocks)")
+                                    f"({self.block_manager.num_blocks - 1} blocks)")
                     continue
                 break
             self.waiting.popleft()
@@ -278,16 +273,16 @@ class Scheduler:
         """Makes room for num_tokens of seq, preempting the latest-arrived running
         sequence while the pool is short (seq itself when it is the latest: False).
         A sequence that needs more blocks than the whole pool ends with an error."""
-        if self.block_manager.blocks_for(num_tokens) > self.allocator.num_blocks - 1:
+        if self.block_manager.blocks_for(num_tokens) > self.block_manager.num_blocks - 1:
             self._fail(seq, f"sequence of {num_tokens} tokens needs more KV blocks than the "
-                            f"whole pool has ({self.allocator.num_blocks - 1})")
+                            f"whole pool has ({self.block_manager.num_blocks - 1})")
             return False
         while not self._prepare_write(seq, num_tokens):
             others = [s for s in self.running if s is not seq and not s.is_done]
             if not others and not any(s.is_done for s in self.running):
                 # Alone in the pool and still short (copy-on-write needs a spare block).
                 self._fail(seq, f"sequence of {num_tokens} tokens cannot fit in the KV pool "
-                                f"({self.allocator.num_blocks - 1} blocks) even alone")
+                                f"({self.block_manager.num_blocks - 1} blocks) even alone")
                 return False
             # Finished static-batch members hold blocks until their batch ends:
             # then seq waits for them (preempting itself) instead of failing.
@@ -314,7 +309,6 @@ class Scheduler:
         runner before anything writes the pool again) and it waits in `swapped`
         until there is room; recompute when the host pool is full."""
         self.running.remove(victim)
-        victim.num_preemptions += 1
         self.counters.preemptions += 1
         self._preempted_now = True
         pending = next((r for r in self._swap_in if r.seq is victim), None)
@@ -363,7 +357,7 @@ class Scheduler:
                 if not self.running:  # an empty pool cannot hold it: it never will
                     self.swapped.pop(0)
                     self._fail(seq, f"swapped-out sequence of {seq.num_tokens} tokens cannot fit "
-                                    f"in the KV pool ({self.allocator.num_blocks - 1} blocks)")
+                                    f"in the KV pool ({self.block_manager.num_blocks - 1} blocks)")
                     continue
                 return False
             self.swapped.pop(0)

@@ -105,7 +105,6 @@ class Sequence:
         self.forks: list[Sequence] = []  # samples 1..n-1, forked once the prompt is prefilled
         self.group: list[Sequence] = [self]  # all samples of this request, in order
         # Preemption.
-        self.num_preemptions = 0
         self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
         self.swap_status: Status | None = None  # status to resume with after swap-in
 

@@ -26,10 +26,6 @@ class HostSwapSpace:
         self.data: np.ndarray | None = None
 
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.capacity - len(self._free)
 
@@ -59,5 +55,4 @@ class HostSwapSpace:
 
 
 def swap_capacity_blocks(swap_space_gb: float, block_bytes: int) -> int:
-    """Host slots that swap_space_gb holds."""
     return int(swap_space_gb * 2**30) // block_bytes

@@ -68,7 +68,7 @@ def install_pool(llm: LLM, num_blocks: int, mode: str) -> None:
                       index=cfg.prefix_cache_index)
     llm.block_manager, llm.allocator = bm, bm.allocator
     s = llm.scheduler
-    s.block_manager, s.allocator, s.preemption_mode = bm, bm.allocator, mode
+    s.block_manager, s.preemption_mode = bm, mode
     block_bytes = bytes_per_block(llm.model_config, cfg.block_size, llm.kv_dtype)
     llm.swap_space = HostSwapSpace(swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if mode == "swap" else 0,
                                    llm.runner.kv_pool.shape[1:], llm.runner.kv_pool.dtype)
