@@ -213,7 +213,8 @@ def _check_field(name: str, spec: FieldSpec, value: Any) -> None:
         raise ConfigError(name, f"{_show(value)} is not allowed", spec.allowed)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer, and not a bool (JSON true is not 1 here); SamplingParams checks with it too."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -230,7 +231,7 @@ def _finite(value: Any) -> bool:
 
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bool": (lambda v: isinstance(v, bool), "a bool"),
-    "int": (_is_int, "an integer"),
+    "int": (is_int, "an integer"),
     "real": (_is_real, "a number"),
     "str": (lambda v: isinstance(v, str), "a string"),
 }
@@ -238,7 +239,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _as_float_if_real(name: str, value: Any) -> Any:
     spec = FIELDS.get(name)
-    if spec is not None and spec.kind == "real" and _is_int(value):
+    if spec is not None and spec.kind == "real" and is_int(value):
         try:
             return float(value)
         except OverflowError:

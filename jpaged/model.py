@@ -15,10 +15,7 @@ saves in compile time (measured for SmolLM2: 1.5-2x slower decode steps, about
 the same compile time; see benchmarks/README.md, "Layer loop").  The KV pool
 is threaded through the layers: each writes its new K/V into the pool and
 attention reads them back through the block tables; with the pool donated, XLA
-updates it in place and never copies it.
-
-Pool layout: kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
-(see `jpaged.kv_pool`).
+updates it in place and never copies it (pool layout: see `jpaged.kv_pool`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Host memory for swapped-out blocks (preemption_mode="swap"): numpy, no jax,
-because the scheduler, which accounts for its slots, imports it."""
+"""Host memory for swapped-out blocks: numpy, no jax (the scheduler imports it)."""
 
 from __future__ import annotations
 

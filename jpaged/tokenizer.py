@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from jpaged.gguf import gguf_metadata, read_gguf
 
