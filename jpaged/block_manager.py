@@ -33,8 +33,6 @@ import collections
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from jpaged.prefix_cache import ROOT, make_index
 from jpaged.rounding import cdiv
 
@@ -53,7 +51,7 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
-        self._in_use = np.zeros(num_blocks, dtype=bool)
+        self._in_use = bytearray(num_blocks)  # 1: allocated
 
     @property
     def num_free_blocks(self) -> int:

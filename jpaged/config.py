@@ -214,8 +214,7 @@ def _check_field(name: str, spec: FieldSpec, value: Any) -> None:
 
 
 def is_int(value: Any) -> bool:
-    """An integer, and not a bool (JSON true is not 1 here); SamplingParams checks with it too."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # JSON true is not 1 here
 
 
 def _is_real(value: Any) -> bool:
