@@ -35,7 +35,8 @@ def test_host_modules_import_no_device_stack():
     assert not loaded & set(DEVICE_PACKAGES), sorted(loaded & set(DEVICE_PACKAGES))
 
 
-def test_gguf_and_tokenizer_import_no_device_stack():
-    """Reading a GGUF file or tokenizing needs no jax either (nor the weight loader's cycle)."""
-    loaded = imported_packages(("jpaged.gguf", "jpaged.tokenizer"))
+def test_loaders_import_no_device_stack():
+    """Reading a GGUF file, tokenizing or loading weights into numpy needs no jax either
+    (the orbax cache brings it in only when used)."""
+    loaded = imported_packages(("jpaged.gguf", "jpaged.tokenizer", "jpaged.weights"))
     assert not loaded & set(DEVICE_PACKAGES), sorted(loaded & set(DEVICE_PACKAGES))
