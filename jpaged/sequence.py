@@ -12,8 +12,8 @@ import math
 import numbers
 import time
 
-from jpaged.config import FLOAT32_MAX, INT32_MAX, is_int
 from jpaged.block_manager import BlockTable
+from jpaged.config import FLOAT32_MAX, INT32_MAX, is_int
 
 
 class Status(enum.Enum):
