@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import datetime
-import math
 import os
 import pathlib
 import platform
@@ -21,6 +20,8 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from jpaged.rounding import cdiv
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -258,11 +259,6 @@ def timed_generate(llm: Any, prompts: Sequence[Any], params: Any) -> tuple[list,
     return outs, time.perf_counter() - t0
 
 
-def kv_bytes_per_token(llm: Any) -> int:
-    from jpaged.kv_cache import bytes_per_block
-    return bytes_per_block(llm.model_config, 1, llm.kv_dtype)
-
-
 def weight_bytes(llm: Any) -> int:
     import jax
     return int(sum(x.nbytes for x in jax.tree.leaves(llm.params)))
@@ -450,7 +446,7 @@ def hf_continuous(model: Any, llm: Any, prompt_ids: list[list[int]], max_new_tok
     gc = hf_generation_config(model, llm, max_new_tokens)
     eos = set(llm.tokenizer.eos_token_ids) if llm.tokenizer else set()
     max_len = max(len(x) for x in prompt_ids) + max_new_tokens
-    blocks = max_running * math.ceil(max_len / block_size) + 1
+    blocks = max_running * cdiv(max_len, block_size) + 1
     cb = ContinuousBatchingConfig(
         page_size=block_size, num_blocks=blocks, max_requests_per_batch=max_running,
         max_batch_tokens=max(2048, max_running * 16),

@@ -1,4 +1,6 @@
-"""Block manager: reference-counted physical blocks, automatic prefix caching, copy-on-write.
+"""Block manager: reference-counted physical blocks, automatic prefix caching, copy-on-write,
+over a free list (BlockAllocator) and per-sequence block tables (BlockTable).
+Host bookkeeping only: the device pool these block ids index is jpaged.kv_pool's.
 
 API (the scheduler is its only writer):
 
@@ -9,7 +11,7 @@ API (the scheduler is its only writer):
   share(block)             refcount + 1 (revives a cached block at refcount 0)
   cow(block) -> block      the block itself if the caller may write into it,
                            else a private copy (the device copy is queued;
-                           take_copies() hands the step's copies to the engine)
+                           take_copies() hands the step's copies to the runner)
   match(seq)               the longest run of cached full blocks for seq's tokens
   cache_full_blocks(seq)   registers seq's newly filled, computed blocks
 
@@ -31,8 +33,63 @@ import collections
 import dataclasses
 from typing import Any
 
-from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
 from jpaged.prefix_cache import ROOT, make_index
+from jpaged.rounding import cdiv
+
+NULL_BLOCK = 0  # padding in block tables and step arrays; never handed out
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has no free block left."""
+
+
+class BlockAllocator:
+    """O(1) free-list allocator over physical blocks 1..num_blocks-1."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
+        self._in_use = bytearray(num_blocks)  # 1: allocated
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeBlocksError("KV pool exhausted: no free block")
+        block = self._free.popleft()
+        self._in_use[block] = True
+        return block
+
+    def free(self, block: int) -> None:
+        if block == NULL_BLOCK or not self._in_use[block]:
+            raise ValueError(f"block {block} is not allocated (double free?)")
+        self._in_use[block] = False
+        self._free.append(block)
+
+    def is_allocated(self, block: int) -> bool:
+        return bool(self._in_use[block])
+
+
+@dataclasses.dataclass
+class BlockTable:
+    """One sequence's map from logical block to physical block (grown and copied
+    by the BlockManager, which owns the block size)."""
+
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def release(self, allocator: "BlockAllocator | BlockManager") -> None:
+        """Frees every block, last first (so that the deepest is evicted first)."""
+        for block in reversed(self.block_ids):
+            allocator.free(block)
+        self.block_ids.clear()
 
 
 @dataclasses.dataclass
@@ -45,10 +102,6 @@ class CacheCounters:
     evictions: int = 0
     cow_copies: int = 0
     peak_shared_blocks: int = 0   # most blocks with refcount > 1 at once
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def minus(self, base: "CacheCounters") -> "CacheCounters":
         out = CacheCounters(**{f.name: getattr(self, f.name) - getattr(base, f.name)
@@ -90,9 +143,6 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._handle
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, next victim first (for tests and debugging)."""
@@ -156,7 +206,7 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens tokens."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         """Blocks `table` must grow by to hold num_tokens tokens in total."""

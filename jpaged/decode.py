@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.kv_cache import NULL_BLOCK, create_kv_pool
+from jpaged.block_manager import NULL_BLOCK
+from jpaged.kv_pool import create_kv_pool
 from jpaged.model import StepMetadata, forward
 from jpaged.sampling import SamplingArrays, greedy
 from jpaged.sampling import sample as _sample

@@ -25,12 +25,13 @@ import pallas_kernels
 from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, apply_overrides, default_config,
                            validate_config)
 from jpaged.block_manager import BlockManager, CacheCounters
-from jpaged.kv_cache import HostSwapSpace, bytes_per_block, num_blocks_for, swap_capacity_blocks
+from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import PreemptionCounters, Scheduler, SchedulerOutput
 from jpaged.request_parsing import default_sampling_params
 from jpaged.sequence import SamplingParams, Sequence, Status
+from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
 from jpaged.weights import default_cache_dir, load_weights
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,7 @@ class LLM:
         block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
         self.swap_space = HostSwapSpace(
             swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if cfg.preemption_mode == "swap" else 0,
-            (self.model_config.num_layers, 2, self.model_config.num_kv_heads, cfg.block_size,
-             self.model_config.head_dim), self.kv_dtype)
+            block_shape(self.model_config, cfg.block_size), self.kv_dtype)
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
@@ -212,7 +212,6 @@ class LLM:
                                           index=cfg.prefix_cache_index)
         self.allocator = self.block_manager.allocator
         self.scheduler.block_manager = self.block_manager
-        self.scheduler.allocator = self.allocator
         self._cache_base = CacheCounters()
 
     # ----------------------------------------------------------------- requests
@@ -244,7 +243,7 @@ class LLM:
             self._next_child_id -= 1
             child = Sequence(self._next_child_id, seq.prompt_token_ids, params, prompt=prompt,
                              seed=seed + i)
-            child.sample_index, child.group = i, seq.group
+            child.group = seq.group
             seq.group.append(child)
             seq.forks.append(child)
             self._active[child.seq_id] = child

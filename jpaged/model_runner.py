@@ -22,22 +22,19 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import generate_step
-from jpaged.kv_cache import HostSwapSpace, copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
+from jpaged.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
 from jpaged.model import ModelConfig, StepMetadata
+from jpaged.rounding import cdiv, next_pow2
 from jpaged.sampling import SamplingArrays
 from jpaged.scheduler import ScheduledSeq, SchedulerOutput
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
+from jpaged.swap_space import HostSwapSpace
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
     """The step-size ladder: powers of two from min(8, max_num_seqs rounded up), then
     the budget itself.  Steps of up to 8 tokens cost about the same on every
     backend (the weights' memory traffic dominates), so they share one program."""
-    min_tokens = min(8, bucket(max_num_seqs))
+    min_tokens = min(8, next_pow2(max_num_seqs))
     top = max(max_num_batched_tokens, 1)
     ladder = [b for b in (1 << i for i in range(top.bit_length() + 1)) if min_tokens <= b < top]
     return tuple(ladder + [top])
@@ -60,7 +57,7 @@ class ModelRunner:
                  swap_space: HostSwapSpace | None = None):
         self.params = params
         self.block_size = block_size
-        self.table_width = -(-max_model_len // block_size)
+        self.table_width = cdiv(max_model_len, block_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs)
         self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype)
@@ -93,7 +90,7 @@ class ModelRunner:
 
     def seq_bucket(self, num_tokens_bucket: int) -> int:
         """Sequences per step: every sequence has at least one token."""
-        return min(num_tokens_bucket, bucket(self.max_num_seqs))
+        return min(num_tokens_bucket, next_pow2(self.max_num_seqs))
 
     def _executable(self, args: tuple) -> jax.stages.Compiled:
         tokens, meta, sampling = args[1], args[2], args[3]
@@ -113,7 +110,7 @@ class ModelRunner:
         all) not compiled yet; returns how many were compiled."""
         before = self.num_compilations
         for T in self.token_buckets:
-            if max_num_tokens is None or T <= bucket(max_num_tokens):
+            if max_num_tokens is None or T <= next_pow2(max_num_tokens):
                 self._executable((self.kv_pool, *self._padding_batch(T), None))
         return self.num_compilations - before
 

@@ -39,8 +39,8 @@ import dataclasses
 import time
 
 from jpaged.block_manager import BlockManager
-from jpaged.kv_cache import HostSwapSpace
 from jpaged.sequence import Sequence, Status
+from jpaged.swap_space import HostSwapSpace
 
 
 @dataclasses.dataclass
@@ -108,7 +108,6 @@ class Scheduler:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         self.block_manager = block_manager
-        self.allocator = block_manager.allocator
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -122,10 +121,6 @@ class Scheduler:
         self._swap_out: list[SwapOut] = []
         self._swap_in: list[SwapIn] = []
         self._preempted_now = False
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.counters.preemptions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -184,7 +179,7 @@ class Scheduler:
                 if not self.running:  # not even an empty pool holds its first chunk
                     self.waiting.popleft()
                     self._fail(seq, f"request of {seq.num_tokens} tokens cannot fit in the KV pool "
-                                    f"({self.allocator.num_blocks - 1} blocks)")
+                                    f"({self.block_manager.num_blocks - 1} blocks)")
                     continue
                 break
             self.waiting.popleft()
@@ -242,7 +237,7 @@ class Scheduler:
         n = min(seq.prefill_target - computed, budget)
         end = computed + n
         revived = sum(bm.refcount[b] == 0 for b in blocks)
-        fresh = max(0, -(-end // bs) - len(blocks))
+        fresh = max(0, bm.blocks_for(end) - len(blocks))
         # Writing into the last reused block (a fully cached prompt) copies it.
         cow = int(n > 0 and computed < len(blocks) * bs)
         if revived + fresh + cow > bm.num_free_blocks:
@@ -278,16 +273,16 @@ class Scheduler:
         """Makes room for num_tokens of seq, preempting the latest-arrived running
         sequence while the pool is short (seq itself when it is the latest: False).
         A sequence that needs more blocks than the whole pool ends with an error."""
-        if self.block_manager.blocks_for(num_tokens) > self.allocator.num_blocks - 1:
+        if self.block_manager.blocks_for(num_tokens) > self.block_manager.num_blocks - 1:
             self._fail(seq, f"sequence of {num_tokens} tokens needs more KV blocks than the "
-                            f"whole pool has ({self.allocator.num_blocks - 1})")
+                            f"whole pool has ({self.block_manager.num_blocks - 1})")
             return False
         while not self._prepare_write(seq, num_tokens):
             others = [s for s in self.running if s is not seq and not s.is_done]
             if not others and not any(s.is_done for s in self.running):
                 # Alone in the pool and still short (copy-on-write needs a spare block).
                 self._fail(seq, f"sequence of {num_tokens} tokens cannot fit in the KV pool "
-                                f"({self.allocator.num_blocks - 1} blocks) even alone")
+                                f"({self.block_manager.num_blocks - 1} blocks) even alone")
                 return False
             # Finished static-batch members hold blocks until their batch ends:
             # then seq waits for them (preempting itself) instead of failing.
@@ -311,10 +306,9 @@ class Scheduler:
         (cached ones stay cached) and it is requeued first; on resume it prefills
         prompt + generated tokens in one pass, reusing what is still cached.
         swap: its computed blocks are queued for a device->host copy (run by the
-        engine before anything writes the pool again) and it waits in `swapped`
+        runner before anything writes the pool again) and it waits in `swapped`
         until there is room; recompute when the host pool is full."""
         self.running.remove(victim)
-        victim.num_preemptions += 1
         self.counters.preemptions += 1
         self._preempted_now = True
         pending = next((r for r in self._swap_in if r.seq is victim), None)
@@ -349,7 +343,7 @@ class Scheduler:
 
     def _schedule_swap_in(self) -> bool:
         """Resumes swapped sequences, earliest arrival first, into whatever blocks
-        are free now (the engine copies their host blocks in before the step).
+        are free now (the runner copies their host blocks in before the step).
         True when none is left waiting in host memory."""
         bm = self.block_manager
         while self.swapped:
@@ -363,7 +357,7 @@ class Scheduler:
                 if not self.running:  # an empty pool cannot hold it: it never will
                     self.swapped.pop(0)
                     self._fail(seq, f"swapped-out sequence of {seq.num_tokens} tokens cannot fit "
-                                    f"in the KV pool ({self.allocator.num_blocks - 1} blocks)")
+                                    f"in the KV pool ({self.block_manager.num_blocks - 1} blocks)")
                     continue
                 return False
             self.swapped.pop(0)

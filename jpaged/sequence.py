@@ -12,8 +12,8 @@ import math
 import numbers
 import time
 
-from jpaged.config import FLOAT32_MAX, INT32_MAX
-from jpaged.kv_cache import BlockTable
+from jpaged.block_manager import BlockTable
+from jpaged.config import FLOAT32_MAX, INT32_MAX, is_int
 
 
 class Status(enum.Enum):
@@ -49,9 +49,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k, -INT32_MAX, INT32_MAX, allowed="an integer (<= 0 disables top-k)")
         _check_int("n", self.n, 1, INT32_MAX)
         if self.seed is not None:  # samples 0..n-1 draw with seeds seed..seed+n-1
-            _check_int("seed", self.seed, 0, UINT32_MAX - (self.n if _is_int(self.n) else 1) + 1,
+            _check_int("seed", self.seed, 0, UINT32_MAX - (self.n if is_int(self.n) else 1) + 1,
                        allowed="null or an integer in [0, 2**32 - n]")
-        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_int, self.stop_token_ids)):
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(is_int, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
@@ -63,12 +63,8 @@ class SamplingParams:
 UINT32_MAX = 2**32 - 1  # per-sample seeds are uint32 on the device
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # JSON true is not 1 here
-
-
 def _check_int(name: str, value: object, low: int, high: int, allowed: str | None = None) -> None:
-    if not _is_int(value) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ValueError(f"{name} must be {allowed or f'an integer in [{low}, {high}]'}, got {value!r}")
 
 
@@ -103,10 +99,8 @@ class Sequence:
         self.num_cached_tokens = 0     # prompt tokens reused from the cache at first admission
         self.block_keys: list = []     # prefix-index handle of each full, computed block
         self.forks: list[Sequence] = []  # samples 1..n-1, forked once the prompt is prefilled
-        self.sample_index = 0
         self.group: list[Sequence] = [self]  # all samples of this request, in order
         # Preemption.
-        self.num_preemptions = 0
         self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
         self.swap_status: Status | None = None  # status to resume with after swap-in
 

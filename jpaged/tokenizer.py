@@ -19,7 +19,9 @@ from functools import lru_cache
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from jpaged.gguf import gguf_metadata, read_gguf
 
 # GGUF token types (llama.cpp `llama_token_type`).
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
@@ -230,7 +232,7 @@ class Tokenizer:
         """Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
 
         `source` is a `gguf.GGUFReader`, a path to a .gguf file, or a metadata dict
-        (key -> python value, as returned by `jpaged.weights.gguf_metadata`).
+        (key -> python value, as returned by `jpaged.gguf.gguf_metadata`).
         """
         meta = _as_metadata(source)
         kind = meta.get("tokenizer.ggml.model")
@@ -447,7 +449,6 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
 def _as_metadata(source: Any) -> dict[str, Any]:
     if isinstance(source, dict):
         return source
-    from jpaged.weights import gguf_metadata, read_gguf  # local import: weights imports this module
     if isinstance(source, (str, pathlib.Path)):
         return read_gguf(source)[0]
     return gguf_metadata(source)

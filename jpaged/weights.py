@@ -1,6 +1,6 @@
 """Weight loading: GGUF files, Hugging Face checkpoints, random weights, and a cache.
 
-Every loader returns arrays named and shaped as `jpaged.model.weight_shapes(cfg)`:
+Every loader returns arrays named and shaped as `jpaged.model_config.weight_shapes(cfg)`:
 matrices stored [in, out] (the transpose of torch's `nn.Linear.weight`), layer
 weights stacked on a leading `num_layers` axis, Q/K in Hugging Face's rotate-half
 RoPE layout.
@@ -32,12 +32,13 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from jpaged.model import ModelConfig, rope_inv_freq, weight_shapes
+from jpaged.gguf import dequantize, gguf_config, read_gguf, tensor_target, unpermute_qk
+from jpaged.model_config import ModelConfig, weight_shapes
 from jpaged.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,212 +81,6 @@ def embedded_gguf_path() -> pathlib.Path:
 
 
 # ========================================================================= GGUF
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """All key/value metadata of a `gguf.GGUFReader` as plain python values."""
-    return {key: field.contents() for key, field in reader.fields.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFTensor:
-    """One tensor of a GGUF file: its ggml type and its raw bytes (memory-mapped)."""
-
-    name: str
-    tensor_type: int
-    data: np.ndarray  # uint8, shaped [*numpy_dims[:-1], bytes per row] as gguf.quants expects
-
-
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
-    """Parses a GGUF file: (metadata as python values, tensors by name).
-
-    `gguf.GGUFReader` builds a numpy view per metadata item, which takes ~6 s for
-    the 100k vocabulary/merge strings of a small model; this struct-based parse of
-    the same format (GGUF v2/v3) takes a fraction of a second.  Tensor data stays
-    memory-mapped.  A truncated file, or one that is not GGUF at all, raises
-    `ValueError("<path>: truncated or not a GGUF file (...)")`.
-    """
-    import struct
-
-    path = pathlib.Path(path)
-    size = path.stat().st_size
-    # np.memmap refuses empty files; the magic check below reports those.
-    buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-    mv = memoryview(buf)
-    pos = 0
-
-    def bad(detail: str) -> ValueError:
-        return ValueError(f"{path}: truncated or not a GGUF file ({detail})")
-
-    def take(n: int) -> int:
-        """Claims n bytes at the cursor; a length past the end means truncation (or garbage)."""
-        nonlocal pos
-        if pos + n > size:
-            raise bad(f"needs byte {pos + n:,} of a {size:,}-byte file")
-        pos += n
-        return pos - n
-
-    def unpack(fmt: str) -> Any:
-        return struct.unpack_from(fmt, mv, take(struct.calcsize(fmt)))[0]
-
-    def string() -> str:
-        n = unpack("<Q")
-        start = take(n)
-        return bytes(mv[start:start + n]).decode("utf-8", errors="replace")
-
-    def value(vtype: int) -> Any:
-        if vtype == _GGUF_STRING:
-            return string()
-        if vtype == _GGUF_ARRAY:
-            item_type, count = unpack("<I"), unpack("<Q")
-            return [value(item_type) for _ in range(count)]
-        if vtype not in _GGUF_SCALARS:
-            raise bad(f"unknown metadata value type {vtype} before byte {pos:,}")
-        return unpack(_GGUF_SCALARS[vtype])
-
-    if bytes(mv[:4]) != b"GGUF":
-        raise bad("no GGUF magic at the start")
-    pos = 4
-    version = unpack("<I")
-    if version not in (2, 3):
-        raise ValueError(f"{path}: unsupported GGUF version {version}")
-    n_tensors, n_kv = unpack("<Q"), unpack("<Q")
-    meta: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = string()
-        meta[key] = value(unpack("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        dims = [unpack("<Q") for _ in range(unpack("<I"))]
-        infos.append((name, dims, unpack("<I"), unpack("<Q")))
-    align = meta.get("general.alignment", 32)
-    if not isinstance(align, int) or align <= 0:
-        raise bad(f"general.alignment is {align!r}")
-    data_start = -(-pos // align) * align
-    return meta, {name: GGUFTensor(name, ttype, _gguf_tensor_data(buf, data_start + offset, dims, ttype, bad))
-                  for name, dims, ttype, offset in infos}
-
-
-def _gguf_tensor_data(buf: np.ndarray, start: int, dims: list[int], ttype: int,
-                      bad: Callable[[str], ValueError]) -> np.ndarray:
-    """A tensor's bytes as the uint8 [*rows, bytes per row] view gguf.quants expects;
-    `bad(detail)` builds the error for data that does not fit in the file."""
-    from gguf.quants import quant_shape_to_byte_shape
-    try:
-        byte_shape = quant_shape_to_byte_shape(tuple(reversed(dims)), ttype)  # ggml lists dims reversed
-    except (KeyError, IndexError, ValueError) as e:  # an unknown type, or dims it cannot hold
-        raise bad(f"tensor of type {ttype} and dims {dims}: {e}") from None
-    end = start + math.prod(byte_shape)  # exact python ints: garbage dims must not wrap around
-    if end > buf.size:
-        raise bad(f"tensor data ends at byte {end:,} of a {buf.size:,}-byte file")
-    return buf[start:end].reshape(byte_shape)
-
-
-# llama.cpp per-layer tensor name -> (our stacked name, transpose?)
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": ("layers.attn_norm", False),
-    "ffn_norm.weight": ("layers.mlp_norm", False),
-    "attn_q.weight": ("layers.wq", True),
-    "attn_k.weight": ("layers.wk", True),
-    "attn_v.weight": ("layers.wv", True),
-    "attn_output.weight": ("layers.wo", True),
-    "ffn_gate.weight": ("layers.w_gate", True),
-    "ffn_up.weight": ("layers.w_up", True),
-    "ffn_down.weight": ("layers.w_down", True),
-    "attn_q.bias": ("layers.bq", False),
-    "attn_k.bias": ("layers.bk", False),
-    "attn_v.bias": ("layers.bv", False),
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": ("embed", False),
-    "output_norm.weight": ("final_norm", False),
-    "output.weight": ("lm_head", True),
-}
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverts llama.cpp's Q/K row permutation (torch [out, ...] layout).
-
-    convert_hf_to_gguf reorders each head's rows from HF's rotate-half layout to
-    interleaved pairs: `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`.
-    Swapping the same two axes of the transposed shape undoes it.
-    """
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None = None
-                ) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.*` keys) and the tensors present."""
-    arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; jpaged supports llama, qwen2, mistral")
-    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    head_dim = int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads)
-    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    cfg = ModelConfig(
-        vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
-        num_heads=heads, num_kv_heads=int(g("attention.head_count_kv") or heads), head_dim=head_dim,
-        rms_norm_eps=_f32(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32(g("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(meta, arch),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        max_position_embeddings=int(g("context_length", 4096)),
-        architecture="qwen2" if arch == "qwen2" else "llama",
-    )
-    if rope_freqs is not None:
-        cfg = _llama3_scaling_from_rope_freqs(cfg, rope_freqs)
-    return cfg
-
-
-def _f32(x: float) -> float:
-    """GGUF stores these as float32: 1e-5 reads back as 9.99999974e-06. Keep the
-    shortest decimal that rounds to the same float32 (what config.json said)."""
-    return float(repr(np.float32(x)).removeprefix("np.float32(").removesuffix(")"))
-
-
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> tuple[tuple[str, Any], ...] | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return (("factor", float(meta[f"{arch}.rope.scaling.factor"])), ("rope_type", "linear"))
-    raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
-
-
-def _llama3_scaling_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray) -> ModelConfig:
-    """Llama 3.1+ GGUFs store RoPE scaling as per-frequency divisors (`rope_freqs.weight`).
-
-    Our config describes it by Llama 3's parameters instead, so recover them: the
-    factor is the largest divisor and the rest are Meta's published defaults; we
-    only accept the result if it reproduces the stored divisors.
-    """
-    factor = float(np.max(rope_freqs))
-    if np.allclose(rope_freqs, 1.0):
-        return cfg
-    for low, high, orig in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 32768)):
-        scaling = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                   "original_max_position_embeddings": orig, "rope_type": "llama3"}
-        trial = dataclasses.replace(cfg, rope_scaling=tuple(sorted(scaling.items())))
-        base = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
-        if np.allclose(base / rope_inv_freq(trial), rope_freqs, rtol=1e-3):
-            return trial
-    raise NotImplementedError("GGUF rope_freqs.weight does not match Llama 3 RoPE scaling")
-
-
-def _dequantize(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32 in numpy (= torch) order, i.e. [out, in] for matrices."""
-    import gguf
-    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-
-
 def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
               ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
     """Reads and dequantises a GGUF file: (config, arrays, metadata).
@@ -295,7 +90,7 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
     layer by layer, so peak memory stays near the size of the result.
     """
     meta, tensors = read_gguf(path)
-    rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
     try:
         cfg = gguf_config(meta, set(tensors), rope_freqs)
     except (KeyError, TypeError) as e:  # a GGUF, but not of a model: keys missing or of the wrong kind
@@ -308,11 +103,11 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":
             continue
-        ours, layer, transpose = _gguf_target(name)
+        ours, layer, transpose = tensor_target(name)
         if ours is None:
             log.warning("ignoring unknown GGUF tensor %s", name)
             continue
-        w = _dequantize(tensor)
+        w = dequantize(tensor)
         if permute_qk and ours in ("layers.wq", "layers.bq"):
             w = unpermute_qk(w, cfg.num_heads)
         elif permute_qk and ours in ("layers.wk", "layers.bk"):
@@ -325,18 +120,6 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
         filled.add((ours, -1 if layer is None else layer))
     _check_filled(arrays, filled, cfg)
     return cfg, arrays, meta
-
-
-def _gguf_target(name: str) -> tuple[str | None, int | None, bool]:
-    """llama.cpp tensor name -> (our name, layer index or None, transpose?)."""
-    if name in _GGUF_GLOBAL_NAMES:
-        ours, transpose = _GGUF_GLOBAL_NAMES[name]
-        return ours, None, transpose
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        ours, transpose = _GGUF_LAYER_NAMES[parts[2]]
-        return ours, int(parts[1]), transpose
-    return None, None, False
 
 
 def _check_filled(arrays: dict[str, np.ndarray], filled: set[tuple[str, int]], cfg: ModelConfig) -> None:

@@ -29,9 +29,10 @@ from absl import app, flags
 from jpaged import bench
 from jpaged.block_manager import BlockManager
 from jpaged.engine import LLM
-from jpaged.kv_cache import HostSwapSpace, bytes_per_block, swap_capacity_blocks
+from jpaged.kv_pool import bytes_per_block
 from jpaged.metrics import summarize
 from jpaged.sequence import SamplingParams
+from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (default: the embedded SmolLM2-135M).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Weights / KV dtype.")
@@ -67,7 +68,7 @@ def install_pool(llm: LLM, num_blocks: int, mode: str) -> None:
                       index=cfg.prefix_cache_index)
     llm.block_manager, llm.allocator = bm, bm.allocator
     s = llm.scheduler
-    s.block_manager, s.allocator, s.preemption_mode = bm, bm.allocator, mode
+    s.block_manager, s.preemption_mode = bm, mode
     block_bytes = bytes_per_block(llm.model_config, cfg.block_size, llm.kv_dtype)
     llm.swap_space = HostSwapSpace(swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if mode == "swap" else 0,
                                    llm.runner.kv_pool.shape[1:], llm.runner.kv_pool.dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from jpaged import bench as B
-from jpaged.kv_cache import bytes_per_block
+from jpaged.kv_pool import bytes_per_block
 from jpaged.metrics import summarize
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32", "64"], "Batch sizes.")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_all_blocks_free, random_prompts
 from jpaged.block_manager import BlockManager
-from jpaged.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
+from jpaged.block_manager import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
 from jpaged.sequence import SamplingParams
 
 

@@ -38,8 +38,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jpaged import weights
+from jpaged.gguf import read_gguf
 from jpaged.weights import (CacheEntryDamaged, load_gguf, load_hf_dir, load_weights, read_cache,
-                            read_gguf, remove_stale_tmp_dirs)
+                            remove_stale_tmp_dirs)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

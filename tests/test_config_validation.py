@@ -394,7 +394,7 @@ def test_parallel_samples_never_take_more_than_max_num_seqs_seats():
     params = SamplingParams(max_tokens=3, n=2)
     leader = Sequence(0, list(range(3, 13)), params)
     child = Sequence(-1, leader.prompt_token_ids, params, seed=1)  # as LLM.add_request forks
-    child.sample_index, child.group = 1, leader.group
+    child.group = leader.group
     leader.group.append(child)
     leader.forks.append(child)
     sched.add(leader)

@@ -155,7 +155,7 @@ def test_traced_layer_in_scan_and_vmap():
     q, pool, _, bt, kv_lens, cu = make_ragged_case(seed, seqs, G=3, KVH=3, D=64, BS=16, nan=False)
 
     @jax.jit
-    def all_layers(q, pool):  # layer traced inside the scan, like the engine's layer loop
+    def all_layers(q, pool):  # layer traced inside the scan, as with layer_loop=scan
         def body(carry, layer):
             out = pallas_kernels.paged_attention(q, pool, layer, bt, kv_lens, cu, impl="cpu")
             return carry, out

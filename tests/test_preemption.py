@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_all_blocks_free, random_prompts
-from jpaged.kv_cache import HostSwapSpace, _gather_blocks, _scatter_blocks, gather_blocks, scatter_blocks
+from jpaged.kv_pool import _gather_blocks, _scatter_blocks, gather_blocks, scatter_blocks
 from jpaged.metrics import format_summary, summarize
 from jpaged.sequence import SamplingParams
+from jpaged.swap_space import HostSwapSpace
 
 BS = 8
 SMALL = dict(block_size=BS, num_blocks=21, max_num_seqs=8, max_num_batched_tokens=64)  # 20 usable blocks

@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jpaged.gguf import gguf_metadata, read_gguf
 from jpaged.model import Llama, ModelConfig, weight_shapes
 from jpaged.tokenizer import Tokenizer
-from jpaged.weights import (dummy_weights, embedded_gguf_path, gguf_metadata, load_gguf,
-                            load_hf_dir, load_weights, read_gguf)
+from jpaged.weights import dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir, load_weights
 
 # HF parameter name pattern -> (our name, transpose?) used to build the expected arrays.
 _HF_TO_OURS = {

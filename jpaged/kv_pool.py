@@ -1,0 +1,108 @@
+"""The paged KV pool on the device: its layout, its size, and the jitted block
+moves on it (copy-on-write, swap).  Which block holds what is host bookkeeping,
+in jpaged.block_manager.
+
+Pool layout, chosen block-major so that one block (all layers, K and V) is one
+contiguous slab: copy-on-write and swap move a block with one slice.
+
+    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+
+Block 0 is the null block: padded block-table entries and padding tokens point
+at it, and it is never handed out.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.model_config import ModelConfig
+from jpaged.rounding import cdiv, next_pow2
+
+
+def block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
+    """One block of the pool (every layer, K and V): also the host swap space's unit."""
+    return (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
+    return math.prod(block_shape(cfg, block_size)) * jnp.dtype(dtype).itemsize
+
+
+def free_device_memory(weight_bytes: int) -> int:
+    """Bytes left for the KV pool after the weights: device stats on GPU/TPU,
+    available system memory on the CPU (where weights were already loaded)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return int(info["MemAvailable"])
+
+
+def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_blocks: int,
+                   kv_memory_fraction: float, weight_bytes: int, max_num_seqs: int,
+                   max_model_len: int) -> int:
+    """Pool size: explicit `num_blocks`, else a fraction of the memory left after the
+    weights, capped at what max_num_seqs sequences of max_model_len can ever use."""
+    if num_blocks > 0:
+        return num_blocks
+    budget = int(free_device_memory(weight_bytes) * kv_memory_fraction)
+    by_budget = budget // bytes_per_block(cfg, block_size, dtype)
+    useful = max_num_seqs * cdiv(max_model_len, block_size) + 1
+    return int(max(2, min(by_budget, useful)))
+
+
+def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> jax.Array:
+    if not 1 <= block_size <= 256:
+        raise ValueError(f"block_size must be in [1, 256], got {block_size}")
+    return jnp.zeros((num_blocks, *block_shape(cfg, block_size)), dtype=dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(kv_pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    # Gather every source first, then scatter: a block that is both a source
+    # and a destination in one batch is read before it is overwritten.
+    return kv_pool.at[dst].set(kv_pool[src])
+
+
+def _pad(rows: list | np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """rows padded with zeros to a power-of-two count, so that few shapes compile;
+    a zero block id is the null block, which nothing reads."""
+    rows = np.asarray(rows, dtype)
+    out = np.zeros((next_pow2(len(rows)), *rows.shape[1:]), dtype)
+    out[:len(rows)] = rows
+    return out
+
+
+def copy_blocks(kv_pool: jax.Array, copies: list[tuple[int, int]]) -> jax.Array:
+    """Copy-on-write on the device: one jitted, donated pool update for all
+    (src, dst) block copies of a step (padding: null-block self-copies)."""
+    pairs = _pad(copies, np.int32)
+    return _copy_blocks(kv_pool, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+
+
+@jax.jit
+def _gather_blocks(kv_pool: jax.Array, ids: jax.Array) -> jax.Array:
+    return kv_pool[ids]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(kv_pool: jax.Array, ids: jax.Array, blocks: jax.Array) -> jax.Array:
+    return kv_pool.at[ids].set(blocks)
+
+
+def gather_blocks(kv_pool: jax.Array, block_ids: list[int]) -> np.ndarray:
+    """Swap-out: the given device blocks, copied to host, in one jitted gather."""
+    return np.asarray(_gather_blocks(kv_pool, jnp.asarray(_pad(block_ids, np.int32))))[:len(block_ids)]
+
+
+def scatter_blocks(kv_pool: jax.Array, block_ids: list[int], blocks: np.ndarray) -> jax.Array:
+    """Swap-in: writes host `blocks` into device `block_ids` with one jitted, donated
+    `kv_pool.at[ids].set(blocks)`; padding rows go to the null block."""
+    ids, data = _pad(block_ids, np.int32), _pad(blocks, kv_pool.dtype)
+    return _scatter_blocks(kv_pool, jnp.asarray(ids), jnp.asarray(data))
