@@ -119,7 +119,7 @@ def _ints(low: int, high: int, allowed: str | None = None) -> FieldSpec:
 
 def _reals(low: float, high: float, *, low_open: bool = False, allowed: str | None = None) -> FieldSpec:
     def ok(v: Any) -> bool:
-        return _finite(v) and (low < v if low_open else low <= v) and v <= high
+        return is_finite(v) and (low < v if low_open else low <= v) and v <= high
     return FieldSpec("real", allowed or f"a number in {'(' if low_open else '['}{low:g}, {high:g}]", ok)
 
 
@@ -221,7 +221,7 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _finite(value: Any) -> bool:
+def is_finite(value: Any) -> bool:
     try:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float

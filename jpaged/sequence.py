@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import numbers
 import time
 
 from jpaged.block_manager import BlockTable
-from jpaged.config import FLOAT32_MAX, INT32_MAX, is_int
+from jpaged.config import FLOAT32_MAX, INT32_MAX, is_finite, is_int
 
 
 class Status(enum.Enum):
@@ -69,7 +68,7 @@ def _check_int(name: str, value: object, low: int, high: int, allowed: str | Non
 
 
 def _check_real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and is_finite(value)
           and (low < value if low_open else low <= value) and value <= high)
     if not ok:
         bound = "(" if low_open else "["

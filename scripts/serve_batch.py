@@ -38,6 +38,9 @@ from jpaged.tokenizer import printable
 
 
 
+_CONFIG_DEFAULT = "configs/smollm2_135m.py"
+
+
 def _misspelt_override(argv: list[str]) -> str | None:
     """The one-line error for the first --config.<field> naming no field, if any."""
     for arg in argv[1:]:
@@ -51,13 +54,24 @@ def _misspelt_override(argv: list[str]) -> str | None:
     return None
 
 
+def _config_path(argv: list[str]) -> str:
+    """The last --config file named on the command line."""
+    path = _CONFIG_DEFAULT
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    return path + ("" if os.path.exists(path) else " (no such file)")
+
+
 def _exit_usage(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
 try:
-    _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", "Engine config file.")
+    _CONFIG = config_flags.DEFINE_config_file("config", _CONFIG_DEFAULT, "Engine config file.")
 except (KeyError, AttributeError, TypeError, ValueError) as e:  # config_flags applies overrides here
     _exit_usage(_misspelt_override(sys.argv) or f"--config.* overrides: {str(e).splitlines()[0]}")
 _PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts).")
@@ -258,11 +272,14 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
     except Exception as e:  # noqa: BLE001 - absl and config_flags raise assorted types
-        _exit_usage(_misspelt_override(argv) or str(e).splitlines()[0] if str(e) else type(e).__name__)
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "failure to load" in message:  # config_flags: the --config file itself
+            message = f"--config: cannot load {_config_path(argv)}"
+        elif not isinstance(e, flags.Error):  # raised by the config file's own code
+            message = f"--config: cannot load {_config_path(argv)}: {type(e).__name__}: {message}"
+        _exit_usage(_misspelt_override(argv) or message)
     if not isinstance(_CONFIG.value, ConfigDict):  # config_flags defers a file's load error
-        path = flags.FLAGS["config"].config_filename
-        cause = "no such file" if not os.path.exists(path) else vars(_CONFIG.value).get("_error", "")
-        _exit_usage(f"--config: cannot load {path} ({str(cause).splitlines()[0]})")
+        _exit_usage(f"--config: cannot load {_config_path(argv)}")
     return rest
 
 

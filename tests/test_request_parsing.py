@@ -36,6 +36,8 @@ def line(obj) -> bytes:
     (b'{"prompt": "hi", "temperature": "hot"}', ["temperature", "hot"]),
     (b'{"prompt": "hi", "temperature": NaN}', ["temperature"]),
     (b'{"prompt": "hi", "temperature": Infinity}', ["temperature"]),
+    (b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", ["temperature"]),
+    (b'{"prompt": "hi", "top_p": -1' + b"0" * 400 + b"}", ["top_p"]),
     (b'{"prompt": "hi", "top_k": 1e30}', ["top_k"]),
     (b'{"prompt": "hi", "top_k": 4294967296}', ["top_k"]),
     (b'{"prompt": "hi", "seed": 4294967296}', ["seed"]),
@@ -86,7 +88,8 @@ def test_file_with_bom_blank_lines_and_a_bad_encoding(tmp_path):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([10**400, -10**400])
+    | st.floats(allow_nan=True) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8)
 
