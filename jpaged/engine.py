@@ -36,6 +36,8 @@ from jpaged.weights import default_cache_dir, load_weights
 
 log = logging.getLogger(__name__)
 
+PROMPT_KEYS = {"prompt", "messages", "cache_salt"}  # of a chat prompt dict given to generate()
+
 # Config names -> pallas_kernels backend names.
 ATTENTION_IMPLS = {"reference": "reference", "cpu": "cpu", "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
@@ -492,6 +494,10 @@ class LLM:
 
     def _add_prompt(self, prompt: Any, params: SamplingParams) -> int:
         text, token_ids, error = self._tokenize(prompt)
+        unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
+        if unknown:  # e.g. sampling fields, which would otherwise be silently ignored
+            error = (f"unknown prompt keys {unknown}: a prompt dict takes {sorted(PROMPT_KEYS)}; "
+                     "sampling settings go in SamplingParams")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             salt = prompt["cache_salt"]
             if isinstance(salt, str):

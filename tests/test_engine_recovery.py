@@ -131,3 +131,10 @@ def test_non_string_salt_in_a_chat_dict_is_that_requests_error(llm, expected):
     outs = llm.generate([{"prompt": "hi", "cache_salt": 5}, PROMPTS[2]], GREEDY)
     assert outs[0].finish_reason == "error" and "cache_salt" in outs[0].error
     assert outs[1].token_ids == expected[2]
+
+
+def test_unknown_keys_in_a_prompt_dict_are_that_requests_error(llm, expected):
+    outs = llm.generate([{"prompt": "hi", "temperature": 0.5}, PROMPTS[3]], GREEDY)
+    assert outs[0].finish_reason == "error" and "temperature" in outs[0].error
+    assert "SamplingParams" in outs[0].error
+    assert outs[1].token_ids == expected[3]
