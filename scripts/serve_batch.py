@@ -96,7 +96,7 @@ def open_output(path: str | None, prompts: str | None, resume: bool) -> tuple[Te
         if resume:
             raise UsageError("--resume: needs --output")
         return None, set()
-    if prompts is not None and os.path.exists(path) and os.path.samefile(path, prompts):
+    if prompts is not None and os.path.exists(path) and os.path.exists(prompts) and os.path.samefile(path, prompts):
         raise UsageError(f"--output: {path} is the prompts file; writing there would destroy the input")
     done = _finished_indices(path) if resume else set()
     try:
@@ -196,10 +196,10 @@ def run(config_file: Any) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
     config = apply_overrides(default_config(), config_file)  # a misspelt field names the right one
     validate_config(config)
+    requests = read_requests(_PROMPTS.value, default_sampling_params(config))
     out_file, done = open_output(_OUTPUT.value, _PROMPTS.value, _RESUME.value)
     summary_file = open_summary(_SUMMARY_JSON.value)
     stopper = StopOnSignal()  # from here on a signal stops the batch cleanly, even mid-load
-    requests = read_requests(_PROMPTS.value, default_sampling_params(config))
     todo = [r for r in requests if r.index not in done]
     for r in todo:
         for w in r.warnings:

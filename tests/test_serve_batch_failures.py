@@ -42,8 +42,11 @@ def test_unwritable_output_fails_before_loading(tmp_path):
     assert_one_line_error(run(f"--output={tmp_path / 'no-such-dir' / 'out.jsonl'}"), "--output: ")
 
 
-def test_missing_prompts_file_fails_before_loading(tmp_path):
-    assert_one_line_error(run(f"--prompts={tmp_path / 'nope.jsonl'}"), "--prompts: ")
+def test_missing_prompts_file_fails_before_loading_and_keeps_the_output(tmp_path):
+    earlier = tmp_path / "out.jsonl"
+    earlier.write_text('{"index": 0}\n')
+    assert_one_line_error(run(f"--prompts={tmp_path / 'nope.jsonl'}", f"--output={earlier}"), "--prompts: ")
+    assert earlier.read_text() == '{"index": 0}\n'  # an earlier run's results are not truncated
 
 
 def read_results(path: pathlib.Path) -> list[dict]:
