@@ -37,10 +37,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged import weights
+from jpaged import weight_cache, weights
 from jpaged.gguf import read_gguf
-from jpaged.weights import (CacheEntryDamaged, load_gguf, load_hf_dir, load_weights, read_cache,
-                            remove_stale_tmp_dirs)
+from jpaged.weight_cache import CacheEntryDamaged, read_cache, remove_stale_tmp_dirs
+from jpaged.weights import load_gguf, load_hf_dir, load_weights
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -171,7 +171,7 @@ def test_config_edit_is_rebuilt(hf_dir, pristine, reference, tmp_path):
 def test_flip_in_array_data_names_the_array(hf_dir, reference, tmp_path, monkeypatch):
     """Large orbax data files are covered by the per-array checksums alone (no second
     read of the file); a limit of 0 makes every data file count as large."""
-    monkeypatch.setattr(weights, "_WHOLE_FILE_LIMIT", 0)
+    monkeypatch.setattr(weight_cache, "_WHOLE_FILE_LIMIT", 0)
     cache = tmp_path / "cache"
     _load(hf_dir, cache)
     entry = _entry(cache)
@@ -215,7 +215,7 @@ def _dead_pid() -> int:
 
 
 def test_stale_tmp_dirs(tmp_path):
-    host, hour = weights._host_id(), 3600.0
+    host, hour = weight_cache._host_id(), 3600.0
     other_host = "ffffffff" if host != "ffffffff" else "eeeeeeee"  # its PIDs mean nothing here
     dead = _make_tmp(tmp_path, f".tmp-hf-0123abcd-{host}-{_dead_pid()}-89abcdef")
     live_old = _make_tmp(tmp_path, f".tmp-hf-0123abcd-{host}-{os.getpid()}-89abcdef", age_s=5 * hour)
@@ -235,7 +235,7 @@ def test_interrupted_write_is_cleaned_up_on_next_load(hf_dir, tmp_path):
     """A process that died mid-write (here: exits with its temp folder in place) leaves
     a folder that the next load_weights removes before touching the cache."""
     cache = tmp_path / "cache"
-    script = ("import pathlib, sys; from jpaged.weights import _tmp_name; "
+    script = ("import pathlib, sys; from jpaged.weight_cache import _tmp_name; "
               "p = pathlib.Path(sys.argv[1]) / _tmp_name('hf-0123abcd'); (p / 'arrays').mkdir(parents=True); "
               "(p / 'arrays' / 'data').write_bytes(bytes(4096)); print(p)")
     out = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True,
