@@ -1,6 +1,6 @@
 """Block allocation and block tables, driving the engine step by step.
 
-    python scripts/bench_alloc_table.py [--block_size=16 --max_tokens=128 --background=0]
+    python benchmarks/bench_alloc_table.py [--block_size=16 --max_tokens=128 --background=0]
 
 Part 1 (alloc): the 8 demo prompts under continuous batching; blocks each
 request held at its peak vs what a contiguous max_model_len reservation takes.
@@ -16,7 +16,7 @@ import math
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "KV block size.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Max new tokens.")

@@ -1,6 +1,6 @@
 """Oversubscribed KV pool: throughput vs pool size, recompute vs swap, by block size.
 
-    python scripts/bench_preemption.py [--fractions=0.25,0.5,1.0 --block_sizes=16,32 ...]
+    python benchmarks/bench_preemption.py [--fractions=0.25,0.5,1.0 --block_sizes=16,32 ...]
 
 The workload (cf. the vLLM paper's recompute-vs-swap study, section 7.x): n
 requests of random token-id prompts and random output lengths (greedy,
@@ -26,7 +26,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jpaged import bench
+import harness as bench  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.block_manager import BlockManager
 from jpaged.engine import LLM
 from jpaged.kv_pool import bytes_per_block

@@ -2,7 +2,7 @@
 llm.add_request() + llm.step(); per-token timestamps are taken by this driver
 after every step (a token counts as delivered when its step returns).
 
-    python scripts/bench_serving.py [--num_requests=64 --rate=4 --max_tokens=128 --max_running=16]
+    python benchmarks/bench_serving.py [--num_requests=64 --rate=4 --max_tokens=128 --max_running=16]
 
 TTFT = first token - scheduled arrival; TPOT = (last - first token) / (n - 1)
 per request; ITL = every gap between consecutive tokens of a request.
@@ -15,7 +15,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _N = flags.DEFINE_integer("num_requests", 64, "Requests.")
 _RATE = flags.DEFINE_float("rate", 4.0, "Mean arrivals per second (Poisson); inf: all at t=0.")
