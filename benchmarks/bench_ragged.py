@@ -626,9 +626,9 @@ def part_layer_loop(rep: Report, overrides: dict[str, Any]) -> None:
                             "enable_prefix_caching": False})
         compile_s = []
         for T in (64, 1024):  # the first call compiles 8..64, the second 128..1024
-            c0 = llm.runner.compile_seconds
+            c0 = llm.compile_seconds
             n = llm.precompile(T)
-            compile_s.append((llm.runner.compile_seconds - c0) / n)
+            compile_s.append((llm.compile_seconds - c0) / n)
         prompts = [rng.integers(1000, llm.model_config.vocab_size, 512).tolist() for _ in range(2)]
         devs = []
         for _ in range(3):

@@ -32,14 +32,14 @@ def serve(llm, ids, params, arrivals):
     order = np.argsort(arrivals)
     nxt, seqs, stamps = 0, {}, {}
     t0 = time.perf_counter()
-    while nxt < len(ids) or llm.scheduler.has_work:
+    while nxt < len(ids) or llm.has_unfinished_requests():
         now = time.perf_counter() - t0
         while nxt < len(ids) and arrivals[order[nxt]] <= now:
             i = int(order[nxt])
             rid = llm.add_request(ids[i], params)
-            seqs[i], stamps[i] = llm._active[rid], []
+            seqs[i], stamps[i] = llm.get_sequence(rid), []
             nxt += 1
-        if not llm.scheduler.has_work:
+        if not llm.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
             continue
         llm.step()

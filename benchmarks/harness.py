@@ -78,13 +78,7 @@ def chat(prompts: Sequence[str]) -> list[dict]:
 def token_ids(llm: Any, prompts: Sequence[Any]) -> list[list[int]]:
     """Prompt token ids exactly as jpaged builds them (chat template for dicts),
     so every engine is fed the same tokens."""
-    out = []
-    for p in prompts:
-        _, ids, err = llm._tokenize(p)
-        if err:
-            raise ValueError(err)
-        out.append(ids)
-    return out
+    return [llm.tokenize(p) for p in prompts]
 
 
 def truncate_at_eos(tokens: Sequence[int], eos: set[int], max_tokens: int) -> list[int]:
@@ -242,7 +236,7 @@ def greedy(max_tokens: int, ignore_eos: bool = False):
 def cold_prefix_cache(llm: Any) -> None:
     """Empties the engine's prefix cache (if it has one) so a timed run cannot reuse
     prompt blocks left by a warm-up run; sharing within the run stays on."""
-    if hasattr(llm, "reset_prefix_cache") and not llm.scheduler.has_work:
+    if hasattr(llm, "reset_prefix_cache") and not llm.has_unfinished_requests():
         llm.reset_prefix_cache()
 
 
@@ -325,7 +319,7 @@ def time_decode_steps(llm: Any, batch: int, steps: int) -> dict:
         for x in ids:
             llm.add_request(x, params)
         walls, devs = [], []
-        while llm.scheduler.has_work:
+        while llm.has_unfinished_requests():
             st = llm.stats
             prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
             t0 = time.perf_counter()
