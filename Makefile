@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 bench-kernels: $(STAMP)
-	$(PY) scripts/bench_kernels.py $(ARGS)
+	$(PY) benchmarks/bench_kernels.py $(ARGS)
 
 # Registers / spills / shared memory of the GPU kernels compiled for sm_90 (no GPU needed).
 kernels-sm90: $(STAMP)
@@ -32,48 +32,48 @@ kernels-sm90: $(STAMP)
 clean:
 	rm -rf .venv .pytest_cache
 
-# Experiments (scripts/bench_*.py): each prints its table and writes CSV + PNG
+# Experiments (benchmarks/bench_*.py): each prints its table and writes CSV + PNG
 # under benchmarks/results/.  Pass flags with ARGS='--flag=value ...'.
 .PHONY: bench-sweep bench-waste bench-latency bench-memory-wall bench-alloc bench-snapshot \
         bench-block-size bench-serving bench-throughput bench-ragged bench-cpu-attention bench-all
 
 bench-sweep: $(STAMP)
-	$(PY) scripts/bench_sweep.py $(ARGS)
+	$(PY) benchmarks/bench_sweep.py $(ARGS)
 
 bench-waste: $(STAMP)
-	$(PY) scripts/bench_waste.py $(ARGS)
+	$(PY) benchmarks/bench_waste.py $(ARGS)
 
 bench-latency: $(STAMP)
-	$(PY) scripts/bench_latency.py $(ARGS)
+	$(PY) benchmarks/bench_latency.py $(ARGS)
 
 bench-memory-wall: $(STAMP)
-	$(PY) scripts/bench_memory_wall.py $(ARGS)
+	$(PY) benchmarks/bench_memory_wall.py $(ARGS)
 
 bench-alloc: $(STAMP)
-	$(PY) scripts/bench_alloc_table.py $(ARGS)
+	$(PY) benchmarks/bench_alloc_table.py $(ARGS)
 
 bench-snapshot: $(STAMP)
-	$(PY) scripts/bench_snapshot.py $(ARGS)
+	$(PY) benchmarks/bench_snapshot.py $(ARGS)
 
 bench-block-size: $(STAMP)
-	$(PY) scripts/bench_block_size.py $(ARGS)
+	$(PY) benchmarks/bench_block_size.py $(ARGS)
 
 bench-serving: $(STAMP)
-	$(PY) scripts/bench_serving.py $(ARGS)
+	$(PY) benchmarks/bench_serving.py $(ARGS)
 
 bench-throughput: $(STAMP)
-	$(PY) scripts/bench_throughput.py $(ARGS)
+	$(PY) benchmarks/bench_throughput.py $(ARGS)
 
 # The ragged step's targets: serve_batch.py end to end (cold and warm) vs transformers,
 # cold start, prefill and decode vs the matmul floor, padding (tens of minutes on 2 cores).
 bench-ragged: $(STAMP)
-	$(PY) scripts/bench_ragged.py $(ARGS)
+	$(PY) benchmarks/bench_ragged.py $(ARGS)
 
 bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wall bench-sweep \
            bench-block-size bench-serving bench-throughput bench-ragged
 
 bench-cpu-attention: $(STAMP)
-	$(PY) scripts/bench_cpu_attention.py $(ARGS)
+	$(PY) benchmarks/bench_cpu_attention.py $(ARGS)
 
 # 2,000 mixed requests, 10% bad, a pool that preempts, both preemption modes:
 # isolation, no leaked blocks, flat memory (benchmarks/results/soak.{csv,md}).

@@ -30,7 +30,7 @@ import time
 
 from absl import app, flags
 
-from jpaged import bench
+import harness as bench  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.engine import LLM
 from jpaged.request_parsing import ParsedRequest, read_request_file
 

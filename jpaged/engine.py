@@ -22,8 +22,8 @@ import numpy as np
 import tqdm
 
 import pallas_kernels
-from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, apply_overrides, default_config,
-                           validate_config)
+from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, apply_overrides,
+                           default_config, validate_config)
 from jpaged.block_manager import BlockManager, CacheCounters
 from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.model import Llama, split_model
@@ -293,6 +293,46 @@ class LLM:
             return None, [int(t) for t in ids], None
         except Exception as e:  # one bad request must not take the batch down
             return None, None, f"invalid prompt: {type(e).__name__}: {e}"
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """Prompt token ids exactly as generate() builds them (chat template for a
+        {"prompt"} / {"messages"} dict); ValueError for a prompt generate() would fail."""
+        _, ids, error = self._tokenize(prompt)
+        if error:
+            raise ValueError(error)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether step() has requests left to run (waiting, running or swapped out)."""
+        return self.scheduler.has_work
+
+    def get_sequence(self, request_id: int) -> Sequence | None:
+        """The live Sequence of a request added with add_request() (its tokens and block
+        table), until step() returns it finished; None after that.  Read it only."""
+        return self._active.get(request_id)
+
+    def install_pool(self, num_blocks: int, preemption_mode: str) -> None:
+        """Experiments: an empty pool of num_blocks blocks (at most the device pool's,
+        whose arrays stay) and preemption_mode, with a fresh host swap space sized by
+        swap_space_gb in swap mode.  Only on an idle engine."""
+        if self.scheduler.has_work:
+            raise RuntimeError("install_pool() needs an idle engine")
+        if not 2 <= num_blocks <= self.num_blocks:
+            raise ValueError(f"num_blocks={num_blocks} must be in [2, {self.num_blocks}]")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        cfg = self.config
+        cfg.preemption_mode = preemption_mode
+        bm = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                          index=cfg.prefix_cache_index)
+        self.block_manager, self.allocator = bm, bm.allocator
+        self.scheduler.block_manager, self.scheduler.preemption_mode = bm, preemption_mode
+        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
+        pool = self.runner.kv_pool
+        self.swap_space = HostSwapSpace(
+            swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if preemption_mode == "swap" else 0,
+            pool.shape[1:], pool.dtype)
+        self.scheduler.swap_space = self.runner.swap_space = self.swap_space
 
     def _require_tokenizer(self):
         if self.tokenizer is None:

@@ -13,7 +13,7 @@ of at most 4 rows (decode with G <= 4) take Q K^T as dot products over the head
 dim instead.  Items, largest first, are spread over XLA's intra-op thread
 pool; each is computed by one thread (results do not depend on the thread
 count).  K/V may be float32 or bfloat16 (converted on load); q and the output
-float32 or bfloat16.  Timings: scripts/bench_cpu_attention.py,
+float32 or bfloat16.  Timings: benchmarks/bench_cpu_attention.py,
 benchmarks/results/cpu_attention.md.
 
 `write_kv_cpu` writes the new tokens' K/V rows into the pool in place (the

@@ -31,7 +31,6 @@ from typing import Any, TextIO
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from jpaged.bench import DEFAULT_PROMPTS  # the latency demo's queue: short and long answers
 from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
 from jpaged.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
 from jpaged.tokenizer import printable
@@ -152,9 +151,20 @@ def error_record(request: ParsedRequest) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- requests
+# The 8 demo prompts (short answers and long ones); benchmarks/harness.py reads the same file.
+DEMO_PROMPTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs",
+                                 "demo_prompts.jsonl")
+
+
+def demo_prompts() -> list[str]:
+    """The demo queue run when no --prompts file is given."""
+    with open(DEMO_PROMPTS_FILE, encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
 def read_requests(path: str | None, llm_defaults: Any) -> list[ParsedRequest]:
     if path is None:
-        return [parse_request({"prompt": p}, llm_defaults, i) for i, p in enumerate(DEFAULT_PROMPTS)]
+        return [parse_request({"prompt": p}, llm_defaults, i) for i, p in enumerate(demo_prompts())]
     try:
         return read_request_file(path, llm_defaults)
     except OSError as e:

@@ -1,4 +1,5 @@
-"""scripts/serve_batch.py end to end, and the runtime's independence from torch."""
+"""scripts/serve_batch.py end to end, and the runtime's independence from torch, transformers,
+matplotlib and the benchmark harness."""
 
 from __future__ import annotations
 
@@ -105,10 +106,15 @@ def test_serve_never_imports_torch(served):
     proc, _, _ = served
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "jpaged.engine" in imported  # importtime really listed the imports
-    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
+    assert not {m for m in imported if m.split(".")[0] in HEAVY or m in ("harness", "jpaged.bench")}
+
+
+HEAVY = ("torch", "transformers", "matplotlib")  # the benchmarks' peers and plots, never the runtime's
 
 
 def test_runtime_never_imports_torch():
+    """The engine, run end to end, imports none of torch, transformers or matplotlib, and
+    no benchmark harness: that lives in benchmarks/harness.py, outside the package."""
     code = (
         "import sys\n"
         "from jpaged.engine import LLM\n"
@@ -116,8 +122,19 @@ def test_runtime_never_imports_torch():
         "llm = LLM(max_model_len=64, num_blocks=12, max_num_seqs=2, attention_impl='reference')\n"
         "out = llm.generate([{'prompt': 'Hi'}, [1, 2, 3]], SamplingParams(max_tokens=3))\n"
         "assert all(o.token_ids and o.error is None for o in out), out\n"
-        "print('TORCH_MODULES', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        f"heavy = {HEAVY!r}\n"
+        "print('HEAVY_MODULES', sorted(m for m in sys.modules if m.split('.')[0] in heavy\n"
+        "                              or m in ('harness', 'jpaged.bench')))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "TORCH_MODULES []" in proc.stdout, proc.stdout
+    assert "HEAVY_MODULES []" in proc.stdout, proc.stdout
+
+
+def test_benchmark_harness_is_not_in_the_package():
+    import jpaged
+
+    package = pathlib.Path(jpaged.__file__).parent
+    assert not (package / "bench.py").exists()
+    assert (ROOT / "benchmarks" / "harness.py").exists()
+    assert not list((ROOT / "scripts").glob("bench_*.py"))

@@ -27,8 +27,8 @@ arange(batch + 1) * q_len, the contract of `pallas_kernels.paged_attention`.
 
 Writes <out>.md and <out>.csv (default benchmarks/kernels/results_<device>).
 
-  python scripts/bench_kernels.py                      # on a GPU
-  python scripts/bench_kernels.py --smoke              # tiny CPU run (interpret)
+  python benchmarks/bench_kernels.py                      # on a GPU
+  python benchmarks/bench_kernels.py --smoke              # tiny CPU run (interpret)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 llm.add_request() + llm.step(); per-token timestamps are taken by this driver
 after every step (a token counts as delivered when its step returns).
 
-    python scripts/bench_serving.py [--num_requests=64 --rate=4 --max_tokens=128 --max_running=16]
+    python benchmarks/bench_serving.py [--num_requests=64 --rate=4 --max_tokens=128 --max_running=16]
 
 TTFT = first token - scheduled arrival; TPOT = (last - first token) / (n - 1)
 per request; ITL = every gap between consecutive tokens of a request.
@@ -15,7 +15,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _N = flags.DEFINE_integer("num_requests", 64, "Requests.")
 _RATE = flags.DEFINE_float("rate", 4.0, "Mean arrivals per second (Poisson); inf: all at t=0.")
@@ -32,14 +32,14 @@ def serve(llm, ids, params, arrivals):
     order = np.argsort(arrivals)
     nxt, seqs, stamps = 0, {}, {}
     t0 = time.perf_counter()
-    while nxt < len(ids) or llm.scheduler.has_work:
+    while nxt < len(ids) or llm.has_unfinished_requests():
         now = time.perf_counter() - t0
         while nxt < len(ids) and arrivals[order[nxt]] <= now:
             i = int(order[nxt])
             rid = llm.add_request(ids[i], params)
-            seqs[i], stamps[i] = llm._active[rid], []
+            seqs[i], stamps[i] = llm.get_sequence(rid), []
             nxt += 1
-        if not llm.scheduler.has_work:
+        if not llm.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
             continue
         llm.step()

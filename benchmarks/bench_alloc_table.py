@@ -1,6 +1,6 @@
 """Block allocation and block tables, driving the engine step by step.
 
-    python scripts/bench_alloc_table.py [--block_size=16 --max_tokens=128 --background=0]
+    python benchmarks/bench_alloc_table.py [--block_size=16 --max_tokens=128 --background=0]
 
 Part 1 (alloc): the 8 demo prompts under continuous batching; blocks each
 request held at its peak vs what a contiguous max_model_len reservation takes.
@@ -16,7 +16,7 @@ import math
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "KV block size.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Max new tokens.")
@@ -44,9 +44,9 @@ def main(argv):
     params = B.greedy(_MAX_TOKENS.value)
     # ---- part 1: blocks per request
     peak: dict[int, int] = {}
-    ids = [llm.add_request(llm._tokenize(p)[1], params, prompt=p["prompt"]) for p in B.chat(B.DEFAULT_PROMPTS)]
-    seqs = {i: llm._active[i] for i in ids}
-    while llm.scheduler.has_work:
+    ids = [llm.add_request(llm.tokenize(p), params, prompt=p["prompt"]) for p in B.chat(B.DEFAULT_PROMPTS)]
+    seqs = {i: llm.get_sequence(i) for i in ids}
+    while llm.has_unfinished_requests():
         llm.step()
         for i, s in seqs.items():
             peak[i] = max(peak.get(i, 0), len(s.block_table.block_ids))
@@ -71,10 +71,10 @@ def main(argv):
     # ---- part 2: one sequence's block table at each block boundary
     llm = B.make_llm(block_size=bs, max_num_seqs=1 + _BACKGROUND.value, max_num_batched_tokens=bs)
     for p in B.chat(B.DEFAULT_PROMPTS[: _BACKGROUND.value]):
-        llm.add_request(llm._tokenize(p)[1], params)
-    _, tok, _ = llm._tokenize({"prompt": _PROMPT.value})
+        llm.add_request(llm.tokenize(p), params)
+    tok = llm.tokenize({"prompt": _PROMPT.value})
     sid = llm.add_request(tok, params, prompt=_PROMPT.value)
-    seq = llm._active[sid]
+    seq = llm.get_sequence(sid)
     print(f'\nprompt: "{_PROMPT.value}" (chat template)\nprompt tokens: {len(tok)}  block_size: {bs}'
           f"  background requests: {_BACKGROUND.value}")
     nblocks, prefilled, history = 0, False, []

@@ -1,7 +1,7 @@
 r"""The ragged step's targets, side by side in one run on this machine.
 
-    python scripts/bench_ragged.py                      # everything, full size (tens of minutes on 2 cores)
-    python scripts/bench_ragged.py --parts=e2e --workloads=shared --num_requests_scale=0.25 \
+    python benchmarks/bench_ragged.py                      # everything, full size (tens of minutes on 2 cores)
+    python benchmarks/bench_ragged.py --parts=e2e --workloads=shared --num_requests_scale=0.25 \
         --cold=false --engine_overrides=attention_impl=reference      # smoke test
 
 Parts (--parts):
@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _PARTS = flags.DEFINE_list("parts", ["e2e", "serve", "prefill", "decode", "layer_loop"],
                            "Parts to run: e2e, serve, prefill, decode, layer_loop.")
@@ -392,7 +392,7 @@ class Report:
 
     def write(self, commands: list[tuple[str, str]], final: bool = False) -> None:
         lines = [f"# Ragged step: the issue's targets ({B.machine()}, {B.today()})", "",
-                 "`" + shlex.join(["python", "scripts/bench_ragged.py", *sys.argv[1:]]) + "`"
+                 "`" + shlex.join(["python", "benchmarks/bench_ragged.py", *sys.argv[1:]]) + "`"
                  + (f"; {time.perf_counter() - self.started:.0f} s in all." if final else
                     " (partial: still running or stopped early)."), ""]
         if self.targets:
@@ -626,9 +626,9 @@ def part_layer_loop(rep: Report, overrides: dict[str, Any]) -> None:
                             "enable_prefix_caching": False})
         compile_s = []
         for T in (64, 1024):  # the first call compiles 8..64, the second 128..1024
-            c0 = llm.runner.compile_seconds
+            c0 = llm.compile_seconds
             n = llm.precompile(T)
-            compile_s.append((llm.runner.compile_seconds - c0) / n)
+            compile_s.append((llm.compile_seconds - c0) / n)
         prompts = [rng.integers(1000, llm.model_config.vocab_size, 512).tolist() for _ in range(2)]
         devs = []
         for _ in range(3):

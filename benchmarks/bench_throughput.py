@@ -1,7 +1,7 @@
 """Throughput: jpaged vs transformers (static batches, continuous batching), plus the
 decode-step floor (matmuls alone) and the host share of step time.
 
-    python scripts/bench_throughput.py [--num_requests=64 --max_tokens=128 --hf_batch=32]
+    python benchmarks/bench_throughput.py [--num_requests=64 --max_tokens=128 --hf_batch=32]
 
 Same weights (jpaged's dequantised embedded GGUF, fp32), same prompt tokens,
 greedy, real answers (EOS honoured), up to --max_running sequences at once.
@@ -16,7 +16,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _N = flags.DEFINE_integer("num_requests", 64, "Requests in the mixed workload.")
 _WORKLOAD = flags.DEFINE_enum("workload", "mixed", ["mixed", "demo"],

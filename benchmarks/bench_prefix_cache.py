@@ -1,6 +1,6 @@
 """Prefix caching on vs off, side by side, on the embedded model.
 
-    python scripts/bench_prefix_cache.py [--num_questions=64 ...]   (defaults sized for a 2-core CPU)
+    python benchmarks/bench_prefix_cache.py [--num_questions=64 ...]   (defaults sized for a 2-core CPU)
 
 Workloads (token-id prompts, greedy, ignore_eos so every request generates
 --max_tokens tokens):

@@ -2,7 +2,7 @@
 (dynamic) cache and the paged pool, for concurrency 1..32; and how many sequences
 fit a fixed KV budget, contiguous vs paged.
 
-    python scripts/bench_memory_wall.py [--max_tokens=512 --max_model_len=2048 --budget_gib=1]
+    python benchmarks/bench_memory_wall.py [--max_tokens=512 --max_model_len=2048 --budget_gib=1]
 
 Sequence lengths (prompt + answer) are real: the 8 demo prompts are run through
 jpaged first; concurrency c takes the first c of them, cycling.  Bytes come
@@ -19,7 +19,7 @@ import math
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.kv_pool import bytes_per_block
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Max new tokens of the real answers.")

@@ -19,8 +19,8 @@ context), chunked prefill (4x256 new tokens over 512 cached ones) and decode
 decode must read.  The machine may be shared: ratios measured in the same run
 are what matter.
 
-  python scripts/bench_cpu_attention.py
-  python scripts/bench_cpu_attention.py --reps=3 --shapes=prefill_2x512,decode_64x600
+  python benchmarks/bench_cpu_attention.py
+  python benchmarks/bench_cpu_attention.py --reps=3 --shapes=prefill_2x512,decode_64x600
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jpaged import bench as B  # noqa: E402
+import harness as B  # noqa: E402
 from pallas_kernels import cpu  # noqa: E402
 from pallas_kernels.reference import paged_attention_reference  # noqa: E402
 

@@ -2,7 +2,7 @@
 engine's (block_size = max_model_len, so every sequence is one contiguous block).
 Exits non-zero on any difference.
 
-    python scripts/bench_snapshot.py [--block_size=16 --max_model_len=256 --max_tokens=128]
+    python benchmarks/bench_snapshot.py [--block_size=16 --max_model_len=256 --max_tokens=128]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Paged engine's block size.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 256, "Both engines; also the contiguous block size (<= 256).")

@@ -1,6 +1,6 @@
 """Batch-size sweep: N copies of one prompt, 128 new tokens each (EOS ignored).
 
-    python scripts/bench_sweep.py [--batch_sizes=1,2,4,8,16,32,64 --max_tokens=128]
+    python benchmarks/bench_sweep.py [--batch_sizes=1,2,4,8,16,32,64 --max_tokens=128]
 
 Per batch: total tok/s, ms/tok per sequence (latency / tokens, TTFT included),
 TTFT, and memory: `kv_mb` = KV bytes in use at the peak (blocks x bytes_per_block),
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.kv_pool import bytes_per_block
 from jpaged.metrics import summarize
 

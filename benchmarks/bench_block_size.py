@@ -1,6 +1,6 @@
 """Block-size ablation: the same workload at block sizes 1..256: throughput and KV waste.
 
-    python scripts/bench_block_size.py [--block_sizes=1,2,4,...,256 --max_tokens=64]
+    python benchmarks/bench_block_size.py [--block_sizes=1,2,4,...,256 --max_tokens=64]
 
 kv_waste_pct is the engine's own step-averaged share of allocated KV slots not
 holding a token (StepStats.kv_waste); final_frag_pct is the unused tail of each
@@ -13,7 +13,7 @@ import math
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.metrics import summarize
 
 _SIZES = flags.DEFINE_list("block_sizes", ["1", "2", "4", "8", "16", "32", "64", "128", "256"], "Block sizes.")

@@ -1,6 +1,6 @@
 """Oversubscribed KV pool: throughput vs pool size, recompute vs swap, by block size.
 
-    python scripts/bench_preemption.py [--fractions=0.25,0.5,1.0 --block_sizes=16,32 ...]
+    python benchmarks/bench_preemption.py [--fractions=0.25,0.5,1.0 --block_sizes=16,32 ...]
 
 The workload (cf. the vLLM paper's recompute-vs-swap study, section 7.x): n
 requests of random token-id prompts and random output lengths (greedy,
@@ -11,7 +11,7 @@ sized to a fraction of it (at least one longest sequence).
 
 One engine per block size serves every (pool, mode) run: its device pool is
 allocated for the largest pool, and each run installs a fresh BlockManager of
-the run's size (blocks past it are never handed out), so every run shares the
+the run's size (`LLM.install_pool`; blocks past it are never handed out), so every run shares the
 compiled steps.  Each block size does untimed warm-ups (the full pool, and the smallest
 pool in each mode: they compile most shapes), then one timed run per
 (fraction, mode); a new_compiles column shows where a timed run still compiled.  Every run's tokens are checked against the full-pool run.
@@ -26,13 +26,10 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jpaged import bench
-from jpaged.block_manager import BlockManager
+import harness as bench  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.engine import LLM
-from jpaged.kv_pool import bytes_per_block
 from jpaged.metrics import summarize
 from jpaged.sequence import SamplingParams
-from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (default: the embedded SmolLM2-135M).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Weights / KV dtype.")
@@ -60,23 +57,8 @@ def workload(vocab: int):
     return prompts, params
 
 
-def install_pool(llm: LLM, num_blocks: int, mode: str) -> None:
-    """A fresh pool of num_blocks blocks (<= the device pool) and preemption mode."""
-    cfg = llm.config
-    cfg.preemption_mode = mode
-    bm = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                      index=cfg.prefix_cache_index)
-    llm.block_manager, llm.allocator = bm, bm.allocator
-    s = llm.scheduler
-    s.block_manager, s.preemption_mode = bm, mode
-    block_bytes = bytes_per_block(llm.model_config, cfg.block_size, llm.kv_dtype)
-    llm.swap_space = HostSwapSpace(swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if mode == "swap" else 0,
-                                   llm.runner.kv_pool.shape[1:], llm.runner.kv_pool.dtype)
-    s.swap_space = llm.runner.swap_space = llm.swap_space
-
-
 def run(llm, prompts, params, num_blocks, mode):
-    install_pool(llm, num_blocks, mode)
+    llm.install_pool(num_blocks, mode)
     compiles = llm.num_compilations
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)

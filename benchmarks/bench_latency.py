@@ -1,7 +1,7 @@
 """Static vs continuous batching on a queue of short- and long-answer prompts,
 at most --max_running at once: per-request latency and speedup.
 
-    python scripts/bench_latency.py [--max_running=4 --max_tokens=128]
+    python benchmarks/bench_latency.py [--max_running=4 --max_tokens=128]
 
 A static batch's requests complete together, when its longest member is done.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from absl import app, flags
 import numpy as np
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _MAX_RUNNING = flags.DEFINE_integer("max_running", 4, "Sequences running at once.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Max new tokens per request.")

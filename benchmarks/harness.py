@@ -1,17 +1,19 @@
-"""Shared helpers of the experiments under scripts/bench_*.py.
+"""Shared helpers of the experiments benchmarks/bench_*.py and benchmarks/soak.py.
 
 Tables (printed, CSV), PNG plots, timing, the workloads, and the Hugging Face
 peers (transformers `generate` on a left-padded static batch, and transformers'
 own continuous batching `generate_batch`) built from the *same* weights jpaged
 loads, so every engine sees identical parameters and identical prompt tokens.
 
-Nothing here is imported by the engine; torch and matplotlib are imported lazily.
+Not part of the jpaged package: the scripts beside it import it as `harness`
+(a script's own directory is on sys.path).  torch and matplotlib are imported lazily.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime
+import json
 import os
 import pathlib
 import platform
@@ -27,17 +29,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 # --------------------------------------------------------------- workloads
-# The latency demo's queue (= scripts/serve_batch.py DEFAULT_PROMPTS): short answers and long ones.
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Explain in detail how the attention mechanism works in a transformer.",
-    "Is Python interpreted or compiled? Answer in one sentence.",
-    "Write a short story about a robot who learns to paint.",
-    "What is 2 + 2?",
-    "Describe the history of the Roman Empire in significant detail.",
-    "Name one fruit.",
-    "What are the key differences between supervised and unsupervised learning?",
-]
+# The latency demo's queue, the one scripts/serve_batch.py runs without --prompts: short answers and long ones.
+DEFAULT_PROMPTS = [json.loads(line)["prompt"]
+                   for line in (REPO / "configs" / "demo_prompts.jsonl").read_text(encoding="utf-8").splitlines()
+                   if line.strip()]
 WASTE_PROMPTS = [
     "What is the capital of France?",
     "Explain in detail how the attention mechanism works in a transformer.",
@@ -83,13 +78,7 @@ def chat(prompts: Sequence[str]) -> list[dict]:
 def token_ids(llm: Any, prompts: Sequence[Any]) -> list[list[int]]:
     """Prompt token ids exactly as jpaged builds them (chat template for dicts),
     so every engine is fed the same tokens."""
-    out = []
-    for p in prompts:
-        _, ids, err = llm._tokenize(p)
-        if err:
-            raise ValueError(err)
-        out.append(ids)
-    return out
+    return [llm.tokenize(p) for p in prompts]
 
 
 def truncate_at_eos(tokens: Sequence[int], eos: set[int], max_tokens: int) -> list[int]:
@@ -247,7 +236,7 @@ def greedy(max_tokens: int, ignore_eos: bool = False):
 def cold_prefix_cache(llm: Any) -> None:
     """Empties the engine's prefix cache (if it has one) so a timed run cannot reuse
     prompt blocks left by a warm-up run; sharing within the run stays on."""
-    if hasattr(llm, "reset_prefix_cache") and not llm.scheduler.has_work:
+    if hasattr(llm, "reset_prefix_cache") and not llm.has_unfinished_requests():
         llm.reset_prefix_cache()
 
 
@@ -330,7 +319,7 @@ def time_decode_steps(llm: Any, batch: int, steps: int) -> dict:
         for x in ids:
             llm.add_request(x, params)
         walls, devs = [], []
-        while llm.scheduler.has_work:
+        while llm.has_unfinished_requests():
             st = llm.stats
             prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
             t0 = time.perf_counter()

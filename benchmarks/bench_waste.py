@@ -1,14 +1,14 @@
 """Static batching waste: 4 prompts with very different answer lengths in one
 static batch; decode steps each needed vs steps it sat as padding.
 
-    python scripts/bench_waste.py [--max_tokens=200]
+    python benchmarks/bench_waste.py [--max_tokens=200]
 """
 
 from __future__ import annotations
 
 from absl import app, flags
 
-from jpaged import bench as B
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 200, "Max new tokens per request.")
 

@@ -1,0 +1,46 @@
+"""The engine's small public surface for experiments: tokenize, get_sequence,
+has_unfinished_requests, install_pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from jpaged.engine import LLM
+from jpaged.sequence import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=64, num_blocks=12, max_num_seqs=2, attention_impl="reference")
+
+
+def test_tokenize_matches_generate_and_rejects_bad_prompts(llm):
+    ids = llm.tokenize({"prompt": "Hi"})
+    out = llm.generate([{"prompt": "Hi"}], SamplingParams(max_tokens=2))[0]
+    assert ids == out.prompt_token_ids
+    assert llm.tokenize([1, 2, 3]) == [1, 2, 3]
+    with pytest.raises(ValueError, match="integers"):
+        llm.tokenize([1, "x"])
+
+
+def test_get_sequence_follows_a_request_until_it_finishes(llm):
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    seq = llm.get_sequence(rid)
+    assert seq is not None and seq.prompt_token_ids == [1, 2, 3]
+    assert llm.has_unfinished_requests()
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert len(seq.output_token_ids) == 2 and llm.get_sequence(rid) is None
+
+
+def test_install_pool(llm):
+    with pytest.raises(ValueError):
+        llm.install_pool(llm.num_blocks + 1, "recompute")
+    with pytest.raises(ValueError):
+        llm.install_pool(4, "drop")
+    llm.install_pool(4, "swap")
+    assert llm.block_manager.num_free_blocks <= 3 and llm.scheduler.preemption_mode == "swap"
+    out = llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=3))
+    assert all(o.error is None and len(o.token_ids) == 3 for o in out)
+    llm.install_pool(llm.num_blocks, "recompute")
+    assert llm.config.preemption_mode == "recompute"
