@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import assert_all_blocks_free, random_prompts
+from helpers import assert_all_blocks_free, random_prompts
 from jpaged.sequence import SamplingParams
 
 GOOD = random_prompts([9, 30], seed=21)

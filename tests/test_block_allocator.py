@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_all_blocks_free, random_prompts
+from helpers import assert_all_blocks_free, random_prompts
 from jpaged.block_manager import BlockManager
 from jpaged.block_manager import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
 from jpaged.sequence import SamplingParams

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_ENGINE, assert_all_blocks_free, random_prompts
+from helpers import TINY_ENGINE, assert_all_blocks_free, random_prompts
 from jpaged import config as config_module
 from jpaged.config import FIELDS, ConfigError, apply_overrides, default_config, validate_config
 from jpaged.sequence import SamplingParams

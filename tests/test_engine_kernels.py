@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import random_prompts
+from helpers import random_prompts
 from jpaged.engine import resolve_attention_impl
 from jpaged.sequence import SamplingParams
 
@@ -63,7 +63,7 @@ def test_kv_cache_dtype_is_checked(make_tiny_llm):
 @pytest.mark.slow
 def test_bf16_kv_cache_keeps_smollm_answers(smollm_llm):
     """The embedded model answers the same short chat prompts with a bf16 pool."""
-    from conftest import SMOLLM_ENGINE
+    from helpers import SMOLLM_ENGINE
     from jpaged.engine import LLM
     prompts = [{"prompt": "What is the capital of France?"}, {"prompt": "Name one fruit."},
                {"prompt": "What is 2 + 2?"}]

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from conftest import assert_all_blocks_free, random_prompts
+from helpers import assert_all_blocks_free, random_prompts
 from jpaged.engine import EngineStalled
 from jpaged.sequence import SamplingParams, Status
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import import_torch, random_prompts
+from helpers import import_torch, random_prompts
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
 from jpaged.sequence import SamplingParams
 
@@ -37,7 +37,7 @@ def hf_greedy(model, prompt: list[int], n: int, eos_token_id=None) -> tuple[list
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def tiny_pair(request):
     """(jpaged LLM, HF model) for the tiny Llama (llama3 RoPE, untied) and Qwen2 (bias, tied)."""
-    from conftest import TINY_ENGINE
+    from helpers import TINY_ENGINE
     from jpaged.engine import LLM
     path, hf = request.getfixturevalue(f"tiny_{request.param}")
     if request.param == "llama":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_blocks_free, random_prompts
+from helpers import assert_all_blocks_free, random_prompts
 from jpaged.sequence import SamplingParams
 
 # Prompt lengths straddle the 16- and 64-token block boundaries; answers cross more.

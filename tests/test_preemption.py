@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_blocks_free, random_prompts
+from helpers import assert_all_blocks_free, random_prompts
 from jpaged.kv_pool import _gather_blocks, _scatter_blocks, gather_blocks, scatter_blocks
 from jpaged.metrics import format_summary, summarize
 from jpaged.sequence import SamplingParams

@@ -3,7 +3,7 @@ and mixed decode + prefill steps giving the same tokens as each request alone.""
 
 from __future__ import annotations
 
-from conftest import random_prompts
+from helpers import random_prompts
 
 from jpaged.block_manager import BlockManager
 from jpaged.scheduler import Scheduler

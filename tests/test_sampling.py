@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from helpers import random_prompts
 from jpaged.decode import sample as decode_sample
 from jpaged.sampling import SamplingArrays, sample
 from jpaged.sequence import SamplingParams
