@@ -172,14 +172,9 @@ class LLM:
         self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
         if self.attention_note:
             log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
-        self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
-                                          enable_prefix_caching=cfg.enable_prefix_caching,
-                                          index=cfg.prefix_cache_index)
+        self.block_manager = self._make_block_manager(self.num_blocks)
         self.allocator = self.block_manager.allocator
-        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
-        self.swap_space = HostSwapSpace(
-            swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if cfg.preemption_mode == "swap" else 0,
-            block_shape(self.model_config, cfg.block_size), self.kv_dtype)
+        self.swap_space = self._make_swap_space(cfg.preemption_mode)
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
@@ -206,15 +201,24 @@ class LLM:
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
         self._new_block_manager()
 
-    def _new_block_manager(self) -> None:
+    def _new_block_manager(self, num_blocks: int | None = None) -> None:
         """A fresh block manager (empty prefix cache); no sequence may hold blocks."""
-        cfg = self.config
-        self.block_manager = BlockManager(self.num_blocks, cfg.block_size,
-                                          enable_prefix_caching=cfg.enable_prefix_caching,
-                                          index=cfg.prefix_cache_index)
+        self.block_manager = self._make_block_manager(num_blocks or self.num_blocks)
         self.allocator = self.block_manager.allocator
         self.scheduler.block_manager = self.block_manager
         self._cache_base = CacheCounters()
+
+    def _make_block_manager(self, num_blocks: int) -> BlockManager:
+        cfg = self.config
+        return BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                            index=cfg.prefix_cache_index)
+
+    def _make_swap_space(self, preemption_mode: str) -> HostSwapSpace:
+        """Host memory for swapped-out blocks: swap_space_gb in swap mode, none otherwise."""
+        cfg = self.config
+        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
+        capacity = swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if preemption_mode == "swap" else 0
+        return HostSwapSpace(capacity, block_shape(self.model_config, cfg.block_size), self.kv_dtype)
 
     # ----------------------------------------------------------------- requests
     def default_sampling_params(self) -> SamplingParams:
@@ -321,17 +325,9 @@ class LLM:
             raise ValueError(f"num_blocks={num_blocks} must be in [2, {self.num_blocks}]")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        cfg = self.config
-        cfg.preemption_mode = preemption_mode
-        bm = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                          index=cfg.prefix_cache_index)
-        self.block_manager, self.allocator = bm, bm.allocator
-        self.scheduler.block_manager, self.scheduler.preemption_mode = bm, preemption_mode
-        block_bytes = bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype)
-        pool = self.runner.kv_pool
-        self.swap_space = HostSwapSpace(
-            swap_capacity_blocks(cfg.swap_space_gb, block_bytes) if preemption_mode == "swap" else 0,
-            pool.shape[1:], pool.dtype)
+        self.config.preemption_mode = self.scheduler.preemption_mode = preemption_mode
+        self._new_block_manager(num_blocks)
+        self.swap_space = self._make_swap_space(preemption_mode)
         self.scheduler.swap_space = self.runner.swap_space = self.swap_space
 
     def _require_tokenizer(self):
