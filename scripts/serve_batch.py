@@ -29,50 +29,15 @@ import time
 from typing import Any, TextIO
 
 from absl import app, flags, logging
-from ml_collections import ConfigDict, config_flags
 
+from jpaged import cli
 from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
 from jpaged.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
 from jpaged.tokenizer import printable
 
 
 
-_CONFIG_DEFAULT = "configs/smollm2_135m.py"
-
-
-def _misspelt_override(argv: list[str]) -> str | None:
-    """The one-line error for the first --config.<field> naming no field, if any."""
-    for arg in argv[1:]:
-        name = arg.split("=", 1)[0].removeprefix("--config.")
-        if arg.startswith("--config.") and name.split(".")[0] not in default_config():
-            try:
-                apply_overrides(default_config(), **{name: None})
-            except ConfigError as e:
-                return str(e)
-            return f"{name}: unknown field"
-    return None
-
-
-def _config_path(argv: list[str]) -> str:
-    """The last --config file named on the command line."""
-    path = _CONFIG_DEFAULT
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-    return path + ("" if os.path.exists(path) else " (no such file)")
-
-
-def _exit_usage(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-try:
-    _CONFIG = config_flags.DEFINE_config_file("config", _CONFIG_DEFAULT, "Engine config file.")
-except (KeyError, AttributeError, TypeError, ValueError) as e:  # config_flags applies overrides here
-    _exit_usage(_misspelt_override(sys.argv) or f"--config.* overrides: {str(e).splitlines()[0]}")
+_CONFIG = cli.define_config_flag()
 _PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write one JSON line per request here, as each finishes.")
 _RESUME = flags.DEFINE_bool("resume", False, "Skip the requests whose index is already in --output "
@@ -276,21 +241,7 @@ def run(config_file: Any) -> int:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, with every mistake (an unknown flag or config field, a
-    value of the wrong type, a config file that does not load) reported as one
-    line and exit status 2, like the config checks."""
-    try:
-        rest = flags.FLAGS(argv)
-    except Exception as e:  # noqa: BLE001 - absl and config_flags raise assorted types
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "failure to load" in message:  # config_flags: the --config file itself
-            message = f"--config: cannot load {_config_path(argv)}"
-        elif not isinstance(e, flags.Error):  # raised by the config file's own code
-            message = f"--config: cannot load {_config_path(argv)}: {type(e).__name__}: {message}"
-        _exit_usage(_misspelt_override(argv) or message)
-    if not isinstance(_CONFIG.value, ConfigDict):  # config_flags defers a file's load error
-        _exit_usage(f"--config: cannot load {_config_path(argv)}")
-    return rest
+    return cli.parse_flags(argv, _CONFIG)
 
 
 def main(argv: list[str]) -> None:
@@ -298,7 +249,7 @@ def main(argv: list[str]) -> None:
     try:
         status = run(_CONFIG.value)
     except (ConfigError, UsageError) as e:
-        _exit_usage(str(e))
+        cli.exit_usage(str(e))
     sys.exit(status)
 
 
