@@ -66,6 +66,11 @@ def default_config() -> ml_collections.ConfigDict:
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
     # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
     c.layer_loop = "auto"
+    # HTTP server (scripts/serve.py): requests waiting for a seat beyond this bound
+    # get a 429 with Retry-After; on SIGTERM, in-flight requests get this long to
+    # finish before they are aborted.
+    c.max_queued_requests = 256
+    c.shutdown_grace_seconds = 30.0
     return c
 
 
@@ -160,6 +165,8 @@ FIELDS: dict[str, FieldSpec] = {
     "seed": _ints(0, INT32_MAX),
     "attention_impl": _choice(*ATTENTION_IMPLS),
     "layer_loop": _choice(*LAYER_LOOPS),
+    "max_queued_requests": _ints(1, INT32_MAX),
+    "shutdown_grace_seconds": _reals(0, 24 * 3600, allowed="a number of seconds in [0, 86400]"),
 }
 
 
