@@ -256,6 +256,11 @@ class LLM:
         self.scheduler.add(seq)
         return request_id
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+        """Why add_request() would fail this request at once, or None: lets a server
+        answer bad input before queueing it.  Reads only the config and pool size."""
+        return self._validate(list(prompt_token_ids), params)
+
     def _validate(self, ids: list[int], params: SamplingParams) -> str | None:
         try:
             params.validate()

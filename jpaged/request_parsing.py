@@ -80,6 +80,18 @@ def read_request_file(path: str | os.PathLike, default: SamplingParams) -> list[
     return [parse_line(line, default, i) for i, line in enumerate(lines) if line.strip()]
 
 
+def parse_sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
+    """The sampling fields of a request object over `default`; ValueError whose
+    message starts with the bad field's name."""
+    return _sampling_params(obj, default)
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """A chat request's messages, checked as parse_request checks them; ValueError
+    whose message starts with "messages"."""
+    return _prompt({"messages": messages})["messages"]
+
+
 def _prompt(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"a request must be a JSON object, got {_json_type(obj)}")
