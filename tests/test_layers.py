@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HOST_MODULES = ("jpaged.scheduler", "jpaged.block_manager", "jpaged.prefix_cache", "jpaged.sequence",
+HOST_MODULES = ("jpaged.scheduler", "jpaged.stats", "jpaged.block_manager", "jpaged.prefix_cache", "jpaged.sequence",
                 "jpaged.request_parsing", "jpaged.config", "jpaged.swap_space", "jpaged.model_config",
                 "jpaged.rounding")
 DEVICE_PACKAGES = ("jax", "flax", "pallas_kernels")
