@@ -64,6 +64,17 @@ def resolve_attention_impl(name: str) -> tuple[str, str]:
     return impl, ""
 
 
+def use_compilation_cache(directory: pathlib.Path) -> None:
+    """Points JAX's persistent compilation cache (a process-wide setting) at
+    `directory`, unless the program has already chosen one: only asked for
+    (config `compilation_cache`, on in the CLI's configs), never on import."""
+    current = jax.config.jax_compilation_cache_dir
+    if current and pathlib.Path(current) != directory:
+        log.info("keeping the program's compilation cache %s (not %s)", current, directory)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+
+
 def resolve_layer_loop(name: str) -> bool:
     """True to scan over stacked layers.  "auto": unrolled on every backend for now
     (see benchmarks/README.md, "Layer loop", for the measurements behind it)."""
@@ -107,8 +118,7 @@ class LLM:
         self.dtype = jnp.dtype(cfg.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.compilation_cache:
-            xla_cache = pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla"
-            jax.config.update("jax_compilation_cache_dir", str(xla_cache))
+            use_compilation_cache(pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla")
         loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
                               cache_dir=cfg.cache_dir or None)
         self.loaded = loaded
