@@ -3,7 +3,7 @@
     python benchmarks/bench_block_size.py [--block_sizes=1,2,4,...,256 --max_tokens=64]
 
 kv_waste_pct is the engine's own step-averaged share of allocated KV slots not
-holding a token (StepStats.kv_waste); final_frag_pct is the unused tail of each
+holding a token (EngineStats.kv_waste); final_frag_pct is the unused tail of each
 request's last block at its end, over all its slots.
 """
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from jpaged.prefix_cache import ROOT, make_index
 from jpaged.rounding import cdiv
+from jpaged.stats import EngineStats
 
 NULL_BLOCK = 0  # padding in block tables and step arrays; never handed out
 
@@ -92,27 +93,10 @@ class BlockTable:
         self.block_ids.clear()
 
 
-@dataclasses.dataclass
-class CacheCounters:
-    """Cumulative prefix-cache counters (the engine reports per-generate deltas)."""
-
-    prompt_tokens: int = 0        # tokens to prefill at admissions (resumes included)
-    cached_tokens: int = 0        # of those, found in the cache (not recomputed)
-    hit_blocks: int = 0           # cached blocks reused at admissions
-    evictions: int = 0
-    cow_copies: int = 0
-    peak_shared_blocks: int = 0   # most blocks with refcount > 1 at once
-
-    def minus(self, base: "CacheCounters") -> "CacheCounters":
-        out = CacheCounters(**{f.name: getattr(self, f.name) - getattr(base, f.name)
-                               for f in dataclasses.fields(self)})
-        out.peak_shared_blocks = self.peak_shared_blocks
-        return out
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 index: str = "hash", allocator: BlockAllocator | None = None):
+                 index: str = "hash", allocator: BlockAllocator | None = None,
+                 stats: EngineStats | None = None):
         self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks)
         self.num_blocks = self.allocator.num_blocks
         self.block_size = block_size
@@ -123,7 +107,7 @@ class BlockManager:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._copies: list[tuple[int, int]] = []
         self.num_shared_blocks = 0  # blocks with refcount > 1
-        self.counters = CacheCounters()
+        self.stats = stats if stats is not None else EngineStats()  # shared with the engine
 
     # ------------------------------------------------------------- accounting
     @property
@@ -162,7 +146,7 @@ class BlockManager:
         block, _ = self._evictable.popitem(last=False)
         self.index.remove(self._handle.pop(block), block)
         self.allocator.free(block)
-        self.counters.evictions += 1
+        self.stats.evictions += 1
 
     def free(self, block: int) -> None:
         rc = self.refcount[block]
@@ -186,8 +170,7 @@ class BlockManager:
             del self._evictable[block]
         elif rc == 1:
             self.num_shared_blocks += 1
-            self.counters.peak_shared_blocks = max(self.counters.peak_shared_blocks,
-                                                   self.num_shared_blocks)
+            self.stats.shared_blocks_peak = max(self.stats.shared_blocks_peak, self.num_shared_blocks)
         self.refcount[block] = rc + 1
 
     def needs_cow(self, block: int) -> bool:
@@ -201,7 +184,7 @@ class BlockManager:
         new = self.allocate()  # cannot evict `block`: its refcount is >= 1
         self._copies.append((block, new))
         self.free(block)
-        self.counters.cow_copies += 1
+        self.stats.cow_copies += 1
         return new
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -273,10 +256,10 @@ class BlockManager:
             keys.append(handle)
 
     def record_admission(self, num_tokens: int, num_cached_tokens: int, num_hit_blocks: int) -> None:
-        c = self.counters
-        c.prompt_tokens += num_tokens
-        c.cached_tokens += num_cached_tokens
-        c.hit_blocks += num_hit_blocks
+        s = self.stats
+        s.prompt_tokens += num_tokens
+        s.cached_prompt_tokens += num_cached_tokens
+        s.cache_hit_blocks += num_hit_blocks
 
     def check_invariants(self) -> None:
         """Slow consistency check for tests: every block is exactly one of free,

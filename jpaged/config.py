@@ -35,7 +35,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.dtype = "float32"             # float32 | bfloat16: weights and activations
     c.kv_cache_dtype = "auto"       # auto (= dtype) | float32 | bfloat16: the KV pool
     c.cache_dir = ""                # converted-weights cache; "" -> $JPAGED_CACHE_DIR or ~/.cache/jpaged
-    c.compilation_cache = True      # persist compiled steps under <cache_dir>/xla (fast restarts)
+    # Persist compiled steps under <cache_dir>/xla (fast restarts).  JAX's cache
+    # directory is process-wide, so a library default leaves it alone; the CLI's configs ask.
+    c.compilation_cache = False
     # KV pool
     c.block_size = 16               # tokens per block, 1..256
     c.num_blocks = 0                # 0 -> sized from kv_memory_fraction

@@ -24,11 +24,12 @@ import tqdm
 import pallas_kernels
 from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, apply_overrides,
                            default_config, validate_config)
-from jpaged.block_manager import BlockManager, CacheCounters
+from jpaged.block_manager import BlockManager
 from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.model import Llama, split_model
 from jpaged.model_runner import ModelRunner
-from jpaged.scheduler import PreemptionCounters, Scheduler, SchedulerOutput
+from jpaged.scheduler import Scheduler, SchedulerOutput
+from jpaged.stats import EngineStats
 from jpaged.request_parsing import default_sampling_params
 from jpaged.sequence import SamplingParams, Sequence, Status
 from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
@@ -63,6 +64,17 @@ def resolve_attention_impl(name: str) -> tuple[str, str]:
     return impl, ""
 
 
+def use_compilation_cache(directory: pathlib.Path) -> None:
+    """Points JAX's persistent compilation cache (a process-wide setting) at
+    `directory`, unless the program has already chosen one: only asked for
+    (config `compilation_cache`, on in the CLI's configs), never on import."""
+    current = jax.config.jax_compilation_cache_dir
+    if current and pathlib.Path(current) != directory:
+        log.info("keeping the program's compilation cache %s (not %s)", current, directory)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+
+
 def resolve_layer_loop(name: str) -> bool:
     """True to scan over stacked layers.  "auto": unrolled on every backend for now
     (see benchmarks/README.md, "Layer loop", for the measurements behind it)."""
@@ -91,53 +103,6 @@ class RequestOutput:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
-class StepStats:
-    """Accumulated over a generate() call; the summary table is derived from these."""
-
-    steps: int = 0
-    prefill_steps: int = 0           # steps that computed prompt tokens
-    device_seconds: float = 0.0
-    host_seconds: float = 0.0
-    compile_seconds: float = 0.0     # compiling step programs the first time a bucket ran
-    tokens_scheduled: int = 0        # real tokens computed
-    token_slots: int = 0             # token slots computed (step buckets): >= tokens_scheduled
-    peak_blocks_used: int = 0
-    slots_allocated: int = 0  # summed over steps
-    slots_filled: int = 0
-    # Prefix cache (this generate() call): see BlockManager.CacheCounters.
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    cache_hit_blocks: int = 0
-    shared_blocks_peak: int = 0
-    evictions: int = 0
-    cow_copies: int = 0
-    # Preemption (this generate() call): see Scheduler.PreemptionCounters.
-    preemptions: int = 0
-    recompute_preemptions: int = 0
-    swap_preemptions: int = 0
-    swap_fallbacks: int = 0        # swap victims recomputed because the host pool was full
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    swapped_out_bytes: int = 0
-    swapped_in_bytes: int = 0
-    swap_seconds: float = 0.0      # device<->host copies (part of device_seconds)
-    swap_blocks_peak: int = 0      # most host blocks in use at once
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def padding_ratio(self) -> float:
-        """Token slots computed / real tokens (1.0: no padding)."""
-        return self.token_slots / self.tokens_scheduled if self.tokens_scheduled else 1.0
-
-    @property
-    def kv_waste(self) -> float:
-        return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
-
-
 class EngineStalled(RuntimeError):
     """A step could schedule nothing while requests waited (they were failed)."""
 
@@ -153,8 +118,7 @@ class LLM:
         self.dtype = jnp.dtype(cfg.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.compilation_cache:
-            xla_cache = pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla"
-            jax.config.update("jax_compilation_cache_dir", str(xla_cache))
+            use_compilation_cache(pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla")
         loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
                               cache_dir=cfg.cache_dir or None)
         self.loaded = loaded
@@ -172,6 +136,7 @@ class LLM:
         self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
         if self.attention_note:
             log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
+        self.totals = EngineStats()  # since start; block manager and scheduler count into it too
         self.block_manager = self._make_block_manager(self.num_blocks)
         self.allocator = self.block_manager.allocator
         self.swap_space = self._make_swap_space(cfg.preemption_mode)
@@ -185,14 +150,12 @@ class LLM:
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    preemption_mode=cfg.preemption_mode, swap_space=self.swap_space,
-                                   token_buckets=self.runner.token_buckets)
+                                   token_buckets=self.runner.token_buckets, stats=self.totals)
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._next_child_id = 0  # samples 1..n-1 get negative ids
         self._active: dict[int, Sequence] = {}
-        self.stats = StepStats()
-        self._cache_base = CacheCounters()
-        self._preempt_base = PreemptionCounters()
+        self._generate_base = EngineStats()  # totals when the last generate() began
         self._idle_state: tuple | None = None  # scheduler state after the last step that ran nothing
 
     def reset_prefix_cache(self) -> None:
@@ -206,12 +169,11 @@ class LLM:
         self.block_manager = self._make_block_manager(num_blocks or self.num_blocks)
         self.allocator = self.block_manager.allocator
         self.scheduler.block_manager = self.block_manager
-        self._cache_base = CacheCounters()
 
     def _make_block_manager(self, num_blocks: int) -> BlockManager:
         cfg = self.config
         return BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                            index=cfg.prefix_cache_index)
+                            index=cfg.prefix_cache_index, stats=self.totals)
 
     def _make_swap_space(self, preemption_mode: str) -> HostSwapSpace:
         """Host memory for swapped-out blocks: swap_space_gb in swap mode, none otherwise."""
@@ -455,7 +417,7 @@ class LLM:
         self.scheduler.finish(seq)
 
     def _record(self, out: SchedulerOutput, prefill: bool, step_seconds: float) -> None:
-        s, t = self.stats, self.runner.timing
+        s, t = self.totals, self.runner.timing
         s.steps += bool(out.scheduled)
         s.prefill_steps += prefill
         device_seconds = t.swap + t.copy + t.forward
@@ -478,14 +440,13 @@ class LLM:
         s.slots_filled += min(bm.num_used_blocks * bs,
                               sum(min(q.num_computed_tokens, len(q.block_table.block_ids) * bs)
                                   for q in self.scheduler.running))
-        c = bm.counters.minus(self._cache_base)
-        s.prompt_tokens, s.cached_prompt_tokens = c.prompt_tokens, c.cached_tokens
-        s.cache_hit_blocks, s.evictions, s.cow_copies = c.hit_blocks, c.evictions, c.cow_copies
-        s.shared_blocks_peak = max(s.shared_blocks_peak, bm.num_shared_blocks)
-        p = self.scheduler.counters.minus(self._preempt_base)
-        for f in dataclasses.fields(p):
-            setattr(s, f.name, getattr(p, f.name))
         s.swap_blocks_peak = max(s.swap_blocks_peak, self.swap_space.num_used_blocks)
+
+    @property
+    def stats(self) -> EngineStats:
+        """What the last (or the running) generate() call did; `totals` holds
+        everything since the engine started."""
+        return self.totals.since(self._generate_base)
 
     # --------------------------------------------------------------- batch API
     def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -513,9 +474,8 @@ class LLM:
             sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        self.stats = StepStats()
-        self._cache_base = dataclasses.replace(self.block_manager.counters)
-        self._preempt_base = dataclasses.replace(self.scheduler.counters)
+        self.totals.reset_peaks()
+        self._generate_base = self.totals.snapshot()
         index = {self._add_prompt(p, sp): i for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
         pending = {rid: len(self._active[rid].group) for rid in index}
         try:

@@ -40,6 +40,7 @@ import time
 
 from jpaged.block_manager import BlockManager
 from jpaged.sequence import Sequence, Status
+from jpaged.stats import EngineStats
 from jpaged.swap_space import HostSwapSpace
 
 
@@ -83,26 +84,11 @@ class SchedulerOutput:
         return sum(s.num_new for s in self.scheduled)
 
 
-@dataclasses.dataclass
-class PreemptionCounters:
-    """Cumulative (the engine reports per-generate deltas)."""
-
-    preemptions: int = 0
-    recompute_preemptions: int = 0
-    swap_preemptions: int = 0
-    swap_fallbacks: int = 0        # swap victims recomputed: the host pool was full
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-
-    def minus(self, base: "PreemptionCounters") -> "PreemptionCounters":
-        return PreemptionCounters(**{f.name: getattr(self, f.name) - getattr(base, f.name)
-                                     for f in dataclasses.fields(self)})
-
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, policy: str, max_num_seqs: int,
                  max_num_batched_tokens: int, preemption_mode: str = "recompute",
-                 swap_space: HostSwapSpace | None = None, token_buckets: tuple[int, ...] = ()):
+                 swap_space: HostSwapSpace | None = None, token_buckets: tuple[int, ...] = (),
+                 stats: EngineStats | None = None):
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {policy!r}")
         if preemption_mode not in ("recompute", "swap"):
@@ -117,7 +103,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # arrival order
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
-        self.counters = PreemptionCounters()
+        self.stats = stats if stats is not None else EngineStats()  # shared with the engine
         self._swap_out: list[SwapOut] = []
         self._swap_in: list[SwapIn] = []
         self._preempted_now = False
@@ -309,14 +295,14 @@ class Scheduler:
         runner before anything writes the pool again) and it waits in `swapped`
         until there is room; recompute when the host pool is full."""
         self.running.remove(victim)
-        self.counters.preemptions += 1
+        self.stats.preemptions += 1
         self._preempted_now = True
         pending = next((r for r in self._swap_in if r.seq is victim), None)
         if pending is not None:  # swapped in by this very schedule(): nothing was written yet
             self._swap_in.remove(pending)
             self._release(victim)
             self._park(victim, pending.slots, pending.status)
-            self.counters.swap_preemptions += 1
+            self.stats.swap_preemptions += 1
             return
         if self.preemption_mode == "swap":
             n = self.block_manager.blocks_for(victim.num_computed_tokens)
@@ -326,15 +312,15 @@ class Scheduler:
                 status = victim.status
                 self._release(victim)
                 self._park(victim, slots, status)
-                self.counters.swap_preemptions += 1
+                self.stats.swap_preemptions += 1
                 return
             if n:
-                self.counters.swap_fallbacks += 1  # no room in host memory
+                self.stats.swap_fallbacks += 1  # no room in host memory
         self._release(victim)
         victim.num_computed_tokens = 0
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
-        self.counters.recompute_preemptions += 1
+        self.stats.recompute_preemptions += 1
 
     def _park(self, seq: Sequence, slots: list[int], status: Status) -> None:
         seq.swap_slots, seq.swap_status = slots, status
@@ -378,8 +364,8 @@ class Scheduler:
         self._swap_out, self._swap_in = [], []
         for r in ins:
             self.swap_space.free(r.slots)
-        self.counters.swapped_out_blocks += sum(len(r.block_ids) for r in outs)
-        self.counters.swapped_in_blocks += sum(len(r.block_ids) for r in ins)
+        self.stats.swapped_out_blocks += sum(len(r.block_ids) for r in outs)
+        self.stats.swapped_in_blocks += sum(len(r.block_ids) for r in ins)
         return outs, ins
 
     def fail(self, seq: Sequence, error: str, reason: str = "error") -> None:

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import pytest
 
 from helpers import SMOLLM_ENGINE, TINY_ENGINE, import_torch
+from jpaged.weight_cache import default_cache_dir
+
+# The suite is an entry point, like the CLI: engines of the same shapes in
+# different modules (and later runs) reuse compiled steps.
+jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "xla"))
 
 # Tiny models: 2 layers, GQA (4 query heads over 2 KV heads), vocabulary 256.
 TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

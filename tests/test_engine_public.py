@@ -44,3 +44,21 @@ def test_install_pool(llm):
     assert all(o.error is None and len(o.token_ids) == 3 for o in out)
     llm.install_pool(llm.num_blocks, "recompute")
     assert llm.config.preemption_mode == "recompute"
+
+
+def test_one_statistics_object(llm):
+    """The block manager and the scheduler count into the engine's own totals;
+    `stats` is the last generate() call's share of them."""
+    llm.reset_prefix_cache()
+    assert llm.block_manager.stats is llm.totals and llm.scheduler.stats is llm.totals
+    prompt = list(range(1, 40))
+    first = llm.generate([prompt], SamplingParams(max_tokens=2))[0]
+    before = llm.totals.snapshot()
+    second = llm.generate([prompt], SamplingParams(max_tokens=2))[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
+    stats = llm.stats
+    assert stats.prompt_tokens == len(prompt)
+    assert stats.cached_prompt_tokens == second.num_cached_tokens
+    assert llm.totals.cached_prompt_tokens == before.cached_prompt_tokens + second.num_cached_tokens
+    assert llm.totals.steps == before.steps + stats.steps and stats.steps >= 2
+    assert 0 < stats.peak_blocks_used <= llm.num_blocks

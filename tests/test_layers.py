@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HOST_MODULES = ("jpaged.scheduler", "jpaged.block_manager", "jpaged.prefix_cache", "jpaged.sequence",
+HOST_MODULES = ("jpaged.scheduler", "jpaged.stats", "jpaged.block_manager", "jpaged.prefix_cache", "jpaged.sequence",
                 "jpaged.request_parsing", "jpaged.config", "jpaged.swap_space", "jpaged.model_config",
                 "jpaged.rounding")
 DEVICE_PACKAGES = ("jax", "flax", "pallas_kernels")
@@ -40,3 +40,14 @@ def test_loaders_import_no_device_stack():
     (the orbax cache brings it in only when used)."""
     loaded = imported_packages(("jpaged.gguf", "jpaged.tokenizer", "jpaged.weights"))
     assert not loaded & set(DEVICE_PACKAGES), sorted(loaded & set(DEVICE_PACKAGES))
+
+
+def test_importing_the_library_leaves_jax_config_alone():
+    """jax's process-wide settings are the program's: importing jpaged.decode or
+    the engine changes none of them (the compilation cache is set only when asked)."""
+    code = ("import jax\nbefore = dict(jax.config.values)\nimport jpaged.decode, jpaged.engine\n"
+            "changed = sorted(k for k, v in jax.config.values.items() if before.get(k) != v)\n"
+            "assert not changed, changed\nprint('ok')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

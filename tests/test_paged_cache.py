@@ -93,7 +93,7 @@ def test_preemption_equals_alone(make_tiny_llm, tiny_llm):
     for caching in (False, True):
         llm = make_tiny_llm(num_blocks=9, max_num_seqs=4, enable_prefix_caching=caching)
         outs = llm.generate(prompts, params)
-        assert llm.scheduler.counters.preemptions > 0
+        assert llm.scheduler.stats.preemptions > 0
         for i, (o, w) in enumerate(zip(outs, want)):
             assert o.finish_reason == "length"
             assert o.token_ids == w, f"request {i} after preemption (prefix caching {caching})"

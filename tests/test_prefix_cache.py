@@ -157,7 +157,7 @@ def test_preemption_with_caching(tiny_config, ref_llm):
     want = tokens(ref_llm.generate(prompts, params))
     small = make_llm(tiny_config, num_blocks=24)
     assert tokens(small.generate(prompts, params)) == want
-    assert small.scheduler.counters.preemptions > 0
+    assert small.scheduler.stats.preemptions > 0
     assert small.stats.cached_prompt_tokens > 0
     assert_clean(small)
 
@@ -219,7 +219,7 @@ def test_eviction_order_lru_then_deepest(index):
         held.append(bm.allocate())
         evicted.append((before - set(bm.evictable_blocks())).pop())
     assert evicted == [a_blocks[2], a_blocks[1], b_blocks[1], b_blocks[0], a_blocks[0]]
-    assert bm.counters.evictions == 5 and bm.num_cached_blocks == 0
+    assert bm.stats.evictions == 5 and bm.num_cached_blocks == 0
     with pytest.raises(NoFreeBlocksError):
         bm.allocate()
     for blk in held:

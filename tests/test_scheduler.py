@@ -239,9 +239,9 @@ def test_small_pool_preempts_and_recovers():
         engine = run_workload(Workload(policy, mode, caching, block_size=4, num_blocks=9,
                                        max_num_seqs=4, max_num_batched_tokens=16, swap_blocks=12,
                                        token_buckets=(), requests=requests))
-        assert engine.sched.counters.preemptions > 0, (policy, mode, caching)
+        assert engine.sched.stats.preemptions > 0, (policy, mode, caching)
         if mode == "swap":
-            assert engine.sched.counters.swap_preemptions > 0, (policy, caching)
+            assert engine.sched.stats.swap_preemptions > 0, (policy, caching)
 
 
 def test_runs_without_jax():

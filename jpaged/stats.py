@@ -1,0 +1,78 @@
+"""The engine's statistics: one object that every layer writes into.
+
+The engine owns one `EngineStats` (`LLM.totals`) and hands it to its block
+manager and scheduler, which count prefix-cache and preemption events in it
+directly; the engine adds step timing and KV occupancy.  Counters accumulate
+from the engine's start (what a metrics endpoint exports); `since(base)` gives
+the part after a snapshot (what one generate() call reports, `LLM.stats`).
+No jax here: host code counts too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# High-water marks, not sums: `since()` keeps them as they are, and
+# `reset_peaks()` starts a new window (the engine does at each generate()).
+PEAK_FIELDS = ("peak_blocks_used", "shared_blocks_peak", "swap_blocks_peak")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    # Steps (engine)
+    steps: int = 0
+    prefill_steps: int = 0           # steps that computed prompt tokens
+    device_seconds: float = 0.0
+    host_seconds: float = 0.0
+    compile_seconds: float = 0.0     # compiling step programs the first time a bucket ran
+    tokens_scheduled: int = 0        # real tokens computed
+    token_slots: int = 0             # token slots computed (step buckets): >= tokens_scheduled
+    # KV occupancy (engine), summed over steps
+    slots_allocated: int = 0
+    slots_filled: int = 0
+    # Prefix cache (block manager)
+    prompt_tokens: int = 0           # tokens to prefill at admissions (resumes included)
+    cached_prompt_tokens: int = 0    # of those, found in the cache (not recomputed)
+    cache_hit_blocks: int = 0        # cached blocks reused at admissions
+    evictions: int = 0
+    cow_copies: int = 0
+    # Preemption (scheduler; bytes and seconds: engine)
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    swap_preemptions: int = 0
+    swap_fallbacks: int = 0          # swap victims recomputed because the host pool was full
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_seconds: float = 0.0        # device<->host copies (part of device_seconds)
+    # Peaks since reset_peaks()
+    peak_blocks_used: int = 0
+    shared_blocks_peak: int = 0      # most blocks with refcount > 1 at once
+    swap_blocks_peak: int = 0        # most host blocks in use at once
+
+    def since(self, base: EngineStats) -> EngineStats:
+        """Counters accumulated after `base` was copied; peaks as they stand."""
+        return EngineStats(**{f.name: getattr(self, f.name) if f.name in PEAK_FIELDS
+                              else getattr(self, f.name) - getattr(base, f.name)
+                              for f in dataclasses.fields(self)})
+
+    def snapshot(self) -> EngineStats:
+        return dataclasses.replace(self)
+
+    def reset_peaks(self) -> None:
+        for name in PEAK_FIELDS:
+            setattr(self, name, 0)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def padding_ratio(self) -> float:
+        """Token slots computed / real tokens (1.0: no padding)."""
+        return self.token_slots / self.tokens_scheduled if self.tokens_scheduled else 1.0
+
+    @property
+    def kv_waste(self) -> float:
+        return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
