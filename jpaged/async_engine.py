@@ -1,0 +1,306 @@
+"""The engine beside an asyncio server.
+
+`LLM.step()` is synchronous and not thread-safe, so one background thread owns
+the engine.  The server's coroutines never touch it: they put requests and
+aborts into a thread-safe inbox, which the thread drains at the top of each
+step, and read per-step deltas (the tokens each sample appended, and how it
+finished) from an asyncio queue per HTTP request, fed with
+`loop.call_soon_threadsafe`.  When nothing is queued or running the thread
+blocks on the inbox's condition variable: an idle server uses no CPU.
+
+Host code: the engine object comes in from outside; this module imports no jax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Iterable
+
+from jpaged.sequence import SamplingParams, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests wait than max_queued_requests allows."""
+
+
+class EngineClosed(Exception):
+    """The engine is shutting down: no new requests."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """What the engine did for one request since its last delta."""
+
+    index: int                        # the request's position in its Submission
+    new_token_ids: list[list[int]]    # per sample
+    finish_reasons: list[str | None]  # per sample: stop | length | error | abort, None while running
+    error: str | None = None
+    num_cached_tokens: int = 0
+    time: float = 0.0                 # perf_counter() when the step that made it returned
+
+    @property
+    def finished(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+
+@dataclasses.dataclass
+class EngineSnapshot:
+    """Engine state for /metrics, taken by the engine thread after each step."""
+
+    running: int = 0        # requests with a sample prefilling or decoding
+    waiting: int = 0        # requests not started yet (inbox included) or preempted by recompute
+    swapped: int = 0        # requests preempted to host memory
+    used_blocks: int = 0
+    prompt_tokens: int = 0           # prompt tokens to prefill at admissions (prefix-cache queries)
+    cached_prompt_tokens: int = 0    # of those, prefix-cache hits
+    preemptions: int = 0
+
+
+class EngineRequest:
+    """One prompt submitted to the engine (with all its samples)."""
+
+    def __init__(self, submission: "Submission", index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, prompt: str | None):
+        self.submission = submission
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.prompt = prompt
+        self.arrival_time = time.perf_counter()
+        # Owned by the engine thread from here on.
+        self.engine_id: int | None = None
+        self.samples: list[Sequence] = []
+        self.num_sent: list[int] = []
+        self.last_token_time: list[float | None] = []
+        self.queued = True     # counts against max_queued_requests until a sample starts
+        self.abort_reason: str | None = None  # what an abort from the server counts as in the metrics
+        self.finished = False
+
+
+class Submission:
+    """The engine requests of one HTTP request, sharing one asyncio queue of deltas."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.requests: list[EngineRequest] = []
+
+    def deliver(self, delta: Delta) -> None:
+        """From the engine thread: hands a delta to the coroutine waiting on the queue."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+
+class EngineMetrics:
+    """What the engine thread reports as it goes (jpaged.server_metrics implements it)."""
+
+    def on_admitted(self, request: EngineRequest) -> None: ...
+    def on_tokens(self, request: EngineRequest, num_tokens: int, gap: float | None, first: bool) -> None: ...
+    def on_finished(self, request: EngineRequest, reasons: list[str | None], now: float) -> None: ...
+    def on_snapshot(self, snapshot: EngineSnapshot) -> None: ...
+
+
+class AsyncEngine:
+    """Runs an LLM in one background thread for asyncio callers."""
+
+    def __init__(self, llm: Any, *, max_queued_requests: int, metrics: EngineMetrics | None = None):
+        self.llm = llm
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics or EngineMetrics()
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, EngineRequest]] = []
+        self._num_queued = 0  # requests not started yet (guarded by _cond)
+        self._closing = False
+        self._tracked: dict[int, EngineRequest] = {}  # engine thread only: by engine request id
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+
+    # ------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def submit(self, prompts: list[tuple[list[int], SamplingParams, str | None]]) -> Submission:
+        """Queues every prompt of one HTTP request, or none of them: QueueFull when
+        they do not all fit under max_queued_requests, EngineClosed after close()."""
+        submission = Submission(asyncio.get_running_loop())
+        submission.requests = [EngineRequest(submission, i, ids, params, text)
+                               for i, (ids, params, text) in enumerate(prompts)]
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            if self._num_queued + len(prompts) > self.max_queued_requests:
+                raise QueueFull(f"{self._num_queued} requests are queued; the bound is "
+                                f"{self.max_queued_requests} (max_queued_requests)")
+            self._num_queued += len(prompts)
+            self._inbox.extend(("add", r) for r in submission.requests)
+            self._cond.notify()
+        return submission
+
+    def abort(self, requests: Iterable[EngineRequest], reason: str = "abort") -> None:
+        """Ends these requests (those not finished yet) and frees their blocks.
+        `reason` is what the metrics count them as ("stop": a stop string ended
+        them, so the client got a complete answer)."""
+        requests = [r for r in requests if not r.finished]
+        for r in requests:
+            r.abort_reason = r.abort_reason or reason  # the first abort says why
+        with self._cond:
+            self._inbox.extend(("abort", r) for r in requests)
+            self._cond.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops taking requests, aborts what is left and joins the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while True:
+            work, closing = self._wait_for_work()
+            try:
+                self._apply(work)
+                if closing:
+                    self._abort_all()
+                    return
+                if self.llm.has_unfinished_requests():
+                    self._step()
+                self._publish()
+            except Exception as e:  # noqa: BLE001 - the loop must outlive any request
+                log.exception("engine loop error")
+                self._fail_all(f"internal error: {type(e).__name__}: {e}")
+
+    def _wait_for_work(self) -> tuple[list[tuple[str, EngineRequest]], bool]:
+        """Blocks while there is nothing to do; then takes the whole inbox."""
+        with self._cond:
+            while not self._inbox and not self._closing and not self.llm.has_unfinished_requests():
+                self._cond.wait()
+            work, self._inbox = self._inbox, []
+            return work, self._closing
+
+    def _apply(self, work: list[tuple[str, EngineRequest]]) -> None:
+        for kind, request in work:  # in arrival order: an abort follows its add
+            if kind == "add":
+                self._add(request)
+            elif request.engine_id in self._tracked:
+                self.llm.abort([request.engine_id])
+
+    def _add(self, request: EngineRequest) -> None:
+        try:
+            rid = self.llm.add_request(request.prompt_token_ids, request.params, prompt=request.prompt)
+        except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone
+            log.exception("add_request failed")
+            self._finish_unstarted(request, "error", f"internal error: {type(e).__name__}: {e}")
+            return
+        seq = self.llm.get_sequence(rid)
+        request.engine_id = rid
+        request.samples = list(seq.group)
+        request.num_sent = [0] * len(request.samples)
+        request.last_token_time = [None] * len(request.samples)
+        self._tracked[rid] = request
+        self.metrics.on_admitted(request)
+
+    def _step(self) -> None:
+        try:
+            self.llm.step()
+        except Exception as e:  # noqa: BLE001 - e.g. EngineStalled: the engine failed the requests
+            log.error("engine step failed: %s: %s", type(e).__name__, e)
+
+    def _publish(self) -> None:
+        """Sends each tracked request the tokens and finishes of the last step."""
+        now = time.perf_counter()
+        for rid, request in list(self._tracked.items()):
+            delta = self._delta_of(request, now)
+            if request.queued and any(s.status is not Status.WAITING for s in request.samples):
+                self._dequeue(request)
+            if delta.finished:
+                del self._tracked[rid]
+                self.llm.abort([rid])  # drops an engine that failed it from its active set; no-op otherwise
+                self._mark_finished(request, delta, now)
+            elif any(delta.new_token_ids):
+                request.submission.deliver(delta)
+        self.metrics.on_snapshot(self._snapshot())
+
+    def _delta_of(self, request: EngineRequest, now: float) -> Delta:
+        new, reasons = [], []
+        for i, seq in enumerate(request.samples):
+            tokens = seq.output_token_ids[request.num_sent[i]:]
+            if tokens:
+                first = request.num_sent[i] == 0 and i == 0
+                gap = None if request.last_token_time[i] is None else now - request.last_token_time[i]
+                self.metrics.on_tokens(request, len(tokens), gap, first)
+                request.num_sent[i] += len(tokens)
+                request.last_token_time[i] = now
+            new.append(list(tokens))
+            reasons.append(seq.finish_reason if seq.is_done else None)
+        error = next((s.error for s in request.samples if s.error), None)
+        return Delta(request.index, new, reasons, error, request.samples[0].num_cached_tokens, now)
+
+    def _dequeue(self, request: EngineRequest) -> None:
+        if request.queued:
+            request.queued = False
+            with self._cond:
+                self._num_queued -= 1
+
+    def _mark_finished(self, request: EngineRequest, delta: Delta, now: float) -> None:
+        self._dequeue(request)
+        request.finished = True
+        reasons = [request.abort_reason or r if r == "abort" else r for r in delta.finish_reasons]
+        self.metrics.on_finished(request, reasons, now)
+        request.submission.deliver(delta)
+
+    def _finish_unstarted(self, request: EngineRequest, reason: str, error: str | None) -> None:
+        n = request.params.n
+        delta = Delta(request.index, [[] for _ in range(n)], [reason] * n, error, 0, time.perf_counter())
+        self._mark_finished(request, delta, delta.time)
+
+    def _abort_all(self) -> None:
+        """At close: every request still tracked finishes with "abort"."""
+        self.llm.abort(list(self._tracked))
+        self._publish()
+
+    def _fail_all(self, error: str) -> None:
+        """After an error outside any one request: end every request, keep serving."""
+        try:
+            self.llm.abort(list(self._tracked))
+        except Exception:  # noqa: BLE001
+            log.exception("abort after an engine loop error failed")
+        now = time.perf_counter()
+        for rid, request in list(self._tracked.items()):
+            del self._tracked[rid]
+            reasons = [s.finish_reason if s.is_done and s.finish_reason != "abort" else "error"
+                       for s in request.samples]
+            self._mark_finished(request, Delta(request.index, [[] for _ in reasons], reasons, error, 0, now), now)
+
+    def _snapshot(self) -> EngineSnapshot:
+        snap = EngineSnapshot(used_blocks=self.llm.block_manager.num_used_blocks)
+        for request in self._tracked.values():
+            statuses = {s.status for s in request.samples}
+            if statuses & {Status.PREFILLING, Status.DECODING}:
+                snap.running += 1
+            elif Status.SWAPPED in statuses:
+                snap.swapped += 1
+            else:
+                snap.waiting += 1
+        with self._cond:
+            snap.waiting += sum(kind == "add" for kind, _ in self._inbox)
+        totals = self.llm.totals
+        snap.prompt_tokens, snap.cached_prompt_tokens = totals.prompt_tokens, totals.cached_prompt_tokens
+        snap.preemptions = totals.preemptions
+        return snap

@@ -1,0 +1,242 @@
+"""OpenAI-style request bodies in, checked requests out; response bodies back.
+
+The sampling fields are checked by jpaged.request_parsing (the same checks as
+the batch CLI's request lines); this module adds what only the HTTP API has:
+the model name, prompt forms, stop strings, stream / echo / stream_options,
+and the OpenAI fields jpaged does not implement (a 400 naming the field rather
+than an answer that silently ignores it).  Host code: no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import uuid
+from typing import Any
+
+from jpaged.request_parsing import REQUEST_FIELDS, SAMPLING_FIELDS, parse_messages, parse_sampling_params
+from jpaged.sequence import SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+# OpenAI fields that would change the answer, and the values that leave it as
+# jpaged computes it.  Anything else in a body is ignored (clients send `user`,
+# `metadata` and the like).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+}
+
+
+class RequestError(Exception):
+    """A request the server refuses: an OpenAI-style error body and a status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """A checked request: prompts as LLM.tokenize takes them, and how to answer."""
+
+    prompts: list[Any]          # raw strings, token-id lists, or {"messages": [...]} (chat)
+    params: SamplingParams
+    stop: list[str]
+    stream: bool = False
+    echo: bool = False
+    include_usage: bool = False
+    model: str = ""
+
+
+# ------------------------------------------------------------------ parsing
+def parse_completion(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+    """POST /v1/completions: `prompt` is a string, a token-id list, or a list of either."""
+    obj = _object(body)
+    _check_model(obj, model)
+    _reject_unsupported(obj)
+    return GenerationRequest(prompts=_completion_prompts(obj.get("prompt")), params=_sampling(obj, default),
+                             stop=_stop(obj), stream=_flag(obj, "stream"), echo=_flag(obj, "echo"),
+                             include_usage=_include_usage(obj), model=model)
+
+
+def parse_chat(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+    """POST /v1/chat/completions: `messages`, rendered with the model's chat template."""
+    obj = _object(body)
+    _check_model(obj, model)
+    _reject_unsupported(obj)
+    if obj.get("max_completion_tokens") is not None:  # the newer name of max_tokens
+        obj = {**obj, "max_tokens": obj["max_completion_tokens"]}
+    messages = _messages(obj.get("messages"))
+    return GenerationRequest(prompts=[{"messages": messages}], params=_sampling(obj, default),
+                             stop=_stop(obj), stream=_flag(obj, "stream"),
+                             include_usage=_include_usage(obj), model=model)
+
+
+def parse_generate(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+    """POST /generate: {"prompt": text or token ids} or {"messages": [...]}, plus
+    sampling fields and `stop`; no streaming."""
+    obj = _object(body)
+    _reject_unsupported(obj)
+    if ("prompt" in obj) == ("messages" in obj):
+        raise RequestError('a request needs exactly one of "prompt" or "messages"', "prompt")
+    prompt = {"messages": _messages(obj["messages"])} if "messages" in obj else _one_prompt(obj["prompt"], "prompt")
+    if _flag(obj, "stream"):
+        raise RequestError("/generate does not stream; use /v1/completions with stream: true", "stream")
+    return GenerationRequest(prompts=[prompt], params=_sampling(obj, default), stop=_stop(obj), model=model)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_model(obj: dict[str, Any], model: str) -> None:
+    name = obj.get("model")
+    if name is not None and name != model:  # omitted: the one model served
+        raise RequestError(f"model {name!r} is not served here; this server serves {model!r}",
+                           "model", code="model_not_found")
+
+
+def _reject_unsupported(obj: dict[str, Any]) -> None:
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        if name in obj and obj[name] not in neutral:
+            raise RequestError(f"{name} is not supported yet (got {obj[name]!r})", name, code="unsupported")
+    best_of = obj.get("best_of")
+    if best_of is not None and best_of != obj.get("n", 1):
+        raise RequestError("best_of is not supported yet (only best_of == n)", "best_of", code="unsupported")
+
+
+def _sampling(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
+    fields = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}  # null: the default
+    try:
+        return parse_sampling_params(fields, default)
+    except ValueError as e:
+        raise RequestError(str(e), _field_named(str(e))) from None
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a request_parsing message starts with ("top_p must be ...")."""
+    m = re.match(r"[a-z_]+", message)
+    return m.group(0) if m and m.group(0) in REQUEST_FIELDS else None
+
+
+def _completion_prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(f"{where} must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    raise RequestError(f"{where} must be a non-empty string, a non-empty list of token ids, or a list "
+                       f"of those; got {type(prompt).__name__}", "prompt")
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages with text-part contents ([{"type": "text", "text": ...}]) joined."""
+    if isinstance(messages, list):
+        messages = [_text_content(m, i) if isinstance(m, dict) else m for i, m in enumerate(messages)]
+    try:
+        return parse_messages(messages)
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from None
+
+
+def _text_content(message: dict[str, Any], i: int) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+        raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+    return {**message, "content": "".join(p["text"] for p in content)}
+
+
+def _stop(obj: dict[str, Any]) -> list[str]:
+    stop = obj.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    return [s for s in stops if s]
+
+
+def _flag(obj: dict[str, Any], name: str) -> bool:
+    value = obj.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _include_usage(obj: dict[str, Any]) -> bool:
+    options = obj.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
+    if not _flag(obj, "stream"):
+        raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+    return _flag(options, "include_usage")
+
+
+# ---------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(request_id: str, obj: str, model: str, choices: list[dict[str, Any]],
+             usage_counts: dict[str, int] | None = None, *, with_usage: bool = True) -> dict[str, Any]:
+    body = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if with_usage:
+        body["usage"] = usage_counts
+    return body
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -1,0 +1,425 @@
+"""An OpenAI-compatible HTTP server over the engine: `create_app(engine)`.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST
+/v1/chat/completions, POST /generate and GET /metrics (Prometheus, vLLM's
+names).  Streaming responses are server-sent events, `data: {json}` per chunk
+and `data: [DONE]` at the end.
+
+The engine runs in one background thread (jpaged.async_engine); each HTTP
+request turns into engine requests, reads their per-step deltas, detokenizes
+them (jpaged.detokenizer, which also applies stop strings) and answers.  A
+client that goes away, mid-stream or while waiting for a whole answer, has its
+requests aborted, which frees their KV blocks.  Bad input is a 400 with an
+OpenAI-style error body; a full queue is a 429 with Retry-After; a request that
+fails inside the engine fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jpaged.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
+from jpaged.detokenizer import SampleText
+from jpaged.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
+                                    completion_choice, envelope, error_body, new_id, parse_chat,
+                                    parse_completion, parse_generate, usage)
+from jpaged.request_parsing import default_sampling_params
+from jpaged.server_metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 2**20     # a request body beyond this is refused (413) before parsing
+RETRY_AFTER_SECONDS = 1         # the hint sent with a 429
+ENGINE_JOIN_SECONDS = 60.0      # at shutdown, wait this long for the step in progress
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was complete."""
+
+
+# ------------------------------------------------------------------ state
+class ServerState:
+    """The engine (once loaded), its status and the metrics registry of one app."""
+
+    def __init__(self, source: Any, config: Any, model_name: str):
+        self.source = source  # an LLM, or a callable that builds one
+        self.config = config
+        self.model_name = model_name
+        self.defaults = default_sampling_params(config)
+        self.metrics = ServerMetrics(model_name, config.block_size,
+                                     enable_prefix_caching=config.enable_prefix_caching)
+        self.llm: Any = None
+        self.engine: AsyncEngine | None = None
+        self.status = "loading"  # loading | ready | failed: <why> | shutting down
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    def load(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Builds (if given a factory) and starts the engine; /health turns 200."""
+        try:
+            llm = self.source() if _is_factory(self.source) else self.source
+            self.metrics.num_blocks = llm.num_blocks
+            engine = AsyncEngine(llm, max_queued_requests=self.config.max_queued_requests,
+                                 metrics=self.metrics)
+            self.llm = llm
+            if self.status == "shutting down":
+                return
+            engine.start()
+            self.engine, self.status = engine, "ready"
+            log.info("engine ready: %s, %d KV blocks of %d tokens", self.model_name, llm.num_blocks,
+                     self.config.block_size)
+        except Exception as e:  # noqa: BLE001 - reported on /health and to the caller
+            log.exception("the engine failed to load")
+            self.load_error = f"{type(e).__name__}: {e}"
+            self.status = f"failed: {self.load_error}"
+            if on_failure is not None:
+                on_failure(e)
+
+    def close(self) -> None:
+        self.status = "shutting down"
+        if self.engine is not None:
+            self.engine.close(ENGINE_JOIN_SECONDS)
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.status != "ready" or self.engine is None:
+            raise RequestError(f"the server is not ready ({self.status})", status=503,
+                               kind="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return self.engine
+
+    def decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+
+def _is_factory(source: Any) -> bool:
+    return callable(source) and not hasattr(source, "step")
+
+
+# --------------------------------------------------------------- a request
+@dataclasses.dataclass
+class ChoiceUpdate:
+    index: int                  # choice index: prompt index * n + sample index
+    text: str                   # new text ("" with a finish)
+    finish_reason: str | None   # set once, on the choice's last update
+
+
+class GenerationRun:
+    """One HTTP request in flight: its engine requests' deltas in, its choices'
+    text out.  Ends (and aborts what is left in the engine) when every choice has
+    finished, a request failed, or the client went away."""
+
+    def __init__(self, state: ServerState, engine: AsyncEngine, submission: Submission,
+                 gen: GenerationRequest, request: Request):
+        self.engine, self.submission, self.gen = engine, submission, gen
+        self.n = gen.params.n
+        self.samples = [SampleText(state.decode, gen.stop) for _ in range(len(submission.requests) * self.n)]
+        self.finish_reasons: list[str | None] = [None] * len(self.samples)
+        self.error: str | None = None
+        self._disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.submission.requests)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+        """The choices' new text after each engine step, until all finished or an
+        error (then `error` is set).  Raises ClientGone if the client leaves."""
+        try:
+            while self.error is None and None in self.finish_reasons:
+                updates = self._apply(await self._next_delta())
+                if updates:
+                    yield updates
+        finally:
+            self._disconnect.cancel()
+            self.engine.abort(r for r in self.submission.requests if not r.finished)
+
+    async def run_to_end(self) -> None:
+        async for _ in self.updates():
+            pass
+
+    async def _next_delta(self) -> Delta:
+        get = asyncio.ensure_future(self.submission.queue.get())
+        await asyncio.wait({get, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            raise ClientGone()
+        return get.result()
+
+    def _apply(self, delta: Delta) -> list[ChoiceUpdate]:
+        if "error" in delta.finish_reasons:
+            self.error = delta.error or "internal error"
+            return []
+        updates = []
+        for j in range(self.n):
+            c = delta.index * self.n + j
+            if self.finish_reasons[c] is not None:
+                continue  # ended by a stop string; the engine's later tokens are not part of it
+            update = self._advance_sample(c, delta.new_token_ids[j], delta.finish_reasons[j])
+            if update.text or update.finish_reason:
+                updates.append(update)
+        request_choices = self.finish_reasons[delta.index * self.n:(delta.index + 1) * self.n]
+        if not delta.finished and None not in request_choices:  # every sample hit a stop string
+            self.engine.abort([self.submission.requests[delta.index]], reason="stop")
+        return updates
+
+    def _advance_sample(self, c: int, token_ids: list[int], engine_reason: str | None) -> ChoiceUpdate:
+        sample = self.samples[c]
+        text = sample.push(token_ids)
+        reason = "stop" if sample.stopped else engine_reason
+        if reason is not None and not sample.stopped:
+            text += sample.finish()
+            reason = "stop" if sample.stopped else reason
+        self.finish_reasons[c] = reason
+        return ChoiceUpdate(c, text, reason)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has closed the connection (the body is read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ----------------------------------------------------------- answer shapes
+class Answer:
+    """How one route shapes a GenerationRun into a response body or SSE chunks."""
+
+    prefix = "cmpl"
+
+    def __init__(self, run: GenerationRun, state: ServerState, prompt_texts: list[str]):
+        self.run, self.state, self.prompt_texts = run, state, prompt_texts
+        self.id = new_id(self.prefix)
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionAnswer(Answer):
+    def _echo(self, c: int) -> str:
+        return self.prompt_texts[c // self.run.n] if self.run.gen.echo else ""
+
+    def body(self) -> dict[str, Any]:
+        run = self.run
+        choices = [completion_choice(c, self._echo(c) + s.text, run.finish_reasons[c])
+                   for c, s in enumerate(run.samples)]
+        return envelope(self.id, "text_completion", run.gen.model, choices, run.usage())
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return envelope(self.id, "text_completion", self.run.gen.model, choices, None,
+                        with_usage=self.run.gen.include_usage)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.run.gen.echo:
+            return []
+        return [self._chunk([completion_choice(c, self._echo(c), None)]) for c in range(len(self.run.samples))]
+
+    def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
+        return self._chunk([completion_choice(update.index, update.text, update.finish_reason)])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return envelope(self.id, "text_completion", self.run.gen.model, [], self.run.usage())
+
+
+class ChatAnswer(Answer):
+    prefix = "chatcmpl"
+
+    def body(self) -> dict[str, Any]:
+        run = self.run
+        choices = [chat_choice(c, s.text, run.finish_reasons[c]) for c, s in enumerate(run.samples)]
+        return envelope(self.id, "chat.completion", run.gen.model, choices, run.usage())
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return envelope(self.id, "chat.completion.chunk", self.run.gen.model, choices, None,
+                        with_usage=self.run.gen.include_usage)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk([chat_chunk_choice(c, {"role": "assistant", "content": ""}, None)])
+                for c in range(len(self.run.samples))]
+
+    def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
+        delta = {"content": update.text} if update.text else {}
+        return self._chunk([chat_chunk_choice(update.index, delta, update.finish_reason)])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return envelope(self.id, "chat.completion.chunk", self.run.gen.model, [], self.run.usage())
+
+
+class GenerateAnswer(Answer):
+    """/generate: the shape of the batch CLI's output lines."""
+
+    def body(self) -> dict[str, Any]:
+        run = self.run
+        samples = [dict(text=s.text, token_ids=list(s.token_ids), finish_reason=run.finish_reasons[c])
+                   for c, s in enumerate(run.samples)]
+        return {**samples[0], "samples": samples, "usage": run.usage()}
+
+
+async def _respond(answer: Answer) -> Response:
+    """A whole (non-streamed) answer; aborted if the client leaves first."""
+    run = answer.run
+    try:
+        await run.run_to_end()
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it: the connection is closed
+    if run.error is not None:
+        return JSONResponse(error_body(run.error, "internal_server_error"), status_code=500)
+    return JSONResponse(answer.body())
+
+
+async def _stream(answer: Answer) -> AsyncIterator[str]:
+    """The SSE body: chunks as text is released, the usage chunk if asked, [DONE]."""
+    run = answer.run
+    try:
+        for chunk in answer.first_chunks():
+            yield _sse(chunk)
+        async for updates in run.updates():
+            for update in updates:
+                yield _sse(answer.chunk(update))
+        if run.error is not None:
+            yield _sse(error_body(run.error, "internal_server_error"))
+        elif run.gen.include_usage:
+            yield _sse(answer.usage_chunk())
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        return
+    except Exception as e:  # noqa: BLE001 - the headers are sent: report in the stream
+        log.exception("streaming failed")
+        yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# --------------------------------------------------------------- handlers
+async def _json_body(request: Request) -> Any:
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise RequestError(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413)
+    try:
+        return json.loads(bytes(body))
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+
+
+def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest) -> tuple[list[int], str]:
+    """(token ids, prompt text for echo), or a 400 naming what the engine would refuse."""
+    param = "messages" if isinstance(prompt, dict) else "prompt"
+    try:
+        ids = state.llm.tokenize(prompt)
+    except ValueError as e:
+        raise RequestError(str(e), param) from None
+    problem = state.llm.check_request(ids, gen.params)
+    if problem:
+        raise RequestError(problem, "n" if problem.startswith("n=") else param)
+    return ids, prompt if isinstance(prompt, str) else state.decode(ids)
+
+
+def _error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _handle(request: Request, state: ServerState, parse: Callable[..., GenerationRequest],
+                  answer_type: type[Answer]) -> Response:
+    try:
+        engine = state.ready_engine()
+        gen = parse(await _json_body(request), state.defaults, state.model_name)
+        prompts = [_tokenized(state, p, gen) for p in gen.prompts]
+        submission = engine.submit([(ids, gen.params, text if isinstance(p, str) else None)
+                                    for p, (ids, text) in zip(gen.prompts, prompts)])
+    except RequestError as e:
+        return _error_response(e)
+    except QueueFull as e:
+        return _error_response(RequestError(str(e), status=429, kind="rate_limit_error", code="queue_full",
+                                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+    except EngineClosed as e:
+        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
+    answer = answer_type(GenerationRun(state, engine, submission, gen, request), state, [t for _, t in prompts])
+    if gen.stream:
+        return StreamingResponse(_stream(answer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _respond(answer)
+
+
+# -------------------------------------------------------------------- app
+def create_app(engine: Any, config: Any = None, *, model_name: str | None = None,
+               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`: an LLM, or a callable that builds one
+    (built in the background once the server runs, so that /health answers 503
+    while it loads; `config` is then required).  `on_load_failure` is called if
+    building fails (scripts/serve.py stops the server)."""
+    config = config if config is not None else engine.config
+    state = ServerState(engine, config, model_name or config.model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=state.load, args=(on_load_failure,), name="jpaged-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="jpaged", lifespan=lifespan)
+    app.state.jpaged = state
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed: %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.status == "ready"
+        return JSONResponse({"status": state.status}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "jpaged", "max_model_len": config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(request, state, parse_completion, CompletionAnswer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(request, state, parse_chat, ChatAnswer)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await _handle(request, state, parse_generate, GenerateAnswer)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

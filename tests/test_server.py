@@ -1,0 +1,271 @@
+"""scripts/serve.py end to end: a real server subprocess on 127.0.0.1, the
+embedded SmolLM2, the real `openai` client.  One server for the module (the
+last test stops it with SIGTERM); every wait has a deadline, so a hung server
+fails a test instead of hanging the suite."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from jpaged.sequence import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+# Small enough that the step programs compile quickly; room for 12 queued requests in test 3.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, max_queued_requests=24)
+START_SECONDS = 180     # server start (model load + precompile), on a loaded 2-core machine
+REQUEST_SECONDS = 120   # any one client call
+MAX_TOKENS = 8
+PROMPTS = [f"Question {i}: name a fruit that is {c}." for i, c in enumerate(
+    ["red", "yellow", "green", "orange", "purple", "blue", "brown", "pink",
+     "sweet", "sour", "small", "big", "round", "long", "soft", "hard"])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 30) -> tuple[int, dict, str]:
+    """(status, headers, text) of one plain HTTP request; error statuses too."""
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
+
+
+class Server:
+    def __init__(self, tmp: pathlib.Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "server.log"
+        overrides = [f"--config.{k}={v}" for k, v in {**ENGINE, "shutdown_grace_seconds": 30}.items()]
+        cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port",
+               str(self.port), "--precompile", "--noaccess_log", *overrides]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log.read_text()}"
+            try:
+                if http("GET", self.url + "/health", timeout=5)[0] == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready in {START_SECONDS} s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        """{sample name with labels: value} of /metrics, parsed by prometheus_client."""
+        status, _, text = http("GET", self.url + "/metrics")
+        assert status == 200
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_SECONDS,
+                             max_retries=0)
+
+    def async_client(self) -> "openai.AsyncOpenAI":
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_SECONDS,
+                                  max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("server"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(server):
+    """The same engine in this process (built while the server starts): the oracle."""
+    from jpaged.engine import LLM
+    return LLM(model=MODEL, compilation_cache=True, **{k: v for k, v in ENGINE.items() if k != "max_queued_requests"})
+
+
+@pytest.fixture(scope="module")
+def ready(server, llm):
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    """Greedy texts of PROMPTS, as LLM.generate gives them."""
+    return [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+def test_completion_equals_llm_generate(ready, llm):
+    prompt = "The three primary colours are"
+    want = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
+    got = ready.client().completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids),
+                                                                       len(want.token_ids))
+
+
+def test_streamed_chat_concatenates_to_the_whole_answer(ready, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    client = ready.client()
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    pieces, usage, reasons = [], None, []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    text = whole.choices[0].message.content
+    assert text and "".join(pieces) == text
+    assert reasons[-1] == whole.choices[0].finish_reason
+    want = llm.generate([{"messages": messages}], SamplingParams(max_tokens=16))[0]
+    assert text == want.text
+    counts = (len(want.prompt_token_ids), len(want.token_ids), len(want.prompt_token_ids) + len(want.token_ids))
+    for u in (whole.usage, usage):
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == counts
+
+
+def test_16_concurrent_requests_complete(ready, expected):
+    async def run():
+        async with ready.async_client() as client:
+            return await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0) for p in PROMPTS))
+    results = asyncio.run(asyncio.wait_for(run(), REQUEST_SECONDS))
+    assert [r.choices[0].text for r in results] == expected
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+
+
+BAD_REQUESTS = [
+    ({"model": "no-such-model", "prompt": "hi"}, "model"),
+    ({"model": MODEL, "prompt": "hi " * 600}, "prompt"),            # longer than max_model_len
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 5}, "n"),                  # more than max_num_seqs
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": [10**9]}, "prompt"),                  # outside the vocabulary
+]
+
+
+def test_bad_requests_get_400_while_good_ones_complete(ready, expected):
+    async def run():
+        async with ready.async_client() as client:
+            good = [asyncio.create_task(client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS,
+                                                                  temperature=0)) for p in PROMPTS[:4]]
+            for body, param in BAD_REQUESTS:
+                status, _, text = await asyncio.to_thread(http, "POST", ready.url + "/v1/completions",
+                                                          json.dumps(body).encode())
+                error = json.loads(text)["error"]
+                assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), text
+                assert error["message"]
+            status, _, text = await asyncio.to_thread(http, "POST", ready.url + "/v1/chat/completions",
+                                                      b'{"model": "smollm2-135m", "messages": [')
+            assert status == 400 and "JSON" in json.loads(text)["error"]["message"]
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+            # More prompts in one request than the queue bound (24): 429 with a retry hint.
+            status, headers, text = await asyncio.to_thread(http, "POST", ready.url + "/v1/completions",
+                                                            json.dumps({"prompt": ["hi"] * 25}).encode())
+            assert status == 429 and "retry-after" in headers, text
+            return await asyncio.gather(*good)
+    results = asyncio.run(asyncio.wait_for(run(), REQUEST_SECONDS))
+    assert [r.choices[0].text for r in results] == expected[:4]
+
+
+def _wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not within {seconds} s")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(ready):
+    idle = _wait_for(lambda: (m := ready.metrics())["vllm:num_requests_running"] == 0 and m, 30, "idle")
+    stream = ready.client().completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert ready.metrics()["vllm:kv_cache_usage_perc"] > idle["vllm:kv_cache_usage_perc"]
+    stream.close()
+    aborted = 'vllm:request_success_total{finished_reason=abort}'
+
+    def back_to_idle():
+        m = ready.metrics()
+        return (m["vllm:num_requests_running"] == 0
+                and m["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
+                and m.get(aborted, 0) == idle.get(aborted, 0) + 1)
+    _wait_for(back_to_idle, 10, "running 0, the idle KV usage and one abort after the disconnect")
+
+
+def test_metrics_parse(ready):
+    status, headers, text = http("GET", ready.url + "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:cache_config_info", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                 "vllm:num_preemptions", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens"):
+        assert name in families, name
+    m = ready.metrics()
+    assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
+    assert m["vllm:generation_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
+    assert m["vllm:prefix_cache_hits_total"] <= m["vllm:prefix_cache_queries_total"]
+    info = families["vllm:cache_config_info"].samples[0].labels
+    assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+    status, _, text = http("GET", ready.url + "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(ready):
+    stream = ready.client().completions.create(model=MODEL, prompt="Count to twenty:", max_tokens=24,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    ready.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)  # the request in flight finishes within the grace period
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert ready.proc.wait(timeout=60) == 0, ready.log.read_text()
+    with pytest.raises(OSError):
+        http("GET", ready.url + "/health", timeout=5)

@@ -1,0 +1,124 @@
+"""The HTTP server's host-side pieces, without a model: incremental
+detokenization, stop strings, and the OpenAI request checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from jpaged.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
+from jpaged.openai_protocol import RequestError, parse_chat, parse_completion, parse_generate
+from jpaged.sequence import SamplingParams
+
+# A byte-level "tokenizer": token t is the byte t; decode is UTF-8 with replacement,
+# so a multi-byte character spans several tokens.
+def decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+DEFAULT = SamplingParams(max_tokens=16)
+
+
+def test_incremental_detokenizer_concatenates_to_the_full_decode():
+    text = "naïve café — 東京 🎉!"
+    detok = IncrementalDetokenizer(decode)
+    pieces = [detok.push([t]) for t in tokens(text)] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # no half characters released
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_the_full_decode_has_it():
+    ids = tokens("ab") + tokens("é")[:1]
+    detok = IncrementalDetokenizer(decode)
+    assert "".join(detok.push([t]) for t in ids) + detok.flush() == decode(ids)
+
+
+@pytest.mark.parametrize("stops, text, expected", [
+    (["STOP"], "hello STOP world", "hello "),
+    (["STOP"], "hello STO", "hello STO"),          # a prefix at the end is released once the text ends
+    (["x", "lo w"], "hello world", "hel"),          # the earliest stop wins
+    ([], "hello", "hello"),
+])
+def test_stop_strings_cut_the_text_however_it_is_split(stops, text, expected):
+    for size in (1, 2, 5, len(text)):
+        s = StopStrings(stops)
+        out = "".join(s.feed(text[i:i + size]) for i in range(0, len(text), size)) + s.flush()
+        assert out == expected, size
+
+
+def test_stop_strings_never_release_a_possible_stop_prefix():
+    s = StopStrings(["<end>"])
+    assert s.feed("abc<e") == "abc"
+    assert s.feed("n") == ""
+    assert s.feed("x") == "<enx"  # not a stop after all: released
+    assert s.feed("<end>tail") == "" and s.stopped
+
+
+def test_sample_text_counts_tokens_up_to_the_stop_string():
+    sample = SampleText(decode, ["!"])
+    released = sample.push(tokens("hi! more"))
+    assert released == "hi" and sample.stopped and sample.num_tokens == 3
+    assert sample.push(tokens("x")) == "" and sample.finish() == "" and sample.text == "hi"
+
+
+def test_completion_prompt_forms():
+    assert parse_completion({"prompt": "a"}, DEFAULT, "m").prompts == ["a"]
+    assert parse_completion({"prompt": [1, 2]}, DEFAULT, "m").prompts == [[1, 2]]
+    assert parse_completion({"prompt": ["a", [3]]}, DEFAULT, "m").prompts == ["a", [3]]
+    for bad in ("", [], [[]], [1, "a"], None, 3):
+        with pytest.raises(RequestError) as e:
+            parse_completion({"prompt": bad}, DEFAULT, "m")
+        assert e.value.param == "prompt" and e.value.status == 400
+
+
+def test_sampling_fields_and_openai_extras():
+    req = parse_completion({"prompt": "a", "max_tokens": 5, "temperature": 0.5, "seed": 3, "n": 2,
+                            "stop": "x", "stop_token_ids": [7], "echo": True, "stream": True,
+                            "stream_options": {"include_usage": True}, "user": "ignored",
+                            "max_tokens_typo": None}, DEFAULT, "m")
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.seed, p.n, p.stop_token_ids) == (5, 0.5, 3, 2, (7,))
+    assert req.stop == ["x"] and req.echo and req.stream and req.include_usage
+    assert parse_completion({"prompt": "a", "max_tokens": None}, DEFAULT, "m").params.max_tokens == 16
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": "x"}, "seed"),
+    ({"model": "gpt-4"}, "model"),
+    ({"stop": [1]}, "stop"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+])
+def test_bad_fields_name_themselves(body, param):
+    with pytest.raises(RequestError) as e:
+        parse_completion({"prompt": "a", "model": "m", **body}, DEFAULT, "m")
+    assert e.value.param == param and e.value.status == 400
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_messages():
+    req = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                {"type": "text", "text": "b"}]}],
+                      "max_completion_tokens": 3}, DEFAULT, "m")
+    assert req.prompts == [{"messages": [{"role": "user", "content": "ab"}]}] and req.params.max_tokens == 3
+    for bad in ([], [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url"}]}], "hi"):
+        with pytest.raises(RequestError) as e:
+            parse_chat({"messages": bad}, DEFAULT, "m")
+        assert e.value.param == "messages"
+
+
+def test_generate_takes_a_prompt_or_messages():
+    assert parse_generate({"prompt": [1, 2]}, DEFAULT, "m").prompts == [[1, 2]]
+    with pytest.raises(RequestError):
+        parse_generate({}, DEFAULT, "m")
+    with pytest.raises(RequestError):
+        parse_generate({"prompt": "a", "stream": True}, DEFAULT, "m")
