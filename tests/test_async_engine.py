@@ -1,0 +1,133 @@
+"""AsyncEngine, the HTTP server's engine loop, on the tiny Llama: deltas add up
+to generate()'s tokens, aborts free blocks, a failure pinned to one request
+fails it alone, the queue bound holds, and close() aborts what is left."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from helpers import assert_all_blocks_free, random_prompts
+from jpaged.async_engine import AsyncEngine, QueueFull
+from jpaged.sequence import SamplingParams
+
+PROMPTS = random_prompts([5, 40, 17, 70], seed=7)
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SECONDS = 60  # every await has a deadline
+
+
+@pytest.fixture(scope="module")
+def llm(make_tiny_llm):
+    return make_tiny_llm(enable_prefix_caching=True, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def run(llm, scenario, **kwargs):
+    """Runs `scenario(engine)` on an event loop with a started AsyncEngine, then closes it."""
+    async def main():
+        engine = AsyncEngine(llm, max_queued_requests=kwargs.get("max_queued_requests", 64))
+        engine.start()
+        try:
+            return await asyncio.wait_for(scenario(engine), SECONDS)
+        finally:
+            await asyncio.to_thread(engine.close, SECONDS)
+    return asyncio.run(main())
+
+
+async def collect(submission) -> list[dict]:
+    """Per request: its tokens (sample 0), finish reasons and error, once all finished."""
+    out = [{"tokens": [], "reasons": None, "error": None} for _ in submission.requests]
+    left = len(out)
+    while left:
+        delta = await submission.queue.get()
+        r = out[delta.index]
+        r["tokens"] += delta.new_token_ids[0] if delta.new_token_ids else []
+        if delta.finished:
+            r["reasons"], r["error"] = delta.finish_reasons, delta.error
+            left -= 1
+    return out
+
+
+def test_deltas_add_up_to_generate(llm, expected):
+    async def scenario(engine):
+        return await collect(engine.submit([(p, GREEDY, None) for p in PROMPTS]))
+    results = run(llm, scenario)
+    assert [r["tokens"] for r in results] == expected
+    assert all(r["reasons"] == ["length"] for r in results)
+    assert_all_blocks_free(llm)
+
+
+def test_abort_frees_blocks_wherever_the_request_is(llm):
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def scenario(engine):
+        running, queued = engine.submit([(PROMPTS[0], long, None)]), engine.submit([(PROMPTS[1], long, None)])
+        await running.queue.get()  # it has a token: it runs
+        engine.abort(running.requests + queued.requests)
+        return await collect(running), await collect(queued)
+    for results in run(llm, scenario):
+        assert results[0]["reasons"] == ["abort"] and len(results[0]["tokens"]) < 100
+    assert_all_blocks_free(llm)
+
+
+def test_a_failure_pinned_to_one_request_fails_it_alone(llm, expected, monkeypatch):
+    bad = [3, 4, 5]
+    real = llm._advance
+
+    def advance(seq, *args):
+        if seq.prompt_token_ids == bad:
+            raise RuntimeError("injected per-request failure")
+        return real(seq, *args)
+    monkeypatch.setattr(llm, "_advance", advance)
+
+    async def scenario(engine):
+        return await collect(engine.submit([(bad, GREEDY, None)] + [(p, GREEDY, None) for p in PROMPTS]))
+    results = run(llm, scenario)
+    assert results[0]["reasons"] == ["error"] and "injected per-request failure" in results[0]["error"]
+    assert [r["tokens"] for r in results[1:]] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving(llm, expected, monkeypatch):
+    real, calls = llm.runner.execute, [0]
+
+    def execute(out):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected device failure")
+        return real(out)
+    monkeypatch.setattr(llm.runner, "execute", execute)
+
+    async def scenario(engine):
+        first = await collect(engine.submit([(PROMPTS[0], GREEDY, None)]))
+        return first, await collect(engine.submit([(p, GREEDY, None) for p in PROMPTS]))
+    first, later = run(llm, scenario)
+    assert first[0]["reasons"] == ["error"] and "injected device failure" in first[0]["error"]
+    assert [r["tokens"] for r in later] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_queue_bound_refuses_a_submission_that_does_not_fit(llm):
+    async def scenario(engine):
+        with pytest.raises(QueueFull):
+            engine.submit([(p, GREEDY, None) for p in PROMPTS[:3]])
+        return await collect(engine.submit([(p, GREEDY, None) for p in PROMPTS[:2]]))
+    results = run(llm, scenario, max_queued_requests=2)
+    assert all(r["reasons"] == ["length"] for r in results)
+
+
+def test_close_aborts_what_is_in_flight(llm):
+    async def scenario(engine):
+        submission = engine.submit([(p, SamplingParams(max_tokens=100, ignore_eos=True), None) for p in PROMPTS])
+        await submission.queue.get()
+        await asyncio.to_thread(engine.close, SECONDS)
+        return await collect(submission)
+    results = run(llm, scenario)
+    # The delta already read may have been a request's first tokens; every request ends in abort.
+    assert all(r["reasons"] == ["abort"] for r in results)
+    assert_all_blocks_free(llm)
