@@ -77,6 +77,11 @@ bench-ragged: $(STAMP)
 bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wall bench-sweep \
            bench-block-size bench-serving bench-throughput bench-ragged
 
+# Poisson arrivals against the live HTTP server and `transformers serve --continuous-batching`.
+.PHONY: bench-http-serving
+bench-http-serving: $(STAMP)
+	$(PY) benchmarks/bench_http_serving.py $(ARGS)
+
 bench-cpu-attention: $(STAMP)
 	$(PY) benchmarks/bench_cpu_attention.py $(ARGS)
 

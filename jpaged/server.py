@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +35,9 @@ from jpaged.openai_protocol import (GenerationRequest, RequestError, chat_choice
                                     parse_completion, parse_generate, usage)
 from jpaged.request_parsing import default_sampling_params
 from jpaged.server_metrics import CONTENT_TYPE, ServerMetrics
+
+if TYPE_CHECKING:  # the engine (and jax) load when the server builds it, not on import
+    from jpaged.engine import LLM
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +373,7 @@ async def _handle(request: Request, state: ServerState, parse: Callable[..., Gen
 
 
 # -------------------------------------------------------------------- app
-def create_app(engine: Any, config: Any = None, *, model_name: str | None = None,
+def create_app(engine: Union["LLM", Callable[[], "LLM"]], config: Any = None, *, model_name: str | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The FastAPI app serving `engine`: an LLM, or a callable that builds one
     (built in the background once the server runs, so that /health answers 503

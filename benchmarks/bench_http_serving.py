@@ -1,0 +1,265 @@
+"""Serving over HTTP: Poisson arrivals against live OpenAI-compatible servers,
+jpaged (scripts/serve.py) and `transformers serve --continuous-batching`, on
+the same weights and CPU, in one run.
+
+    python benchmarks/bench_http_serving.py [--rates=0.5,1,2 --num_requests=16 --max_tokens=64 \
+        --max_running=8 --servers=jpaged,transformers]
+
+transformers serves an HF checkpoint written from jpaged's own dequantized
+weights and tokenizer (harness.hf_model), so both see identical parameters and
+prompt tokens.  The servers run one at a time (started, warmed up, measured at
+every rate, stopped): they never share the cores.  Each rate gets its own
+prompts from the mixed workload (short answers and long ones), so no rate
+reuses another's prompts from jpaged's prefix cache.
+
+The client streams chat completions with the `openai` client, greedy, up to
+--max_tokens tokens.  TTFT = first content chunk - the request's scheduled
+(Poisson) send time; ITL = the gaps between a request's content chunks; e2e =
+the last chunk - the send time; throughput = output tokens (the servers'
+usage counts) / the time from the first send to the last answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
+
+_RATES = flags.DEFINE_list("rates", ["0.5", "1", "2"], "Mean arrivals per second (Poisson), one run each.")
+_N = flags.DEFINE_integer("num_requests", 16, "Requests per rate.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Max new tokens per request.")
+_MAX_RUNNING = flags.DEFINE_integer("max_running", 8, "jpaged's max_num_seqs.")
+_SERVERS = flags.DEFINE_list("servers", ["jpaged", "transformers"], "Servers to measure, in order.")
+_SEED = flags.DEFINE_integer("seed", 0, "Arrival-time seed.")
+_START_TIMEOUT = flags.DEFINE_float("start_timeout", 600, "Seconds a server may take to turn healthy.")
+_REQUEST_TIMEOUT = flags.DEFINE_float("request_timeout", 900, "Seconds one request may take.")
+_WARMUP_ROUNDS = flags.DEFINE_integer("warmup_rounds", 2, "Untimed bursts of max_running requests first.")
+_TTFT_SLO = 2.0  # seconds: "sustains a rate" = p99 TTFT under this
+
+COLUMNS = ["server", "rate", "requests", "errors", "duration_s", "req_per_s", "out_tok_per_s",
+           "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "e2e_p50_s", "e2e_p99_s"]
+
+
+# ----------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess on 127.0.0.1, its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, model: str, log_dir: pathlib.Path):
+        self.name, self.port, self.model = name, port, model
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": str(B.REPO)}
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=B.REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float) -> float:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy in {timeout:.0f} s: see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+def start_jpaged(log_dir: pathlib.Path) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port", str(port),
+           "--precompile", "--noaccess_log", f"--config.max_num_seqs={_MAX_RUNNING.value}",
+           f"--config.max_new_tokens={_MAX_TOKENS.value}", "--config.max_queued_requests=100000"]
+    return Server("jpaged", cmd, port, "smollm2-135m", log_dir)
+
+
+def write_hf_checkpoint(path: pathlib.Path) -> None:
+    """jpaged's weights and tokenizer as a transformers checkpoint directory."""
+    from jpaged.engine import LLM
+    llm = LLM(num_blocks=4, max_num_seqs=1, max_model_len=64)  # only its weights and tokenizer are used
+    model = B.hf_model(llm)
+    model.generation_config = B.hf_generation_config(model, llm, _MAX_TOKENS.value)
+    model.save_pretrained(path)
+    tok = llm.tokenizer
+    tok.backend.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,
+              "model_max_length": llm.model_config.max_position_embeddings,
+              **{k: v for k, v in tok.special_tokens.items() if v is not None}}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def start_transformers(log_dir: pathlib.Path) -> Server:
+    ckpt = log_dir / "hf_checkpoint"
+    write_hf_checkpoint(ckpt)
+    port = free_port()
+    exe = pathlib.Path(sys.executable).with_name("transformers")
+    cmd = [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+           "--host", "127.0.0.1", "--port", str(port), "--cb-block-size", "16", "--cb-num-blocks", "1024",
+           "--cb-max-batch-tokens", "1024", str(ckpt)]
+    return Server("transformers", cmd, port, str(ckpt), log_dir)
+
+
+STARTERS = {"jpaged": start_jpaged, "transformers": start_transformers}
+
+
+# ------------------------------------------------------------------ client
+async def one_request(client: Any, model: str, prompt: str, send_at: float, t0: float) -> dict[str, Any]:
+    """Streams one chat completion sent at t0 + send_at; its timestamps (seconds from t0)."""
+    await asyncio.sleep(max(0.0, t0 + send_at - time.perf_counter()))
+    stamps, usage, error = [], None, None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=_MAX_TOKENS.value,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            if any(c.delta.content for c in chunk.choices):
+                stamps.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        error = f"{type(e).__name__}: {e}"
+    return {"send": send_at, "stamps": stamps, "tokens": usage if usage is not None else len(stamps),
+            "error": error}
+
+
+async def run_load(server: Server, prompts: list[str], arrivals: np.ndarray) -> tuple[list[dict], float]:
+    import openai
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=_REQUEST_TIMEOUT.value) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, server.model, p, float(a), t0)
+                                         for p, a in zip(prompts, arrivals)))
+        return list(results), time.perf_counter() - t0
+
+
+def summarize(server: str, rate: float, results: list[dict], span: float) -> dict[str, Any]:
+    ok = [r for r in results if r["error"] is None and r["stamps"]]
+    ttft = [r["stamps"][0] - r["send"] for r in ok]
+    e2e = [r["stamps"][-1] - r["send"] for r in ok]
+    itl = [1000 * g for r in ok for g in np.diff(r["stamps"])]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"server": server, "rate": rate, "requests": len(results), "errors": len(results) - len(ok),
+            "duration_s": span, "req_per_s": len(ok) / span, "out_tok_per_s": tokens / span,
+            "ttft_p50_s": B.pct(ttft, 50), "ttft_p99_s": B.pct(ttft, 99),
+            "itl_p50_ms": B.pct(itl, 50), "itl_p99_ms": B.pct(itl, 99),
+            "e2e_p50_s": B.pct(e2e, 50), "e2e_p99_s": B.pct(e2e, 99)}
+
+
+def measure(name: str, log_dir: pathlib.Path, rates: list[float], workloads: list[list[str]],
+            warmup: list[str]) -> list[dict]:
+    server = STARTERS[name](log_dir)
+    rows = []
+    try:
+        ready_s = server.wait_healthy(_START_TIMEOUT.value)
+        print(f"{name}: healthy after {ready_s:.1f} s; warming up")
+        for _ in range(_WARMUP_ROUNDS.value):  # first-use costs (compiles, allocator growth) stay out
+            asyncio.run(run_load(server, warmup, np.zeros(len(warmup))))
+        for rate, prompts in zip(rates, workloads):
+            rng = np.random.default_rng(_SEED.value)
+            arrivals = np.cumsum(rng.exponential(1 / rate, len(prompts)))
+            arrivals -= arrivals[0]
+            results, span = asyncio.run(run_load(server, prompts, arrivals))
+            rows.append(summarize(name, rate, results, span))
+            print(B.table(rows[-1:], COLUMNS, formats={"rate": "g"}))
+    finally:
+        server.stop()
+    return rows
+
+
+# ------------------------------------------------------------------ report
+def sustained(rows: list[dict], server: str) -> str:
+    ok = [r["rate"] for r in rows if r["server"] == server and r["errors"] == 0 and r["ttft_p99_s"] < _TTFT_SLO]
+    return f"{max(ok):g} req/s" if ok else "none of the rates measured"
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    by = {(r["server"], r["rate"]): r for r in rows}
+    out = []
+    for rate in sorted({r["rate"] for r in rows}):
+        j, t = by.get(("jpaged", rate)), by.get(("transformers", rate))
+        if j and t:
+            out.append({"rate": rate, "ttft_p50_ratio": t["ttft_p50_s"] / j["ttft_p50_s"],
+                        "ttft_target_3x": "met" if t["ttft_p50_s"] >= 3 * j["ttft_p50_s"] else "missed",
+                        "throughput_ratio": j["out_tok_per_s"] / t["out_tok_per_s"],
+                        "throughput_target_2x": "met" if j["out_tok_per_s"] >= 2 * t["out_tok_per_s"] else "missed"})
+    return out
+
+
+def plot(rows: list[dict]) -> None:
+    fig, (a1, a2, a3) = B.figure(3, width=4.5)
+    for server in dict.fromkeys(r["server"] for r in rows):
+        rs = [r for r in rows if r["server"] == server]
+        x = [r["rate"] for r in rs]
+        a1.plot(x, [r["out_tok_per_s"] for r in rs], "o-", label=server)
+        a2.plot(x, [r["ttft_p50_s"] for r in rs], "o-", label=f"{server} p50")
+        a2.plot(x, [r["ttft_p99_s"] for r in rs], "x--", label=f"{server} p99")
+        a3.plot(x, [r["itl_p50_ms"] for r in rs], "o-", label=f"{server} p50")
+    a1.set_ylabel("output tok/s"); a2.set_ylabel("TTFT (s)"); a2.set_yscale("log")
+    a3.set_ylabel("inter-token latency (ms)")
+    for a in (a1, a2, a3):
+        a.set_xlabel("request rate (req/s)"); a.legend(fontsize=7)
+    B.save_figure("http_serving", fig, f"HTTP serving, Poisson arrivals, {_N.value} requests per rate")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    B.header("http serving")
+    rates = [float(r) for r in _RATES.value]
+    prompts = B.mixed_prompts(_N.value * len(rates) + _MAX_RUNNING.value)
+    warmup = prompts[:_MAX_RUNNING.value]
+    workloads = [prompts[_MAX_RUNNING.value + i * _N.value:][:_N.value] for i in range(len(rates))]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in _SERVERS.value:
+            rows += measure(name, pathlib.Path(tmp), rates, workloads, warmup)
+    title = (f"HTTP serving: {_N.value} streamed chat requests per rate (mixed workload), greedy, <= "
+             f"{_MAX_TOKENS.value} new tokens, jpaged max_num_seqs={_MAX_RUNNING.value}")
+    fmt = {"rate": "g", "duration_s": ".1f", "req_per_s": ".2f", "out_tok_per_s": ".1f", "ttft_p50_s": ".2f",
+           "ttft_p99_s": ".2f", "itl_p50_ms": ".0f", "itl_p99_ms": ".0f", "e2e_p50_s": ".1f", "e2e_p99_s": ".1f"}
+    B.report("http_serving", rows, COLUMNS, fmt, title=title)
+    lines = [f"{title}; {B.machine()}, {B.today()}", "", B.markdown_table(rows, COLUMNS, fmt), ""]
+    if ratios(rows):
+        ratio_fmt = {"rate": "g", "ttft_p50_ratio": ".2f", "throughput_ratio": ".2f"}
+        print("\n" + B.table(ratios(rows), formats=ratio_fmt))
+        lines += [B.markdown_table(ratios(rows), formats=ratio_fmt), ""]
+    for server in dict.fromkeys(r["server"] for r in rows):
+        line = f"highest rate {server} sustains with p99 TTFT < {_TTFT_SLO:g} s: {sustained(rows, server)}"
+        print(line)
+        lines.append(f"- {line}")
+    B.write_markdown("http_serving", "\n".join(lines))
+    plot(rows)
+
+
+if __name__ == "__main__":
+    app.run(main)
