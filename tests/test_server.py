@@ -239,6 +239,22 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(ready):
     _wait_for(back_to_idle, 10, "running 0, the idle KV usage and one abort after the disconnect")
 
 
+def test_client_gone_before_a_whole_answer_aborts_it(ready):
+    idle = _wait_for(lambda: (m := ready.metrics())["vllm:num_requests_running"] == 0 and m, 30, "idle")
+    aborted = 'vllm:request_success_total{finished_reason=abort}'
+    client = openai.OpenAI(base_url=ready.url + "/v1", api_key="unused", timeout=2, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
+        client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, temperature=0,
+                                  extra_body={"ignore_eos": True})
+
+    def back_to_idle():
+        m = ready.metrics()
+        return (m["vllm:num_requests_running"] == 0
+                and m["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
+                and m.get(aborted, 0) == idle.get(aborted, 0) + 1)
+    _wait_for(back_to_idle, 10, "running 0, the idle KV usage and one abort after the client left")
+
+
 def test_metrics_parse(ready):
     status, headers, text = http("GET", ready.url + "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
