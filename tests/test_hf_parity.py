@@ -48,7 +48,7 @@ def tiny_pair(request):
 def test_tiny_config_features(tiny_pair):
     llm, hf = tiny_pair
     cfg = llm.model_config
-    if cfg.architecture == "qwen2":
+    if cfg.tie_word_embeddings:  # the Qwen2 checkpoint
         assert cfg.attention_bias and cfg.tie_word_embeddings and cfg.rope_scaling is None
     else:
         assert dict(cfg.rope_scaling)["rope_type"] == "llama3" and not cfg.tie_word_embeddings
