@@ -69,13 +69,10 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
-def hf_rope(hf: dict[str, Any], layer_type: str | None = None
-            ) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """(rope_theta, rope_scaling items) from a HF config.json, old and new style
-    (`rope_scaling` + `rope_theta`, or `rope_parameters`, per layer type in Gemma 3)."""
+def hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling items) from a HF config.json, old style
+    (`rope_scaling` + `rope_theta`) or new (`rope_parameters`)."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict) and layer_type in params:
-        params = params[layer_type]
     scaling = hf.get("rope_scaling") or params
     theta = hf.get("rope_theta")
     if theta is None and isinstance(params, dict):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.model_config import ModelConfig, rope_inv_freq
+from jpaged.models import weight_shapes
 from pallas_kernels import Backend, get_backend
 
 
@@ -105,15 +106,18 @@ class Decoder(nnx.Module):
     """Embedding, a loop over layers and the LM head over one flat ragged batch.
 
     A family subclasses it with `layer()` (one block: norms, attention, MLP)
-    and, where it differs, `embed_tokens()` and `final_norm_logits()`.  Weights
-    are named as the family's `weight_shapes(cfg)`; `layers.*` arrays carry a
+    and, where it differs, `embed_tokens()` and `norm_offset`.  Weights
+    are named as the family's `weight_shapes(cfg)` (cfg.architecture); `layers.*` arrays carry a
     leading num_layers axis.  `scan_layers=False` keeps one set of arrays per
     layer and unrolls the loop at trace time; `True` keeps them stacked and runs
     a `lax.scan` (one layer traced), which needs every layer to attend alike.
     """
 
-    def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], expected: dict[str, tuple[int, ...]],
-                 dtype: Any = jnp.float32, scan_layers: bool = False):
+    norm_offset = 0.0  # RMSNorm scales by (norm_offset + weight)
+
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
+                 scan_layers: bool = False):
+        expected = weight_shapes(cfg)
         check_weights(arrays, expected)
         windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
         if scan_layers and len(windows) > 1:
@@ -146,7 +150,7 @@ class Decoder(nnx.Module):
         return self.embed[...][tokens]
 
     def final_norm_logits(self, h: jax.Array) -> jax.Array:
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, self.norm_offset)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (h @ head).astype(jnp.float32)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jpaged.gguf import gguf_base_config, unpermute_qk
@@ -129,10 +128,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 class Llama(Decoder):
     """Decoder-only Llama-family transformer over one flat ragged batch of tokens."""
-
-    def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
-                 scan_layers: bool = False):
-        super().__init__(cfg, arrays, weight_shapes(cfg), dtype, scan_layers)
 
     def qkv(self, x: jax.Array, w: dict[str, jax.Array], rope: tuple[jax.Array, jax.Array]
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
