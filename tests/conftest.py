@@ -74,7 +74,7 @@ def _make_tiny(kind: str, root: pathlib.Path):
     else:  # llama 3 RoPE scaling, untied lm_head
         cfg = transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
         model = transformers.LlamaForCausalLM(cfg)
-    _randomize(model, torch, seed=["llama", "qwen2", "qwen3", "gemma2", "gemma3"].index(kind))
+    _randomize(model, torch, seed=TINY_KINDS.index(kind))
     model = model.float().eval()
     out = root / kind
     model.save_pretrained(out, safe_serialization=True)
@@ -86,31 +86,17 @@ def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny-hf")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tiny_root):
-    """(checkpoint dir, HF torch model) of a tiny random Llama with llama3 rope_scaling, untied."""
-    return _make_tiny("llama", tiny_root)
+def _tiny_fixture(kind: str):
+    """A session fixture `tiny_<kind>`: (checkpoint dir, HF torch model) of a tiny
+    random checkpoint (see _make_tiny for what each one exercises)."""
+    @pytest.fixture(scope="session", name=f"tiny_{kind}")
+    def fixture(tiny_root):
+        return _make_tiny(kind, tiny_root)
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2(tiny_root):
-    """(checkpoint dir, HF torch model) of a tiny random Qwen2 with q/k/v bias, tied embeddings."""
-    return _make_tiny("qwen2", tiny_root)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3(tiny_root):
-    return _make_tiny("qwen3", tiny_root)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma2(tiny_root):
-    return _make_tiny("gemma2", tiny_root)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3(tiny_root):
-    return _make_tiny("gemma3", tiny_root)
+TINY_KINDS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+tiny_llama, tiny_qwen2, tiny_qwen3, tiny_gemma2, tiny_gemma3 = map(_tiny_fixture, TINY_KINDS)
 
 
 @pytest.fixture(scope="session")

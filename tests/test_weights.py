@@ -12,25 +12,9 @@ import pytest
 
 from jpaged.gguf import gguf_metadata, read_gguf
 from jpaged.models import config_from_hf, weight_shapes
-from jpaged.models.llama import Llama
+from jpaged.models.llama import HF_LAYER_NAMES, Llama
 from jpaged.tokenizer import Tokenizer
 from jpaged.weights import dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir, load_weights
-
-# HF parameter name pattern -> (our name, transpose?) used to build the expected arrays.
-_HF_TO_OURS = {
-    "input_layernorm.weight": ("layers.attn_norm", False),
-    "post_attention_layernorm.weight": ("layers.mlp_norm", False),
-    "self_attn.q_proj.weight": ("layers.wq", True),
-    "self_attn.k_proj.weight": ("layers.wk", True),
-    "self_attn.v_proj.weight": ("layers.wv", True),
-    "self_attn.o_proj.weight": ("layers.wo", True),
-    "mlp.gate_proj.weight": ("layers.w_gate", True),
-    "mlp.up_proj.weight": ("layers.w_up", True),
-    "mlp.down_proj.weight": ("layers.w_down", True),
-    "self_attn.q_proj.bias": ("layers.bq", False),
-    "self_attn.k_proj.bias": ("layers.bk", False),
-    "self_attn.v_proj.bias": ("layers.bv", False),
-}
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -66,7 +50,7 @@ def _tiny_hf_model(kind: str, tmp_path: pathlib.Path, *, dtype: str = "float32",
     for k, v in sd.items():
         if k.startswith("model.layers."):
             _, _, idx, rest = k.split(".", 3)
-            ours, t = _HF_TO_OURS[rest]
+            ours, t = HF_LAYER_NAMES[rest]  # (the map itself is checked by the parity tests)
             expected.setdefault(ours, [None] * 2)[int(idx)] = v.T if t else v
     arrays = {k: np.stack(v) for k, v in expected.items()}
     arrays["embed"] = sd["model.embed_tokens.weight"]
