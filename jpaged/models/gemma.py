@@ -92,20 +92,24 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str],
                      rope_freqs: np.ndarray | None = None) -> ModelConfig:
-    """ModelConfig from GGUF metadata of architecture gemma2 or gemma3.  llama.cpp
-    does not store what it hard-codes: the layer pattern (Gemma 2 alternates,
-    Gemma 3 puts a global layer every 6th), Gemma 3's local RoPE base (10000)
-    and the query scale (head_dim; hidden_size / heads for the 46-layer Gemma 2 27B)."""
+    """ModelConfig from GGUF metadata of architecture gemma2 or gemma3.  What
+    llama.cpp hard-codes rather than stores is filled in as llama.cpp does: the
+    layer pattern (Gemma 2 alternates, Gemma 3 puts a global layer every 6th;
+    no window key: every layer global), Gemma 3's local RoPE base (10000),
+    Gemma 2's caps when absent (50 and 30) and the query scale (head_dim, but
+    hidden_size / heads for the 27B models: 46-layer Gemma 2, 62-layer Gemma 3)."""
     arch = meta["general.architecture"]
     base = gguf_base_config(meta, tensor_names, rope_freqs)
     g = lambda key: meta.get(f"{arch}.{key}")  # noqa: E731
     gemma3 = arch == "gemma3"
-    pre_attn = base["hidden_size"] / base["num_heads"] if arch == "gemma2" and base["num_layers"] == 46 \
-        else base["head_dim"]
+    is_27b = (arch, base["num_layers"]) in {("gemma2", 46), ("gemma3", 62)}
+    pre_attn = base["hidden_size"] / base["num_heads"] if is_27b else base["head_dim"]
+    window = g("attention.sliding_window")
+    caps = (None, None) if gemma3 else (g("attn_logit_softcapping") or 50.0, g("final_logit_softcapping") or 30.0)
     return ModelConfig(
-        **base, architecture="gemma", qk_norm=gemma3, sliding_window=int(g("attention.sliding_window")),
+        **base, architecture="gemma", qk_norm=gemma3, sliding_window=int(window) if window else None,
         layer_types=_layer_types(base["num_layers"], GEMMA3_SLIDING_PATTERN if gemma3 else 2),
-        attn_logit_softcap=g("attn_logit_softcapping"), final_logit_softcap=g("final_logit_softcapping"),
+        attn_logit_softcap=caps[0], final_logit_softcap=caps[1],
         query_pre_attn_scalar=pre_attn, rope_local_theta=10000.0 if gemma3 else None,
         hidden_act="gelu_tanh")
 
