@@ -22,7 +22,7 @@ from flax import nnx
 
 from jpaged.block_manager import NULL_BLOCK
 from jpaged.kv_pool import create_kv_pool
-from jpaged.model import StepMetadata, forward
+from jpaged.models.base import StepMetadata, forward
 from jpaged.sampling import SamplingArrays, greedy
 from jpaged.sampling import sample as _sample
 from pallas_kernels.reference import token_layout

@@ -26,7 +26,8 @@ from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, apply
                            default_config, validate_config)
 from jpaged.block_manager import BlockManager
 from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
-from jpaged.model import Llama, split_model
+from jpaged.models import build_model
+from jpaged.models.base import split_model
 from jpaged.model_runner import ModelRunner
 from jpaged.scheduler import Scheduler, SchedulerOutput
 from jpaged.stats import EngineStats
@@ -124,8 +125,8 @@ class LLM:
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.graphdef, self.params = split_model(Llama(loaded.config, loaded.arrays, self.dtype,
-                                                       scan_layers=self.scan_layers))
+        self.graphdef, self.params = split_model(build_model(loaded.config, loaded.arrays, self.dtype,
+                                                             scan_layers=self.scan_layers))
         weight_bytes = sum(a.nbytes for a in loaded.arrays.values())
         loaded.arrays = {}  # the device copy in self.params is the one we keep
         self.num_blocks = num_blocks_for(

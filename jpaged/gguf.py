@@ -1,6 +1,7 @@
-"""GGUF, llama.cpp's model file: its metadata and memory-mapped tensors, what its
-names mean for a Llama-family model, and undoing its quantisation and Q/K row
-permutation.  Its own module so the tokenizer and the weight loader share it."""
+"""GGUF, llama.cpp's model file: its metadata and memory-mapped tensors, the
+config fields every architecture stores alike, tensor-name lookup, and undoing
+its quantisation and Q/K row permutation.  Its own module so the tokenizer and
+the weight loader share it; each family in `jpaged.models` names its tensors."""
 
 from __future__ import annotations
 
@@ -120,36 +121,16 @@ def _gguf_tensor_data(buf: np.ndarray, start: int, dims: list[int], ttype: int,
     return buf[start:end].reshape(byte_shape)
 
 
-# llama.cpp per-layer tensor name -> (our stacked name, transpose?)
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": ("layers.attn_norm", False),
-    "ffn_norm.weight": ("layers.mlp_norm", False),
-    "attn_q.weight": ("layers.wq", True),
-    "attn_k.weight": ("layers.wk", True),
-    "attn_v.weight": ("layers.wv", True),
-    "attn_output.weight": ("layers.wo", True),
-    "ffn_gate.weight": ("layers.w_gate", True),
-    "ffn_up.weight": ("layers.w_up", True),
-    "ffn_down.weight": ("layers.w_down", True),
-    "attn_q.bias": ("layers.bq", False),
-    "attn_k.bias": ("layers.bk", False),
-    "attn_v.bias": ("layers.bv", False),
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": ("embed", False),
-    "output_norm.weight": ("final_norm", False),
-    "output.weight": ("lm_head", True),
-}
-
-
-def tensor_target(name: str) -> tuple[str | None, int | None, bool]:
-    """llama.cpp tensor name -> (our name, layer index or None, transpose?)."""
-    if name in _GGUF_GLOBAL_NAMES:
-        ours, transpose = _GGUF_GLOBAL_NAMES[name]
+def tensor_target(name: str, layer_names: dict[str, tuple[str, bool]],
+                  global_names: dict[str, tuple[str, bool]]) -> tuple[str | None, int | None, bool]:
+    """llama.cpp tensor name -> (our name, layer index or None, transpose?), by a
+    family's maps of global names and of per-layer names (after "blk.N.")."""
+    if name in global_names:
+        ours, transpose = global_names[name]
         return ours, None, transpose
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        ours, transpose = _GGUF_LAYER_NAMES[parts[2]]
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        ours, transpose = layer_names[parts[2]]
         return ours, int(parts[1]), transpose
     return None, None, False
 
@@ -165,17 +146,16 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None = None
-                ) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.*` keys) and the tensors present."""
+def gguf_base_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None = None
+                     ) -> dict[str, Any]:
+    """The ModelConfig fields every llama.cpp architecture stores alike (`{arch}.*`
+    keys); a family adds its own and sets `architecture`."""
     arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; jpaged supports llama, qwen2, mistral")
     g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     head_dim = int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads)
     vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    cfg = ModelConfig(
+    fields = dict(
         vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv") or heads), head_dim=head_dim,
@@ -183,13 +163,11 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs: np.nda
         rope_theta=_f32(g("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(meta, arch),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
         max_position_embeddings=int(g("context_length", 4096)),
-        architecture="qwen2" if arch == "qwen2" else "llama",
     )
     if rope_freqs is not None:
-        cfg = _llama3_scaling_from_rope_freqs(cfg, rope_freqs)
-    return cfg
+        fields["rope_scaling"] = _llama3_scaling_from_rope_freqs(ModelConfig(**fields), rope_freqs)
+    return fields
 
 
 def _f32(x: float) -> float:
@@ -207,7 +185,8 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> tuple[tuple[str, Any]
     raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
 
 
-def _llama3_scaling_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray) -> ModelConfig:
+def _llama3_scaling_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray
+                                    ) -> tuple[tuple[str, Any], ...] | None:
     """Llama 3.1+ GGUFs store RoPE scaling as per-frequency divisors (`rope_freqs.weight`).
 
     Our config describes it by Llama 3's parameters instead, so recover them: the
@@ -216,14 +195,14 @@ def _llama3_scaling_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray) ->
     """
     factor = float(np.max(rope_freqs))
     if np.allclose(rope_freqs, 1.0):
-        return cfg
+        return cfg.rope_scaling
     for low, high, orig in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 32768)):
         scaling = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                    "original_max_position_embeddings": orig, "rope_type": "llama3"}
         trial = dataclasses.replace(cfg, rope_scaling=tuple(sorted(scaling.items())))
         base = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
         if np.allclose(base / rope_inv_freq(trial), rope_freqs, rtol=1e-3):
-            return trial
+            return trial.rope_scaling
     raise NotImplementedError("GGUF rope_freqs.weight does not match Llama 3 RoPE scaling")
 
 

@@ -1,6 +1,10 @@
-"""A Llama-family architecture as plain data: its config, the names and shapes
-of its weights and its RoPE frequencies.  No jax here, so that loaders, sizing
-and host-side code can describe a model without importing the device stack."""
+"""A decoder's architecture as plain data: its config and its RoPE frequencies.
+
+One dataclass for every family (`jpaged.models`): the Llama fields plus the
+optional features other families switch on (q/k norms, sliding windows, soft
+caps).  Each family parses its own config.json / GGUF metadata into it and
+names its own weights.  No jax here, so that sizing and host code can describe
+a model without importing the device stack."""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (the fields of a HF config.json)."""
+    """Architecture of a decoder-only transformer (the fields of a HF config.json)."""
 
     vocab_size: int
     hidden_size: int
@@ -28,83 +34,72 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k and v projections
     max_position_embeddings: int = 4096
-    architecture: str = "llama"
+    architecture: str = "llama"   # the family in jpaged.models that runs it
+    # Features of other families (off for Llama):
+    qk_norm: bool = False                       # RMSNorm on each head of q and k (Qwen3, Gemma 3)
+    sliding_window: int | None = None           # keys a sliding-window layer sees (itself included)
+    layer_types: tuple[str, ...] | None = None  # SLIDING or FULL per layer; None: every layer
+    #                                             sliding if sliding_window is set, else full
+    attn_logit_softcap: float | None = None     # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None    # the same on the output logits (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # softmax scale is its -1/2 power (default head_dim)
+    rope_local_theta: float | None = None       # RoPE base of sliding layers (Gemma 3)
+    hidden_act: str = "silu"                    # silu | gelu_tanh (the gated MLP's activation)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Builds a config from a Hugging Face `config.json` dictionary."""
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported model_type {model_type!r} (architectures {archs}); "
-                             "jpaged supports llama, qwen2 and mistral")
-        num_heads = hf["num_attention_heads"]
-        scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Inverse of dataclasses.asdict after a JSON round trip (lists back to tuples)."""
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
+        return cls(**d)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None for global attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+
+def hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling items) from a HF config.json, old style
+    (`rope_scaling` + `rope_theta`) or new (`rope_parameters`)."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling") or params
+    theta = hf.get("rope_theta")
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    if scaling is not None:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+        elif kind not in ("llama3", "linear"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r}")
         if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind == "default":
-                scaling = None
-            elif kind not in ("llama3", "linear"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}")
-            if scaling is not None:
-                scaling["rope_type"] = kind
-                scaling.pop("type", None)
-                scaling.pop("rope_theta", None)
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
-            rope_theta = hf["rope_parameters"].get("rope_theta")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            architecture=model_type,
-        )
+            scaling["rope_type"] = kind
+            scaling.pop("type", None)
+            scaling.pop("rope_theta", None)
+    return float(theta or 10000.0), tuple(sorted(scaling.items())) if scaling else None
 
 
-# Names and shapes of every weight; loaders produce exactly these arrays
-# (numpy, float32 or the target dtype).  `layers.*` carry a leading num_layers
-# axis (the model keeps one array per layer; loaders stack for simplicity).
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    L, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {
-        "embed": (cfg.vocab_size, d),
-        "final_norm": (d,),
-        "layers.attn_norm": (L, d),
-        "layers.wq": (L, d, q),
-        "layers.wk": (L, d, kv),
-        "layers.wv": (L, d, kv),
-        "layers.wo": (L, q, d),
-        "layers.mlp_norm": (L, d),
-        "layers.w_gate": (L, d, f),
-        "layers.w_up": (L, d, f),
-        "layers.w_down": (L, f, d),
-    }
-    if cfg.attention_bias:
-        shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    return shapes
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies, with Llama 3 / linear scaling applied as in HF."""
+def rope_inv_freq(cfg: ModelConfig, *, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies, with Llama 3 / linear scaling applied as in HF.
+    `local`: those of sliding-window layers (base rope_local_theta, unscaled)."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if cfg.rope_scaling is None:
+    theta, rope_scaling = (cfg.rope_local_theta, None) if local else (cfg.rope_theta, cfg.rope_scaling)
+    inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if rope_scaling is None:
         return inv_freq.astype(np.float32)
-    s = dict(cfg.rope_scaling)
+    s = dict(rope_scaling)
     if s["rope_type"] == "linear":
         return (inv_freq / s["factor"]).astype(np.float32)
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]

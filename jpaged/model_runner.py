@@ -23,7 +23,8 @@ from flax import nnx
 
 from jpaged.decode import generate_step
 from jpaged.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
-from jpaged.model import ModelConfig, StepMetadata
+from jpaged.model_config import ModelConfig
+from jpaged.models.base import StepMetadata
 from jpaged.rounding import cdiv, next_pow2
 from jpaged.sampling import SamplingArrays
 from jpaged.scheduler import ScheduledSeq, SchedulerOutput

@@ -27,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from jpaged.model_config import ModelConfig, weight_shapes
+from jpaged.model_config import ModelConfig
+from jpaged.models import weight_shapes
 from jpaged.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 # Bump when the converted layout changes, to orphan old cache entries.
 # 2: meta.json records checksums of every array and file (see read_cache).
-CACHE_VERSION = 2
+# 3: config.json's `architecture` names the jpaged.models family.
+CACHE_VERSION = 3
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -218,9 +220,7 @@ def read_cache(entry: pathlib.Path, *, verify: bool = True
     if verify:
         _verify_files(entry, meta["files"])
     cfg_dict = json.loads((entry / "config.json").read_text())
-    if cfg_dict.get("rope_scaling") is not None:  # json turned the frozen tuple pairs into lists
-        cfg_dict["rope_scaling"] = tuple(tuple(kv) for kv in cfg_dict["rope_scaling"])
-    cfg = ModelConfig(**cfg_dict)
+    cfg = ModelConfig.from_dict(cfg_dict)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore((entry / "arrays").absolute())

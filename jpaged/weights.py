@@ -1,6 +1,7 @@
 """Weight loading: GGUF files, Hugging Face checkpoints, random weights, and a cache.
 
-Every loader returns arrays named and shaped as `jpaged.model_config.weight_shapes(cfg)`:
+Every loader returns arrays named and shaped as `jpaged.models.weight_shapes(cfg)`
+(the family's names):
 matrices stored [in, out] (the transpose of torch's `nn.Linear.weight`), layer
 weights stacked on a leading `num_layers` axis, Q/K in Hugging Face's rotate-half
 RoPE layout.
@@ -29,8 +30,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jpaged.gguf import dequantize, gguf_config, read_gguf, tensor_target, unpermute_qk
-from jpaged.model_config import ModelConfig, weight_shapes
+from jpaged import models
+from jpaged.gguf import dequantize, read_gguf, tensor_target
+from jpaged.model_config import ModelConfig
 from jpaged.tokenizer import Tokenizer
 from jpaged.weight_cache import clean_tmp_dirs, default_cache_dir, entry_key, gist, read_cache, save_cache
 
@@ -81,27 +83,23 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
     """
     meta, tensors = read_gguf(path)
     rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    arch = meta.get("general.architecture")
+    fam = models.gguf_family(str(arch))
     try:
-        cfg = gguf_config(meta, set(tensors), rope_freqs)
+        cfg = fam.config_from_gguf(meta, set(tensors), rope_freqs)
     except (KeyError, TypeError) as e:  # a GGUF, but not of a model: keys missing or of the wrong kind
         raise ValueError(f"{path}: GGUF metadata does not describe a model ({type(e).__name__}: {e})") from None
-    shapes = weight_shapes(cfg)
     out_dtype = to_numpy_dtype(dtype)
-    arrays = {name: np.empty(shape, out_dtype) for name, shape in shapes.items()}
-    permute_qk = meta["general.architecture"] in ("llama", "mistral")  # qwen2 is stored unpermuted
+    arrays = {name: np.empty(shape, out_dtype) for name, shape in fam.weight_shapes(cfg).items()}
     filled: set[tuple[str, int]] = set()
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":
             continue
-        ours, layer, transpose = tensor_target(name)
+        ours, layer, transpose = tensor_target(name, fam.GGUF_LAYER_NAMES, fam.GGUF_GLOBAL_NAMES)
         if ours is None:
             log.warning("ignoring unknown GGUF tensor %s", name)
             continue
-        w = dequantize(tensor)
-        if permute_qk and ours in ("layers.wq", "layers.bq"):
-            w = unpermute_qk(w, cfg.num_heads)
-        elif permute_qk and ours in ("layers.wk", "layers.bk"):
-            w = unpermute_qk(w, cfg.num_kv_heads)
+        w = fam.from_gguf_tensor(ours, dequantize(tensor), cfg, arch)
         w = w.T if transpose else w
         dst = arrays[ours] if layer is None else arrays[ours][layer]
         if dst.shape != w.shape:
@@ -123,25 +121,6 @@ def _check_filled(arrays: dict[str, np.ndarray], filled: set[tuple[str, int]], c
 
 
 # =========================================================== Hugging Face dirs
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": ("layers.attn_norm", False),
-    "post_attention_layernorm.weight": ("layers.mlp_norm", False),
-    "self_attn.q_proj.weight": ("layers.wq", True),
-    "self_attn.k_proj.weight": ("layers.wk", True),
-    "self_attn.v_proj.weight": ("layers.wv", True),
-    "self_attn.o_proj.weight": ("layers.wo", True),
-    "mlp.gate_proj.weight": ("layers.w_gate", True),
-    "mlp.up_proj.weight": ("layers.w_up", True),
-    "mlp.down_proj.weight": ("layers.w_down", True),
-    "self_attn.q_proj.bias": ("layers.bq", False),
-    "self_attn.k_proj.bias": ("layers.bk", False),
-    "self_attn.v_proj.bias": ("layers.bv", False),
-}
-_HF_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": ("embed", False),
-    "model.norm.weight": ("final_norm", False),
-    "lm_head.weight": ("lm_head", True),
-}
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -208,13 +187,15 @@ def load_hf_dir(path: str | os.PathLike, dtype: Any = np.float32
                 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Loads a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
     path = pathlib.Path(path)
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    hf = json.loads((path / "config.json").read_text())
+    fam = models.hf_family(hf.get("model_type", "llama"))
+    cfg = fam.config_from_hf(hf)
     out_dtype = to_numpy_dtype(dtype)
-    arrays = {name: np.empty(shape, out_dtype) for name, shape in weight_shapes(cfg).items()}
+    arrays = {name: np.empty(shape, out_dtype) for name, shape in fam.weight_shapes(cfg).items()}
     filled: set[tuple[str, int]] = set()
     for file in _hf_safetensor_files(path):
         for name, w in read_safetensors(file).items():
-            ours, layer, transpose = _hf_target(name)
+            ours, layer, transpose = _hf_target(name, fam)
             if ours is None or ours not in arrays:  # e.g. a tied lm_head copy, rotary buffers
                 continue
             w = w.T if transpose else w
@@ -227,13 +208,14 @@ def load_hf_dir(path: str | os.PathLike, dtype: Any = np.float32
     return cfg, arrays
 
 
-def _hf_target(name: str) -> tuple[str | None, int | None, bool]:
-    if name in _HF_GLOBAL_NAMES:
-        ours, transpose = _HF_GLOBAL_NAMES[name]
+def _hf_target(name: str, fam: Any) -> tuple[str | None, int | None, bool]:
+    """Checkpoint name -> (our name, layer index or None, transpose?) by the family's maps."""
+    if name in fam.HF_GLOBAL_NAMES:
+        ours, transpose = fam.HF_GLOBAL_NAMES[name]
         return ours, None, transpose
     parts = name.split(".", 3)  # model.layers.N.rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_LAYER_NAMES:
-        ours, transpose = _HF_LAYER_NAMES[parts[3]]
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in fam.HF_LAYER_NAMES:
+        ours, transpose = fam.HF_LAYER_NAMES[parts[3]]
         return ours, int(parts[2]), transpose
     return None, None, False
 
@@ -250,7 +232,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> d
     out_dtype = to_numpy_dtype(dtype)
     half_width = np.float32(0.02 * np.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
     arrays = {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in models.weight_shapes(cfg).items():
         if name.endswith("norm"):
             arrays[name] = np.ones(shape, out_dtype)
             continue
@@ -340,7 +322,7 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
 
     if fmt == "dummy":
         config_file = path / "config.json" if path.is_dir() else path
-        cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+        cfg = models.config_from_hf(json.loads(config_file.read_text()))
         arrays = dummy_weights(cfg, seed=seed, dtype=np_dtype)
         tokenizer = _hf_tokenizer(config_file.parent)
         return LoadedWeights(cfg, arrays, tokenizer, f"dummy:{config_file}", time.perf_counter() - t0, False,

@@ -54,10 +54,27 @@ def _make_tiny(kind: str, root: pathlib.Path):
     if kind == "qwen2":  # q/k/v bias, tied embeddings
         cfg = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True, rope_theta=1e6)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":  # q/k norms, head_dim set apart from hidden_size / heads
+        cfg = transformers.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "gemma2":  # alternating window-8 and global layers, both soft caps
+        cfg = transformers.Gemma2Config(**{**TINY_COMMON, "num_hidden_layers": 4}, head_dim=16,
+                                        sliding_window=8, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                                        attn_implementation="eager")
+        model = transformers.Gemma2ForCausalLM(cfg)
+    elif kind == "gemma3":  # q/k norms, 2 sliding layers per global one, local RoPE base
+        cfg = transformers.Gemma3TextConfig(
+            **{**TINY_COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}},
+            attn_implementation="eager")
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:  # llama 3 RoPE scaling, untied lm_head
         cfg = transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
         model = transformers.LlamaForCausalLM(cfg)
-    _randomize(model, torch, seed=1 if kind == "qwen2" else 0)
+    _randomize(model, torch, seed=TINY_KINDS.index(kind))
     model = model.float().eval()
     out = root / kind
     model.save_pretrained(out, safe_serialization=True)
@@ -69,16 +86,17 @@ def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny-hf")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tiny_root):
-    """(checkpoint dir, HF torch model) of a tiny random Llama with llama3 rope_scaling, untied."""
-    return _make_tiny("llama", tiny_root)
+def _tiny_fixture(kind: str):
+    """A session fixture `tiny_<kind>`: (checkpoint dir, HF torch model) of a tiny
+    random checkpoint (see _make_tiny for what each one exercises)."""
+    @pytest.fixture(scope="session", name=f"tiny_{kind}")
+    def fixture(tiny_root):
+        return _make_tiny(kind, tiny_root)
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2(tiny_root):
-    """(checkpoint dir, HF torch model) of a tiny random Qwen2 with q/k/v bias, tied embeddings."""
-    return _make_tiny("qwen2", tiny_root)
+TINY_KINDS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+tiny_llama, tiny_qwen2, tiny_qwen3, tiny_gemma2, tiny_gemma3 = map(_tiny_fixture, TINY_KINDS)
 
 
 @pytest.fixture(scope="session")

@@ -34,9 +34,14 @@ def hf_greedy(model, prompt: list[int], n: int, eos_token_id=None) -> tuple[list
     return out[0, len(prompt):].tolist(), float((top2[:, 0] - top2[:, 1]).min())
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny_pair(request):
-    """(jpaged LLM, HF model) for the tiny Llama (llama3 RoPE, untied) and Qwen2 (bias, tied)."""
+    """(jpaged LLM, HF model) for each tiny checkpoint of conftest: Llama (llama3 RoPE,
+    untied), Qwen2 (bias, tied), Qwen3 (q/k norms), Gemma 2 (window 8 alternating
+    with global layers, soft caps), Gemma 3 (q/k norms, 2 sliding : 1 global, local RoPE)."""
     from helpers import TINY_ENGINE
     from jpaged.engine import LLM
     path, hf = request.getfixturevalue(f"tiny_{request.param}")
@@ -46,13 +51,26 @@ def tiny_pair(request):
 
 
 def test_tiny_config_features(tiny_pair):
+    """Each checkpoint switches on the features it is there to test."""
     llm, hf = tiny_pair
-    cfg = llm.model_config
-    if cfg.architecture == "qwen2":
-        assert cfg.attention_bias and cfg.tie_word_embeddings and cfg.rope_scaling is None
-    else:
+    cfg, kind = llm.model_config, hf.config.model_type
+    assert cfg.architecture == {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "gemma2": "gemma",
+                                "gemma3_text": "gemma"}[kind]
+    if kind == "llama":
         assert dict(cfg.rope_scaling)["rope_type"] == "llama3" and not cfg.tie_word_embeddings
         assert cfg.rope_theta == 500000.0
+    elif kind == "qwen2":
+        assert cfg.attention_bias and cfg.tie_word_embeddings and cfg.rope_scaling is None
+    elif kind == "qwen3":
+        assert cfg.qk_norm and cfg.head_dim * cfg.num_heads != cfg.hidden_size
+    else:
+        windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+        assert windows == ([8, None] * 2 if kind == "gemma2" else [8, 8, None])
+        assert max(PROMPT_LENGTHS) > 2 * cfg.sliding_window  # prompts reach far past the window
+        if kind == "gemma2":
+            assert cfg.attn_logit_softcap == 5.0 and cfg.final_logit_softcap == 10.0
+        else:
+            assert cfg.qk_norm and cfg.rope_local_theta == 10000.0 and cfg.rope_scaling is not None
 
 
 def test_tiny_greedy_matches_hf_generate(tiny_pair):

@@ -11,25 +11,10 @@ import numpy as np
 import pytest
 
 from jpaged.gguf import gguf_metadata, read_gguf
-from jpaged.model import Llama, ModelConfig, weight_shapes
+from jpaged.models import config_from_hf, weight_shapes
+from jpaged.models.llama import HF_LAYER_NAMES, Llama
 from jpaged.tokenizer import Tokenizer
 from jpaged.weights import dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir, load_weights
-
-# HF parameter name pattern -> (our name, transpose?) used to build the expected arrays.
-_HF_TO_OURS = {
-    "input_layernorm.weight": ("layers.attn_norm", False),
-    "post_attention_layernorm.weight": ("layers.mlp_norm", False),
-    "self_attn.q_proj.weight": ("layers.wq", True),
-    "self_attn.k_proj.weight": ("layers.wk", True),
-    "self_attn.v_proj.weight": ("layers.wv", True),
-    "self_attn.o_proj.weight": ("layers.wo", True),
-    "mlp.gate_proj.weight": ("layers.w_gate", True),
-    "mlp.up_proj.weight": ("layers.w_up", True),
-    "mlp.down_proj.weight": ("layers.w_down", True),
-    "self_attn.q_proj.bias": ("layers.bq", False),
-    "self_attn.k_proj.bias": ("layers.bk", False),
-    "self_attn.v_proj.bias": ("layers.bv", False),
-}
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -65,7 +50,7 @@ def _tiny_hf_model(kind: str, tmp_path: pathlib.Path, *, dtype: str = "float32",
     for k, v in sd.items():
         if k.startswith("model.layers."):
             _, _, idx, rest = k.split(".", 3)
-            ours, t = _HF_TO_OURS[rest]
+            ours, t = HF_LAYER_NAMES[rest]  # (the map itself is checked by the parity tests)
             expected.setdefault(ours, [None] * 2)[int(idx)] = v.T if t else v
     arrays = {k: np.stack(v) for k, v in expected.items()}
     arrays["embed"] = sd["model.embed_tokens.weight"]
@@ -95,7 +80,7 @@ def test_load_hf_dir_matches_state_dict(kind, tmp_path):
     assert cfg.vocab_size == 256 and cfg.intermediate_size == 128
     assert cfg.tie_word_embeddings == (kind == "qwen2")
     assert cfg.attention_bias == (kind == "qwen2")
-    assert cfg.architecture == ("qwen2" if kind == "qwen2" else "llama")
+    assert cfg.architecture == "llama"  # the family: Llama, Mistral and Qwen2 alike
     if kind == "llama3":
         assert dict(cfg.rope_scaling) == LLAMA3_ROPE and cfg.rope_theta == 500000.0
     else:
@@ -273,7 +258,7 @@ def test_dummy_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     lw = load_weights(str(tmp_path), load_format="dummy", dtype="bfloat16")
     cfg = lw.config
-    assert cfg == ModelConfig.from_hf(hf) and lw.tokenizer is None and not lw.from_cache
+    assert cfg == config_from_hf(hf) and lw.tokenizer is None and not lw.from_cache
     assert {k: v.shape for k, v in lw.arrays.items()} == weight_shapes(cfg)
     assert all(v.dtype == ml_dtypes.bfloat16 for v in lw.arrays.values())
     w = dummy_weights(cfg, seed=1)

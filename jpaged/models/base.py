@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) in Flax NNX.
+"""What every family shares: the step's metadata, norms, RoPE, the paged
+attention call and the `Decoder` base (embedding, layer loop, LM head).
 
 A step is one flat ragged batch of tokens [T]: the new tokens of several
 sequences (prefill chunks and decode tokens alike) back to back.  Every matmul
@@ -27,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.model_config import ModelConfig, rope_inv_freq, weight_shapes
+from jpaged.model_config import ModelConfig, rope_inv_freq
+from jpaged.models import weight_shapes
 from pallas_kernels import Backend, get_backend
 
 
@@ -67,31 +69,62 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in fp32; Gemma scales by (offset + weight) with offset 1."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+    return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-class Llama(nnx.Module):
-    """Decoder-only Llama-family transformer over one flat ragged batch of tokens.
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
-    `scan_layers=False` keeps one set of weight arrays per layer and unrolls the
-    layer loop at trace time; `True` stacks them ([num_layers, ...]) and runs a
-    `lax.scan` over layers (one layer traced; see the module docstring for its cost).
+
+def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array | int,
+                    window: int | None, kv_pool: jax.Array, meta: StepMetadata, backend: Backend
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Writes this step's k, v [T, kv_heads, head_dim] into the pool, then attends
+    q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool)."""
+    kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
+    extra = {} if window is None and cfg.attn_logit_softcap is None else dict(  # TODO(merge kernels)
+        sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+    out = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
+                            sm_scale=cfg.sm_scale, **extra)
+    return out.reshape(q.shape[0], -1), kv_pool
+
+
+def check_weights(arrays: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise ValueError(f"weights missing: {missing}")
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(arrays[name].shape)}, expected {shape}")
+
+
+class Decoder(nnx.Module):
+    """Embedding, a loop over layers and the LM head over one flat ragged batch.
+
+    A family subclasses it with `layer()` (one block: norms, attention, MLP)
+    and, where it differs, `embed_tokens()` and `norm_offset`.  Weights
+    are named as the family's `weight_shapes(cfg)` (cfg.architecture); `layers.*` arrays carry a
+    leading num_layers axis.  `scan_layers=False` keeps one set of arrays per
+    layer and unrolls the loop at trace time; `True` keeps them stacked and runs
+    a `lax.scan` (one layer traced), which needs every layer to attend alike.
     """
+
+    norm_offset = 0.0  # RMSNorm scales by (norm_offset + weight)
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
                  scan_layers: bool = False):
+        expected = weight_shapes(cfg)
+        check_weights(arrays, expected)
+        windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
+        if scan_layers and len(windows) > 1:
+            raise ValueError(f"layer_loop='scan' needs every layer to attend alike; {cfg.architecture} "
+                             "mixes sliding-window and global layers: use layer_loop='unroll'")
         self.cfg = cfg
         self.scan_layers = scan_layers
-        expected = weight_shapes(cfg)
-        missing = sorted(set(expected) - set(arrays))
-        if missing:
-            raise ValueError(f"weights missing: {missing}")
-        for name, shape in expected.items():
-            if tuple(arrays[name].shape) != shape:
-                raise ValueError(f"weight {name} has shape {tuple(arrays[name].shape)}, expected {shape}")
         as_param = lambda name: nnx.Param(jnp.asarray(arrays[name], dtype=dtype))  # noqa: E731
         self.embed = as_param("embed")
         self.final_norm = as_param("final_norm")
@@ -105,26 +138,21 @@ class Llama(nnx.Module):
                           for n in layer_names})
                 for i in range(cfg.num_layers)])
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+        local = cfg.rope_local_theta is not None
+        self.inv_freq_local = nnx.Variable(jnp.asarray(rope_inv_freq(cfg, local=True))) if local else None
 
-    def _layer(self, h: jax.Array, w: dict[str, jax.Array], layer: jax.Array | int,
-               kv_pool: jax.Array, meta: StepMetadata, rope: tuple[jax.Array, jax.Array],
-               backend: Backend) -> tuple[jax.Array, jax.Array]:
-        cfg = self.cfg
-        T = h.shape[0]
-        x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        q = apply_rope(q.reshape(T, cfg.num_heads, cfg.head_dim), *rope)
-        k = apply_rope(k.reshape(T, cfg.num_kv_heads, cfg.head_dim), *rope)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
-        attn = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens,
-                                 meta.cu_q_lens, sm_scale=None)
-        h = h + attn.reshape(T, -1).astype(h.dtype) @ w["wo"]
-        x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-        h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
-        return h, kv_pool
+    def layer(self, h: jax.Array, w: dict[str, jax.Array], layer: jax.Array | int, kv_pool: jax.Array,
+              meta: StepMetadata, rope: tuple[jax.Array, jax.Array], backend: Backend
+              ) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.embed[...][tokens]
+
+    def final_norm_logits(self, h: jax.Array) -> jax.Array:
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, self.norm_offset)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (h @ head).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
                  *, attention_impl: str = "reference", logits: str = "last"
@@ -135,29 +163,35 @@ class Llama(nnx.Module):
         at meta.logits_indices (the only ones a step samples from: the LM head
         never runs on the other tokens); `"all"` returns [T, vocab].
         """
-        backend = get_backend(attention_impl)
-        h = self.embed[...][tokens]
+        cfg, backend = self.cfg, get_backend(attention_impl)
+        h = self.embed_tokens(tokens)
         rope = rope_angles(meta.positions, self.inv_freq[...])
+        local_rope = rope if self.inv_freq_local is None else rope_angles(meta.positions,
+                                                                          self.inv_freq_local[...])
         if self.scan_layers:
             def body(carry, xs):
                 (h, pool), (w, layer) = carry, xs
-                return self._layer(h, w, layer, pool, meta, rope, backend), None
+                return self.layer(h, w, layer, pool, meta, rope, backend), None
 
+            if cfg.layer_window(0) is not None:  # every layer slides (checked in __init__)
+                rope = local_rope
             stacked = {name: p[...] for name, p in self.layers.items()}
-            (h, kv_pool), _ = jax.lax.scan(body, (h, kv_pool),
-                                           (stacked, jnp.arange(self.cfg.num_layers)))
+            (h, kv_pool), _ = jax.lax.scan(body, (h, kv_pool), (stacked, jnp.arange(cfg.num_layers)))
         else:
             for layer, weights in enumerate(self.layers):
                 w = {name: p[...] for name, p in weights.items()}
-                h, kv_pool = self._layer(h, w, layer, kv_pool, meta, rope, backend)
+                layer_rope = local_rope if cfg.layer_window(layer) is not None else rope
+                h, kv_pool = self.layer(h, w, layer, kv_pool, meta, layer_rope, backend)
         if logits == "last":
             h = h[meta.logits_indices]
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return (h @ head).astype(jnp.float32), kv_pool
+        return soft_cap(self.final_norm_logits(h), cfg.final_logit_softcap), kv_pool
+
+    def window(self, layer: jax.Array | int) -> int | None:
+        """The static sliding window of `layer` (the same for all layers under scan)."""
+        return self.cfg.layer_window(layer if isinstance(layer, int) else 0)
 
 
-def split_model(model: Llama) -> tuple[nnx.GraphDef, nnx.State]:
+def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
     """Splits once at load time; the step functions take (graphdef, state)."""
     return nnx.split(model)
 
@@ -168,5 +202,3 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
     """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool)."""
     model = nnx.merge(graphdef, params)
     return model(tokens, meta, kv_pool, attention_impl=attention_impl, logits=logits)
-
-

@@ -1,0 +1,66 @@
+"""Model families, one file each, found by Hugging Face `model_type` or GGUF architecture.
+
+A family file holds everything about its architecture:
+
+    config_from_hf(hf) / config_from_gguf(meta, tensor_names, rope_freqs) -> ModelConfig
+    weight_shapes(cfg)                     our weight names and shapes
+    HF_LAYER_NAMES, HF_GLOBAL_NAMES        checkpoint name -> (our name, transpose?)
+    GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES    the same for llama.cpp names
+    from_gguf_tensor(ours, w, cfg, arch)   undoes llama.cpp's conversions of a tensor
+    Model                                  the flax module (a `base.Decoder`)
+
+This registry imports a family only when asked for it, so loading the registry
+loads no jax; the family files hold flax modules and do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from jpaged.model_config import ModelConfig
+
+# family -> (HF model_types, GGUF architectures) it runs
+FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "llama": (("llama", "mistral", "qwen2"), ("llama", "qwen2")),
+    "qwen3": (("qwen3",), ("qwen3",)),
+    "gemma": (("gemma2", "gemma3_text"), ("gemma2", "gemma3")),
+}
+
+
+def family(name: str) -> ModuleType:
+    """The family module `jpaged.models.<name>` (a ModelConfig's `architecture`)."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; jpaged has {sorted(FAMILIES)}")
+    return importlib.import_module(f"jpaged.models.{name}")
+
+
+def _family_of(key: str, which: int, what: str) -> ModuleType:
+    for name, keys in FAMILIES.items():
+        if key in keys[which]:
+            return family(name)
+    supported = sorted(k for keys in FAMILIES.values() for k in keys[which])
+    raise ValueError(f"unsupported {what} {key!r}; jpaged supports {', '.join(supported)}")
+
+
+def hf_family(model_type: str) -> ModuleType:
+    return _family_of(model_type, 0, "model_type")
+
+
+def gguf_family(architecture: str) -> ModuleType:
+    return _family_of(architecture, 1, "GGUF architecture")
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a Hugging Face `config.json` dictionary, by its model_type."""
+    return hf_family(hf.get("model_type", "llama")).config_from_hf(hf)
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return family(cfg.architecture).weight_shapes(cfg)
+
+
+def build_model(cfg: ModelConfig, arrays: dict[str, Any], dtype: Any, scan_layers: bool = False) -> Any:
+    """The family's flax module holding `arrays` (named as its weight_shapes) in dtype."""
+    return family(cfg.architecture).Model(cfg, arrays, dtype, scan_layers=scan_layers)
