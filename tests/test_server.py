@@ -220,6 +220,19 @@ def _wait_for(condition, seconds: float, what: str):
     raise AssertionError(f"{what} not within {seconds} s")
 
 
+ABORTED = "vllm:request_success_total{finished_reason=abort}"
+
+
+def wait_back_to_idle_with_one_more_abort(server: Server, idle: dict[str, float]) -> None:
+    """Within a few seconds: nothing running, the KV usage of `idle`, and one abort more."""
+    def back_to_idle():
+        m = server.metrics()
+        return (m["vllm:num_requests_running"] == 0
+                and m["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
+                and m.get(ABORTED, 0) == idle.get(ABORTED, 0) + 1)
+    _wait_for(back_to_idle, 10, "running 0, the idle KV usage and one abort after the client left")
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(ready):
     idle = _wait_for(lambda: (m := ready.metrics())["vllm:num_requests_running"] == 0 and m, 30, "idle")
     stream = ready.client().completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400,
@@ -229,30 +242,16 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(ready):
             break
     assert ready.metrics()["vllm:kv_cache_usage_perc"] > idle["vllm:kv_cache_usage_perc"]
     stream.close()
-    aborted = 'vllm:request_success_total{finished_reason=abort}'
-
-    def back_to_idle():
-        m = ready.metrics()
-        return (m["vllm:num_requests_running"] == 0
-                and m["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
-                and m.get(aborted, 0) == idle.get(aborted, 0) + 1)
-    _wait_for(back_to_idle, 10, "running 0, the idle KV usage and one abort after the disconnect")
+    wait_back_to_idle_with_one_more_abort(ready, idle)
 
 
 def test_client_gone_before_a_whole_answer_aborts_it(ready):
     idle = _wait_for(lambda: (m := ready.metrics())["vllm:num_requests_running"] == 0 and m, 30, "idle")
-    aborted = 'vllm:request_success_total{finished_reason=abort}'
     client = openai.OpenAI(base_url=ready.url + "/v1", api_key="unused", timeout=2, max_retries=0)
     with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
         client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, temperature=0,
                                   extra_body={"ignore_eos": True})
-
-    def back_to_idle():
-        m = ready.metrics()
-        return (m["vllm:num_requests_running"] == 0
-                and m["vllm:kv_cache_usage_perc"] == idle["vllm:kv_cache_usage_perc"]
-                and m.get(aborted, 0) == idle.get(aborted, 0) + 1)
-    _wait_for(back_to_idle, 10, "running 0, the idle KV usage and one abort after the client left")
+    wait_back_to_idle_with_one_more_abort(ready, idle)
 
 
 def test_metrics_parse(ready):
