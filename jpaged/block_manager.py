@@ -148,6 +148,13 @@ class BlockManager:
         self.allocator.free(block)
         self.stats.evictions += 1
 
+    def drop_cached(self) -> int:
+        """Evicts every cached block no sequence holds; returns how many."""
+        n = len(self._evictable)
+        while self._evictable:
+            self._evict_one()
+        return n
+
     def free(self, block: int) -> None:
         rc = self.refcount[block]
         if block == NULL_BLOCK or rc <= 0:
@@ -220,8 +227,9 @@ class BlockManager:
 
     def match(self, seq) -> tuple[list[Any], list[int]]:
         """(handles, blocks) of the longest cached run of seq's leading full blocks.
-        Changes nothing: the caller shares the blocks once it admits seq."""
-        if not self.enable_prefix_caching:
+        Changes nothing: the caller shares the blocks once it admits seq.  A
+        sequence still owing prompt logprobs computes every prompt token."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return [], []
         token_ids, extra = seq.token_ids, seq.extra_keys
         handles, blocks = [], []

@@ -63,6 +63,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.top_p = 1.0
     c.top_k = 0
     c.seed = 0
+    # Requests' logprobs: "raw" (log_softmax of the model's logits, what a trainer
+    # computes) or "processed" (of what was sampled from: temperature, top-k/p applied)
+    c.logprobs_mode = "raw"
     # Attention: reference (jnp) | cpu (C++ kernel) | pallas_gpu | pallas_tpu | auto (by backend)
     c.attention_impl = "auto"
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
@@ -103,6 +106,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 PREFIX_CACHE_INDEXES = ("hash", "radix")
 SCHEDULERS = ("continuous", "static")
 PREEMPTION_MODES = ("recompute", "swap")
+LOGPROBS_MODES = ("raw", "processed")
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
@@ -156,6 +160,7 @@ FIELDS: dict[str, FieldSpec] = {
     # A prompt must leave room for one generated token.
     "max_model_len": _ints(2, INT32_MAX),
     "preemption_mode": _choice(*PREEMPTION_MODES),
+    "logprobs_mode": _choice(*LOGPROBS_MODES),
     "swap_space_gb": _reals(0, math.inf, allowed="a finite number of GiB >= 0"),
     "max_new_tokens": _ints(1, INT32_MAX),
     "temperature": _reals(0, FLOAT32_MAX, allowed="a finite number >= 0 (0: greedy)"),

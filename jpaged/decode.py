@@ -23,7 +23,7 @@ from flax import nnx
 from jpaged.block_manager import NULL_BLOCK
 from jpaged.kv_pool import create_kv_pool
 from jpaged.models.base import StepMetadata, forward
-from jpaged.sampling import SamplingArrays, greedy
+from jpaged.sampling import SamplingArrays, TokenLogprobs, greedy, processed_logits, token_logprobs
 from jpaged.sampling import sample as _sample
 from pallas_kernels.reference import token_layout
 
@@ -75,5 +75,57 @@ def generate_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array,
     return sample(logits, sampling), kv_pool
 
 
+def generate_step_with_logprobs(
+        graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, tokens: jax.Array,
+        meta: StepMetadata, sampling: SamplingArrays | None, prompt_targets: jax.Array | None, *,
+        num_logprobs: int, logprobs_mode: str = "raw", attention_impl: str = "reference"
+        ) -> tuple[jax.Array, TokenLogprobs, TokenLogprobs | None, jax.Array]:
+    """generate_step that also returns log-probabilities (fp32, from the same logits
+    the tokens are sampled from): (next tokens [S], their logprobs and top
+    `num_logprobs` [S], prompt logprobs [T] or None, new kv_pool).
+
+    `logprobs_mode` "raw": log_softmax of the model's logits; "processed": of the
+    logits each row samples from (temperature, top-k / top-p applied; greedy
+    rows raw).  With `prompt_targets[T]` (the token that follows each flat token
+    in its sequence), the LM head runs on every token and the prompt logprobs
+    are those of the targets (always raw: nothing is sampled there).
+    """
+    if logprobs_mode not in ("raw", "processed"):
+        raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+    every = prompt_targets is not None
+    logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
+                                   attention_impl=attention_impl, logits="all" if every else "last")
+    last = logits[meta.logits_indices] if every else logits
+    next_tokens = sample(last, sampling)
+    source = processed_logits(last, sampling) if logprobs_mode == "processed" else last
+    prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
+    return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool
+
+
+def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array,
+          *, block_size: int = 16) -> jax.Array:
+    """Log-probability [B, L - 1] of each next token: entry [b, t] is log p(token_ids[b, t + 1] |
+    token_ids[b, :t + 1]) in fp32, 0 where t + 1 >= lengths[b].
+
+    Pure and jittable, and differentiable in `params` (put it inside a loss under
+    jax.grad).  The caller owns no pool: the function runs all B * L tokens in
+    one causal pass over a private cache laid out contiguously, with the
+    engine's own model code and the reference attention, so its numbers are
+    the engine's raw logprobs.
+    """
+    B, L = token_ids.shape
+    width = -(-L // block_size)
+    model = nnx.merge(graphdef, params)  # for its config and dtype (static)
+    pool = create_kv_pool(model.cfg, num_blocks=1 + B * width, block_size=block_size,
+                          dtype=model.embed[...].dtype)
+    tables = 1 + jnp.arange(B * width, dtype=jnp.int32).reshape(B, width)
+    meta = ragged_metadata(tables, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), B * L, block_size)
+    logits, _ = forward_step(graphdef, params, pool, token_ids.reshape(-1).astype(jnp.int32), meta,
+                             logits="all")
+    logprobs = jax.nn.log_softmax(logits.reshape(B, L, -1)[:, :-1].astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
+
+
 __all__ = ["create_kv_pool", "ragged_metadata", "forward_step", "sample", "generate_step",
-           "SamplingArrays", "StepMetadata"]
+           "generate_step_with_logprobs", "score", "SamplingArrays", "StepMetadata", "TokenLogprobs"]

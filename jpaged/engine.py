@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tqdm
+from flax import nnx
 
 import pallas_kernels
 from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, apply_overrides,
@@ -28,11 +29,12 @@ from jpaged.block_manager import BlockManager
 from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.models import build_model
 from jpaged.models.base import split_model
-from jpaged.model_runner import ModelRunner
+from jpaged.model_runner import ModelRunner, StepResult
 from jpaged.scheduler import Scheduler, SchedulerOutput
 from jpaged.stats import EngineStats
 from jpaged.request_parsing import default_sampling_params
-from jpaged.sequence import SamplingParams, Sequence, Status
+from jpaged.sampling import TokenLogprobs
+from jpaged.sequence import SamplingParams, Sequence, Status, TokenLogprob
 from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
 from jpaged.weights import default_cache_dir, load_weights
 
@@ -99,9 +101,55 @@ class RequestOutput:
     samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     index: int = 0              # position of the request in the prompts given to generate()
+    # SamplingParams.logprobs / prompt_logprobs (samples[i]["logprobs"] for each sample)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def record_logprobs(seq: Sequence, num_new: int, token: int, result: StepResult, row: int,
+                    offset: int) -> None:
+    """Appends what `result` holds for seq (row `row`; its tokens from flat index
+    `offset`) before the step advances it: the prompt logprobs its tokens
+    predicted, and its sampled token's logprob when the step completes it."""
+    p, start = seq.params, seq.num_computed_tokens
+    if result.prompt_logprobs is not None and seq.needs_prompt_logprobs:
+        for j in range(num_new):
+            target = start + j + 1  # the prompt position token j predicts
+            if target == len(seq.prompt_logprobs) and target < len(seq.prompt_token_ids):
+                seq.prompt_logprobs.append(token_logprob(result.prompt_logprobs, offset + j,
+                                                         seq.prompt_token_ids[target], p.prompt_logprobs))
+    if result.logprobs is not None and p.logprobs is not None and start + num_new >= seq.num_tokens:
+        seq.logprobs.append(token_logprob(result.logprobs, row, token, p.logprobs))
+
+
+def check_same_structure(old: nnx.State, new: nnx.State) -> None:
+    """ValueError naming the first difference in tree, shape, dtype or sharding."""
+    old_paths = jax.tree_util.tree_flatten_with_path(old)[0]
+    new_paths = jax.tree_util.tree_flatten_with_path(new)[0]
+    if jax.tree.structure(old) != jax.tree.structure(new):
+        have = {jax.tree_util.keystr(k) for k, _ in new_paths}
+        want = {jax.tree_util.keystr(k) for k, _ in old_paths}
+        raise ValueError(f"params tree differs: missing {sorted(want - have)[:5]}, "
+                         f"unexpected {sorted(have - want)[:5]}")
+    for (path, a), (_, b) in zip(old_paths, new_paths):
+        name = jax.tree_util.keystr(path)
+        if not isinstance(b, jax.Array):
+            raise ValueError(f"params{name} is a {type(b).__name__}, not a jax.Array")
+        if b.is_deleted():
+            raise ValueError(f"params{name} was deleted (donated to another computation?)")
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ValueError(f"params{name} is {b.dtype}{list(b.shape)}, expected {a.dtype}{list(a.shape)}")
+        if a.sharding != b.sharding:
+            raise ValueError(f"params{name} has sharding {b.sharding}, expected {a.sharding}")
+
+
+def token_logprob(lp: TokenLogprobs, row: int, token_id: int, k: int) -> TokenLogprob:
+    top = tuple((int(i), float(v)) for i, v in zip(lp.top_ids[row, :k], lp.top_values[row, :k])
+                if np.isfinite(v))  # filtered-out tokens (processed mode) have probability 0
+    return TokenLogprob(token_id, float(lp.chosen[row]), top)
 
 
 class EngineStalled(RuntimeError):
@@ -146,7 +194,7 @@ class LLM:
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  swap_space=self.swap_space)
+                                  swap_space=self.swap_space, logprobs_mode=cfg.logprobs_mode)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -155,6 +203,7 @@ class LLM:
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._next_child_id = 0  # samples 1..n-1 get negative ids
+        self.weights_version = 0  # update_params() count: part of every prefix-cache key
         self._active: dict[int, Sequence] = {}
         self._generate_base = EngineStats()  # totals when the last generate() began
         self._idle_state: tuple | None = None  # scheduler state after the last step that ran nothing
@@ -203,7 +252,8 @@ class LLM:
         error = error or self._validate(prompt_token_ids, params)
         # A request that fails draws no seed: its neighbours' draws do not depend on it.
         seed = 0 if error else params.seed if params.seed is not None else int(self._rng.integers(2**31))
-        seq = Sequence(request_id, prompt_token_ids, params, prompt=prompt, seed=seed)
+        seq = Sequence(request_id, prompt_token_ids, params, prompt=prompt, seed=seed,
+                       weights_version=self.weights_version)
         self._active[request_id] = seq
         if error:
             seq.finish("error", error)
@@ -211,7 +261,7 @@ class LLM:
         for i in range(1, params.n):  # parallel samples: seeds seed + i, forked after prefill
             self._next_child_id -= 1
             child = Sequence(self._next_child_id, seq.prompt_token_ids, params, prompt=prompt,
-                             seed=seed + i)
+                             seed=seed + i, weights_version=self.weights_version)
             child.group = seq.group
             seq.group.append(child)
             seq.forks.append(child)
@@ -298,6 +348,27 @@ class LLM:
         self.swap_space = self._make_swap_space(preemption_mode)
         self.scheduler.swap_space = self.runner.swap_space = self.swap_space
 
+    def update_params(self, params: nnx.State, *, in_flight: str = "abort") -> None:
+        """Swaps in new weights: the same tree, shapes, dtypes and shardings as
+        `self.params` (else ValueError), so no step recompiles.
+
+        The prefix cache is dropped: its K/V came from the old weights (new
+        requests key the cache by a new weights version, so nothing computed
+        before can be shared with them).  `in_flight` says what happens to
+        unfinished requests: "abort" ends them (finish_reason "abort"); "keep"
+        lets them go on with the new weights on top of the K/V computed so far
+        with the old ones.  The engine keeps a reference to `params`: a trainer
+        that donates them to its own update step deletes the engine's weights too.
+        """
+        if in_flight not in ("abort", "keep"):
+            raise ValueError(f"in_flight must be 'abort' or 'keep', got {in_flight!r}")
+        check_same_structure(self.params, params)
+        if in_flight == "abort":
+            self.abort([rid for rid, seq in self._active.items() if seq.group[0] is seq])
+        self.params = self.runner.params = params
+        self.weights_version += 1
+        self.block_manager.drop_cached()
+
     def _require_tokenizer(self):
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
@@ -321,18 +392,21 @@ class LLM:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         try:
-            next_tokens = self.runner.execute(out)
+            result = self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - one bad step must not poison the engine
             self._recover(out, e)
-            next_tokens = []
+            result = StepResult(np.zeros(0, np.int32))
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         eos = self._eos_ids()
-        for s, token in zip(out.scheduled, next_tokens):
+        offset = 0  # of the sequence's first token in the step's flat batch
+        for row, (s, token) in enumerate(zip(out.scheduled, result.tokens)):
             try:
+                record_logprobs(s.seq, s.num_new, int(token), result, row, offset)
                 self._advance(s.seq, s.num_new, int(token), eos)
             except Exception as e:  # noqa: BLE001 - pinned to this sequence
                 log.exception("request %d failed after its step", s.seq.seq_id)
                 self.scheduler.fail(s.seq, f"internal error: {type(e).__name__}: {e}")
+            offset += s.num_new
         self._record(out, prefill, time.perf_counter() - t0)
         running = {id(s) for s in self.scheduler.running}
         finished = [s for s in self._active.values() if s.is_done and id(s) not in running]
@@ -515,14 +589,20 @@ class LLM:
 
     def _output(self, seq: Sequence, index: int = 0) -> RequestOutput:
         ms = lambda t: None if t is None else 1000 * (t - seq.arrival_time)  # noqa: E731
+        p = seq.params
         samples = [dict(text=self._decode(s.output_token_ids), token_ids=list(s.output_token_ids),
                         finish_reason=s.finish_reason) for s in seq.group]
+        if p.logprobs is not None:
+            for sample, s in zip(samples, seq.group):
+                sample["logprobs"] = list(s.logprobs)
         last = max((s.finish_time for s in seq.group if s.finish_time is not None), default=None)
         return RequestOutput(
             request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=samples[0]["text"], token_ids=samples[0]["token_ids"], finish_reason=seq.finish_reason,
             error=seq.error, ttft_ms=ms(seq.first_token_time), latency_ms=ms(last),
-            samples=samples, num_cached_tokens=seq.num_cached_tokens, index=index)
+            samples=samples, num_cached_tokens=seq.num_cached_tokens, index=index,
+            logprobs=samples[0].get("logprobs"),
+            prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None)
 
     @property
     def num_compilations(self) -> int:

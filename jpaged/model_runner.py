@@ -21,13 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.decode import generate_step
+from jpaged.decode import generate_step, generate_step_with_logprobs
 from jpaged.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
 from jpaged.model_config import ModelConfig
 from jpaged.models.base import StepMetadata
 from jpaged.rounding import cdiv, next_pow2
-from jpaged.sampling import SamplingArrays
+from jpaged.sampling import SamplingArrays, TokenLogprobs
 from jpaged.scheduler import ScheduledSeq, SchedulerOutput
+from jpaged.sequence import MAX_LOGPROBS
 from jpaged.swap_space import HostSwapSpace
 
 
@@ -39,6 +40,16 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, 
     top = max(max_num_batched_tokens, 1)
     ladder = [b for b in (1 << i for i in range(top.bit_length() + 1)) if min_tokens <= b < top]
     return tuple(ladder + [top])
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step computed, as numpy: a row per scheduled sequence, and for
+    prompt logprobs a row per flat token (None when no sequence asked)."""
+
+    tokens: np.ndarray
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclasses.dataclass
@@ -55,7 +66,7 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: HostSwapSpace | None = None):
+                 swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw"):
         self.params = params
         self.block_size = block_size
         self.table_width = cdiv(max_model_len, block_size)
@@ -66,6 +77,10 @@ class ModelRunner:
         self.swap_space = swap_space
         step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
         self._step = jax.jit(step, donate_argnums=(1,))
+        # Steps where a sequence wants logprobs run this variant (its own programs).
+        step = functools.partial(generate_step_with_logprobs, graphdef, attention_impl=attention_impl,
+                                 num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
+        self._step_with_logprobs = jax.jit(step, donate_argnums=(1,))
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.timing = StepTiming()
@@ -94,12 +109,16 @@ class ModelRunner:
         return min(num_tokens_bucket, next_pow2(self.max_num_seqs))
 
     def _executable(self, args: tuple) -> jax.stages.Compiled:
+        """The program for a step's shapes; `args` (pool, tokens, meta, sampling[,
+        prompt_targets]) with prompt_targets selects the logprobs variant."""
         tokens, meta, sampling = args[1], args[2], args[3]
-        key = (tokens.shape[0], meta.kv_lens.shape[0], jax.tree.structure(sampling))
+        variant = "tokens" if len(args) == 4 else "logprobs" if args[4] is None else "prompt_logprobs"
+        key = (tokens.shape[0], meta.kv_lens.shape[0], jax.tree.structure(sampling), variant)
         exe = self._compiled.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            exe = self._step.lower(self.params, *args).compile()
+            step = self._step if variant == "tokens" else self._step_with_logprobs
+            exe = step.lower(self.params, *args).compile()
             dt = time.perf_counter() - t0
             self.compile_seconds += dt
             self.timing.compile += dt
@@ -132,9 +151,10 @@ class ModelRunner:
         self.kv_pool = self._new_pool()
         return True
 
-    def execute(self, out: SchedulerOutput) -> np.ndarray:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Applies the step's block moves, then one forward + sample over its
-        tokens; returns the sampled token of each scheduled sequence."""
+        tokens; returns the sampled token of each scheduled sequence (and
+        logprobs when one of them asked)."""
         self.timing = StepTiming()
         if out.swap_out or out.swap_in:  # before copies and the forward rewrite blocks
             t0 = time.perf_counter()
@@ -145,17 +165,37 @@ class ModelRunner:
             self.kv_pool = copy_blocks(self.kv_pool, out.block_copies)
             self.timing.copy = time.perf_counter() - t0
         if not out.scheduled:
-            return np.zeros(0, np.int32)
+            return StepResult(np.zeros(0, np.int32))
         t0 = time.perf_counter()
         tokens, meta = self._build(out.scheduled)
         sampling = self._sampling_arrays(out.scheduled, meta.kv_lens.shape[0])
+        args = (self.kv_pool, tokens, meta, sampling)
+        wants = [s.seq.params for s in out.scheduled]
+        if any(p.logprobs is not None or p.prompt_logprobs is not None for p in wants):
+            args += (self._prompt_targets(out.scheduled, tokens.shape[0]),)
         self.timing.build = time.perf_counter() - t0
-        exe = self._executable((self.kv_pool, tokens, meta, sampling))
+        exe = self._executable(args)
         t0 = time.perf_counter()
-        next_tokens, self.kv_pool = exe(self.params, self.kv_pool, tokens, meta, sampling)
-        next_tokens = np.asarray(next_tokens)
+        outputs = exe(self.params, *args)
+        self.kv_pool = outputs[-1]
+        result = StepResult(*jax.device_get(outputs[:-1]))
         self.timing.forward = time.perf_counter() - t0
-        return next_tokens[:len(out.scheduled)]
+        result.tokens = result.tokens[:len(out.scheduled)]
+        return result
+
+    @staticmethod
+    def _prompt_targets(scheduled: list[ScheduledSeq], T: int) -> np.ndarray | None:
+        """The token after each flat token, when a prefilling sequence owes prompt
+        logprobs (else None: the LM head runs only on the last tokens)."""
+        if not any(s.seq.needs_prompt_logprobs for s in scheduled):
+            return None
+        targets, end = np.zeros(T, np.int32), 0
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            nxt = seq.token_slice(start + 1, start + s.num_new + 1)
+            targets[end:end + len(nxt)] = nxt
+            end += s.num_new
+        return targets
 
     def _build(self, scheduled: list[ScheduledSeq]) -> tuple[np.ndarray, StepMetadata]:
         """The step's flat host arrays: each token's id, position and (block, offset)."""

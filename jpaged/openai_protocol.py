@@ -129,7 +129,9 @@ def _reject_unsupported(obj: dict[str, Any]) -> None:
 
 
 def _sampling(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
-    fields = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None}  # null: the default
+    # null: the default; OpenAI's logprobs fields mean other things (checked above)
+    fields = {k: v for k, v in obj.items()
+              if k in SAMPLING_FIELDS and k not in UNSUPPORTED_FIELDS and v is not None}
     try:
         return parse_sampling_params(fields, default)
     except ValueError as e:

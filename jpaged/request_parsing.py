@@ -16,7 +16,7 @@ from typing import Any
 from jpaged.sequence import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n",
-                   "cache_salt", "ignore_eos")
+                   "cache_salt", "ignore_eos", "logprobs", "prompt_logprobs")
 PROMPT_FIELDS = ("prompt", "messages")
 REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS
 

@@ -38,15 +38,9 @@ def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), (vocab,))
 
 
-def _sample_row(logits: jax.Array, temperature: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
-    # Gumbel-max: argmax(logits / T + g) is a draw from softmax(logits / T).
-    return jnp.argmax(logits / jnp.maximum(temperature, 1e-6) + _gumbel(seed, step, logits.shape[-1]))
-
-
-def _sample_row_filtered(logits: jax.Array, temperature: jax.Array, seed: jax.Array,
-                         step: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+def _filter_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """scaled with the tokens outside top-k / top-p set to -inf."""
+    vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled)
     sorted_logits = scaled[order]
     keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
@@ -54,16 +48,45 @@ def _sample_row_filtered(logits: jax.Array, temperature: jax.Array, seed: jax.Ar
     # Keep the smallest prefix whose mass reaches top_p (the first token always).
     keep &= (jnp.cumsum(probs) - probs) < top_p
     keep = jnp.zeros(vocab, bool).at[order].set(keep)
-    # The same noise, in vocabulary order, as the unfiltered path: a row that
-    # filters nothing draws the same token whichever variant its batch runs.
-    return jnp.argmax(jnp.where(keep, scaled + _gumbel(seed, step, vocab), -jnp.inf))
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def processed_logits(logits: jax.Array, params: SamplingArrays | None) -> jax.Array:
+    """The logits each row samples from: divided by its temperature, top-k / top-p
+    filtered (-inf outside); a greedy row's are its raw logits."""
+    if params is None:
+        return logits
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
+    if params.top_k is not None:
+        scaled = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
+    return jnp.where(params.temperature[:, None] > 0, scaled, logits)
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Next token per row of logits[B, vocab]; rows with temperature 0 are greedy."""
-    rows = (logits, params.temperature, params.seed, params.step)
-    if params.top_k is None:
-        drawn = jax.vmap(_sample_row)(*rows)
-    else:
-        drawn = jax.vmap(_sample_row_filtered)(*rows, params.top_k, params.top_p)
+    """Next token per row of logits[B, vocab]; rows with temperature 0 are greedy.
+
+    Gumbel-max: argmax(processed + g) is a draw from softmax(processed).  Every
+    row draws the same noise (in vocabulary order) whether or not its batch
+    filters, so a row that filters nothing draws the same token in either variant.
+    """
+    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(params.seed, params.step, logits.shape[-1])
+    drawn = jnp.argmax(processed_logits(logits, params) + noise, axis=-1)
     return jnp.where(params.temperature > 0, drawn.astype(jnp.int32), greedy(logits))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (fp32) of chosen tokens and the top alternatives, per row."""
+
+    chosen: jax.Array     # [R] of the row's token
+    top_ids: jax.Array    # [R, k], best first
+    top_values: jax.Array  # [R, k]
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, k: int) -> TokenLogprobs:
+    """log_softmax of logits[R, vocab] at token_ids[R], and its k best entries."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_values, top_ids = jax.lax.top_k(logprobs, k)
+    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_values)

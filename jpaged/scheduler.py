@@ -250,6 +250,7 @@ class Scheduler:
                 bm.share(b)
             child.block_table.block_ids = list(leader.block_table.block_ids)
             child.block_keys = list(leader.block_keys)
+            child.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt's, computed once
             child.num_computed_tokens = leader.num_computed_tokens
             child.status = Status.PREFILLING
         self.running[at:at] = leader.forks

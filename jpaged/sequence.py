@@ -37,6 +37,10 @@ class SamplingParams:
     n: int = 1                      # parallel samples of this prompt (share its prefill)
     cache_salt: str | None = None   # prefix-cache namespace: no reuse across salts
     adapter_id: str | int | None = None  # part of the prefix-cache key (LoRA etc.)
+    # Log-probabilities (fp32): of each generated token plus its `logprobs` best
+    # alternatives, and of each prompt token plus `prompt_logprobs` alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field: its type, range and, for
@@ -54,12 +58,17 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
+                           allowed=f"null or an integer in [0, {MAX_LOGPROBS}]")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__} "
                              f"{self.cache_salt!r}")
 
 
 UINT32_MAX = 2**32 - 1  # per-sample seeds are uint32 on the device
+MAX_LOGPROBS = 20  # alternatives a step computes per token (vLLM's default max_logprobs)
 
 
 def _check_int(name: str, value: object, low: int, high: int, allowed: str | None = None) -> None:
@@ -75,17 +84,28 @@ def _check_real(name: str, value: object, low: float, high: float, low_open: boo
         raise ValueError(f"{name} must be a finite number in {bound}{low:g}, {high:g}], got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the best alternatives at its position
+    ((token id, logprob) pairs, best first; tokens of zero probability left out)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class Sequence:
     """One request: its tokens, its block table and its timings."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, seed: int = 0):
+                 prompt: str | None = None, seed: int = 0, weights_version: int = 0):
         self.seq_id = seq_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
         self.seed = seed  # resolved per-request seed
+        self.weights_version = weights_version  # K/V of other versions must never be shared
         self.status = Status.WAITING
         self.block_table = BlockTable()
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
@@ -99,14 +119,23 @@ class Sequence:
         self.block_keys: list = []     # prefix-index handle of each full, computed block
         self.forks: list[Sequence] = []  # samples 1..n-1, forked once the prompt is prefilled
         self.group: list[Sequence] = [self]  # all samples of this request, in order
+        # Log-probabilities, when asked for: one entry per generated token, and per
+        # prompt token (None for the first, which nothing predicts).
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
         # Preemption.
         self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
         self.swap_status: Status | None = None  # status to resume with after swap-in
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: such a prefill must not skip cached tokens."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
     def extra_keys(self) -> tuple:
         """Prefix-cache key parts besides the tokens."""
-        return (self.params.adapter_id, self.params.cache_salt)
+        return (self.params.adapter_id, self.params.cache_salt, self.weights_version)
 
     @property
     def prefill_target(self) -> int:
