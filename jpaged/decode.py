@@ -127,5 +127,107 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
 
 
+def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,
+             *, max_new_tokens: int, sampling: SamplingArrays | None = None,
+             rng: jax.Array | None = None, eos_token_id: int | None = None, block_size: int = 16,
+             attention_impl: str = "reference", kv_dtype: jnp.dtype | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+    """Generates max_new_tokens tokens for each of B prompts, all on the device:
+    (tokens [B, max_new_tokens] int32, lengths [B] int32).
+
+    `prompts` int32 [B, P] is right-padded; prompt b is prompts[b, :prompt_lens[b]]
+    (1 <= prompt_lens[b] <= P).  Pure and jittable, with no host scheduler: jit it
+    with graphdef and the keyword ints / strings static, e.g.
+
+        gen = jax.jit(generate, static_argnums=0,
+                      static_argnames=("max_new_tokens", "eos_token_id", "block_size",
+                                       "attention_impl", "kv_dtype"))
+        tokens, lengths = gen(graphdef, params, prompts, prompt_lens, max_new_tokens=32,
+                              sampling=None, rng=None)
+
+    It creates its own paged pool with a static block assignment: sequence b owns
+    blocks 1 + b * W .. (b + 1) * W, W = cdiv(P + max_new_tokens, block_size)
+    (block 0 is the null block), in `kv_dtype` (default: the params' dtype).  One
+    prefill forward over the B * P flat tokens (the prompts packed back to back)
+    samples each sequence's first token; a `lax.while_loop` then runs
+    max_new_tokens - 1 decode steps of B tokens, one per sequence.  Nothing is
+    donated: the caller passes no pool.
+
+    Sampling: `sampling=None` is greedy.  Otherwise a `SamplingArrays` of [B]
+    rows (temperature, seed, top_k / top_p or None) drawn exactly as the engine
+    draws them: token i of row b uses the key fold_in(key(seed[b]), i), i = the
+    number of tokens generated before it, so row b with seed s produces the
+    engine's tokens for a request with SamplingParams(seed=s) and the same
+    temperature / top_k / top_p.  `sampling.step` is ignored (the loop sets it).
+    `rng`: None to use sampling.seed as given; a PRNG key to replace the seeds by
+    fresh ones, seed = jax.random.bits(rng, (B,), uint32) (for a loop that wants
+    new samples every round without managing seeds).  It is ignored when
+    `sampling` is None (greedy draws nothing).
+
+    Stop: with `eos_token_id` (a static int) a sequence is finished at its first
+    eos; lengths[b] counts its tokens up to and including that eos (else
+    max_new_tokens), and tokens[b, lengths[b]:] are filled with eos_token_id.
+    The loop exits early once every sequence has finished.  Without it,
+    lengths is max_new_tokens everywhere.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts = jnp.asarray(prompts, jnp.int32)
+    prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+    B, P = prompts.shape
+    N = max_new_tokens
+    width = -(-(P + N) // block_size)
+    model = nnx.merge(graphdef, params)  # for its config and dtype (static)
+    pool = create_kv_pool(model.cfg, num_blocks=1 + B * width, block_size=block_size,
+                          dtype=model.embed[...].dtype if kv_dtype is None else kv_dtype)
+    tables = 1 + jnp.arange(B * width, dtype=jnp.int32).reshape(B, width)
+
+    if sampling is not None and rng is not None:
+        sampling = SamplingArrays(sampling.temperature, jax.random.bits(rng, (B,), jnp.uint32),
+                                  sampling.step, sampling.top_k, sampling.top_p)
+
+    def draw(logits: jax.Array, step: jax.Array) -> jax.Array:
+        if sampling is None:
+            return greedy(logits)
+        return _sample(logits, SamplingArrays(sampling.temperature, sampling.seed,
+                                              jnp.full(B, step, jnp.int32), sampling.top_k,
+                                              sampling.top_p))
+
+    # Prefill: the prompts packed back to back, padding after the last one.
+    meta = ragged_metadata(tables, jnp.zeros(B, jnp.int32), prompt_lens, B * P, block_size)
+    seq, pos, valid = token_layout(meta.cu_q_lens, meta.kv_lens, B * P)
+    flat = jnp.where(valid, prompts[seq, jnp.clip(pos, 0, P - 1)], 0)
+    logits, pool = forward_step(graphdef, params, pool, flat, meta, attention_impl=attention_impl)
+    first = draw(logits, 0)
+    fill = 0 if eos_token_id is None else eos_token_id
+    out = jnp.full((B, N), fill, jnp.int32).at[:, 0].set(first)
+    done = jnp.zeros(B, bool) if eos_token_id is None else first == eos_token_id
+    ones = jnp.ones(B, jnp.int32)
+
+    def cond(state):
+        i, _, _, _, done = state
+        return (i < N) & ~jnp.all(done)
+
+    def body(state):
+        # Token i: feed token i - 1 at position prompt_len + i - 1.
+        i, pool, last, out, done = state
+        meta = ragged_metadata(tables, prompt_lens + i - 1, ones, B, block_size)
+        logits, pool = forward_step(graphdef, params, pool, last, meta, attention_impl=attention_impl)
+        token = draw(logits, i)
+        if eos_token_id is not None:
+            token = jnp.where(done, eos_token_id, token)
+            done = done | (token == eos_token_id)
+        out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))
+        return i + 1, pool, token, out, done
+
+    _, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), pool, first, out, done))
+    if eos_token_id is None:
+        return out, jnp.full(B, N, jnp.int32)
+    is_eos = out == eos_token_id
+    lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, N).astype(jnp.int32)
+    return out, lengths
+
+
 __all__ = ["create_kv_pool", "ragged_metadata", "forward_step", "sample", "generate_step",
-           "generate_step_with_logprobs", "score", "SamplingArrays", "StepMetadata", "TokenLogprobs"]
+           "generate_step_with_logprobs", "score", "generate", "SamplingArrays", "StepMetadata",
+           "TokenLogprobs"]
