@@ -3,7 +3,7 @@
 `paged_attention_reference` is what every kernel is tested against, so it is
 checked here against a plain numpy loop (one softmax per token and head), and
 the registry is checked to route each impl to its attention and K/V write.
-Kernel tests: test_cpu_kernel.py, test_kernels_gpu.py, test_kernels_tpu.py.
+Kernel tests: test_cpu.py, test_gpu.py, test_tpu.py (this directory).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import attention_per_layer, check_ragged, fresh_seed, make_ragged_case, mixed_seqs
+from kernels.cases import attention_per_layer, check_ragged, fresh_seed, make_ragged_case, mixed_seqs
 
 import pallas_kernels
 from pallas_kernels.reference import write_kv_reference

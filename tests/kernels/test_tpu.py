@@ -11,7 +11,7 @@ cases are a covering selection, not a product:
 * head_dim 64 / 128, GQA 1 / 3 / 4 / 8, block size 8 / 16 / 32, fp32 / bf16,
   both the decode (block_q_small) and the prefill (block_q) code paths;
 * NaN in everything a sequence may not read (block 0, unowned blocks, the
-  tail of its last block, every other layer; `tests/kernel_cases.py`),
+  tail of its last block, every other layer; `tests/kernels/cases.py`),
   layer 1 and 2 of 3, a traced layer inside `lax.scan`;
 * fixed shapes with several draws (no padding at all, padding only);
 * 2 simulated TensorCores (head blocks split over cores), eager DMAs;
@@ -21,7 +21,7 @@ cases are a covering selection, not a product:
 * a racy kernel is reported (the detector is live), and the kernel lowers to
   a Mosaic `tpu_custom_call` for a v5e target.
 
-Tolerances: `kernel_cases.TOL` (fp32 2e-5 abs + 1e-5 rel, bf16 2e-2).
+Tolerances: `kernels.cases.TOL` (fp32 2e-5 abs + 1e-5 rel, bf16 2e-2).
 Inputs are fresh random draws each run; the seed is in every failure message.
 """
 
@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu as ktpu
-from kernel_cases import (TOL, attention_per_layer, check_ragged, fresh_seed,
+from kernels.cases import (TOL, attention_per_layer, check_ragged, fresh_seed,
                           lens_profile, make_ragged_case, mixed_seqs)
 
 try:

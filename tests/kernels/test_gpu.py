@@ -8,7 +8,7 @@ is slow, so the parameter grid is a covering selection, not the product:
   the mixed cases; key tiles of several pages (block_k > BS), one page and
   part of a page (block_k < BS) all occur, and the no-dot path (block_k 8).
 * decode-only batches of 1..33 sequences, contexts up to ~1100 with exact
-  block boundaries (k*BS), k*BS+1 and 1 (`kernel_cases.lens_profile`);
+  block boundaries (k*BS), k*BS+1 and 1 (`kernels.cases.lens_profile`);
   whole prompts (q_len == kv_len), chunked prefill over a cached prefix,
   speculative-decode-sized q_lens, mixed batches, padding tokens after the
   real ones and padding sequences (q_len 0, kv_len 0), a q_len-0 sequence
@@ -20,7 +20,7 @@ is slow, so the parameter grid is a covering selection, not the product:
   unowned blocks, the tail of each last block, every layer but the one read;
   layer > 0 throughout).
 
-Tolerances (`kernel_cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
+Tolerances (`kernels.cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
 Inputs are fresh random draws each run; the seed is in every failure message.
 Compile time dominates (the interpreted kernels are XLA CPU programs), so
 they are compiled at XLA's backend optimisation level 0 (half the compile
@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from kernel_cases import (NUM_LAYERS, TOL, attention_per_layer, check_ragged, fresh_seed,
+from kernels.cases import (NUM_LAYERS, TOL, attention_per_layer, check_ragged, fresh_seed,
                           lens_profile, make_ragged_case, mixed_seqs)
 from pallas_kernels import gpu as kgpu
 from pallas_kernels import triton_aot

@@ -6,8 +6,8 @@ Attention vs the jnp reference over a covering selection of the grid:
   multiple of 8) x GQA {1, 3, 4, 8} x block size {1, 8, 16, 32} x dtype
   {fp32, bf16} for queries and pool, mixed q / pool dtypes included.
 * decode-only batches (contexts up to ~1100 with exact block boundaries,
-  boundary + 1 and 1: `kernel_cases.lens_profile`), whole prompts, chunked
-  prefill over a cached prefix, mixed batches (`kernel_cases.mixed_seqs`);
+  boundary + 1 and 1: `kernels.cases.lens_profile`), whole prompts, chunked
+  prefill over a cached prefix, mixed batches (`kernels.cases.mixed_seqs`);
   prompts longer than a work item's token tile and a key chunk; padding tokens
   after the real ones, padding sequences (q_len 0, kv_len 0), a q_len-0
   sequence with cached K/V mid-batch, an all-padding batch.
@@ -20,7 +20,7 @@ K/V write vs `write_kv_reference` (all dtype pairs, padding tokens to the null
 block, out-of-range writes dropped), in place when the pool is donated.
 Fallbacks: the reference when the kernel is unavailable or a dtype unsupported.
 
-Tolerances (`kernel_cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
+Tolerances (`kernels.cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
 Inputs are fresh random draws each run; the seed is in every failure message.
 """
 
@@ -34,7 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels
-from kernel_cases import (NUM_LAYERS, TOL, check_ragged, fresh_seed, lens_profile,
+from kernels.cases import (NUM_LAYERS, TOL, check_ragged, fresh_seed, lens_profile,
                           make_ragged_case, mixed_seqs, reference)
 from pallas_kernels import cpu
 from pallas_kernels.reference import write_kv_reference
