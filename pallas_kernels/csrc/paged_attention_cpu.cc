@@ -6,8 +6,9 @@
 // item is (sequence, kv head, tile of that sequence's new tokens); its rows
 // are the tile's tokens x the G query heads of the kv head (row r is token
 // r / G, head r % G), so every K/V row read serves all of them.  An item walks
-// the keys 0 .. (last visible key of its last token) in chunks of kChunk keys
-// and runs an fp32 online softmax.  K/V rows are read straight from the pool
+// the keys 0 (with a sliding window: its first token's window start) .. (last
+// visible key of its last token) in chunks of kChunk keys and runs an fp32
+// online softmax.  K/V rows are read straight from the pool
 // through the block table (one pointer per key row; bf16 rows, and V rows when
 // head_dim is not a multiple of 8, go through a chunk-sized fp32 copy) -- never
 // a padded gather of the sequence -- and the next chunk's rows are prefetched.
@@ -29,12 +30,12 @@
 // kDotRows rows (decode with G <= 4) compute S^T as dot products over the head
 // dim instead (qk_dot), which keeps their lanes busy.  Keys at
 // positions >= the sequence's kv_len (or past every row's causal limit, or
-// past the block table) are never loaded, so unowned blocks, the null block
-// and the tail of a last block may hold anything (NaN included).  With a
-// sliding window an item's key loop starts at its first token's window start
-// (pos - window + 1): keys and blocks before it are never loaded either.  Items are
-// ordered by decreasing cost and claimed dynamically by the calling thread
-// and XLA's intra-op thread pool; each item is computed by one thread, so the
+// past the block table) are never loaded, nor (with a sliding window) keys
+// before the item's first token's window start pos - window + 1, so unowned
+// blocks, the null block, the tail of a last block and the blocks before the
+// window may hold anything (NaN included).  Items are ordered by decreasing
+// cost and claimed dynamically by the calling thread and XLA's intra-op
+// thread pool; each item is computed by one thread, so the
 // result does not depend on the thread count.
 //
 // K/V write.  pool[blocks[t], layer, {K,V}, h, offsets[t], :] = {k,v}[t, h, :]
