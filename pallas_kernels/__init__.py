@@ -13,6 +13,11 @@ vLLM V1 and tpu-inference.  Every implementation takes that contract:
   kernel cannot be built (`cpu.available()` False, reason logged once) or for
   dtypes other than float32 / bfloat16 it falls back to the reference.
 
+Every implementation also takes Gemma's two attention variants, as static
+options: `sliding_window` (local attention over the last W positions) and
+`soft_cap` (logit soft-capping); None (the default) is the plain causal
+attention, with the same program as before the options existed.
+
 Each backend owns both halves of a layer's cache traffic: `attention` (read)
 and `write_kv` (scatter the new tokens' K/V into the pool, in place when the
 pool is donated).  `get_backend(impl)` is resolved while tracing from the impl
@@ -39,7 +44,8 @@ IMPLS = ("reference", "gpu", "tpu", "cpu")
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """attention(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale) -> out
+    """attention(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
+              sliding_window=None, soft_cap=None) -> out
     write_kv(kv_pool, layer, k, v, blocks, offsets) -> kv_pool"""
 
     name: str
@@ -77,7 +83,9 @@ def default_impl() -> str:
 
 def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
                     block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                    *, impl: str = "reference", sm_scale: float | None = None) -> jax.Array:
+                    *, impl: str = "reference", sm_scale: float | None = None,
+                    sliding_window: int | None = None, soft_cap: float | None = None
+                    ) -> jax.Array:
     """Attention of a flat ragged batch of new query tokens over their sequences' paged K/V.
 
     Args:
@@ -99,6 +107,21 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
         gather or slice-copy the pool: they read blocks of `layer` through
         the block table.
       sm_scale: softmax scale, default head_dim ** -0.5.
+      sliding_window: None (global causal attention) or a static int W >= 1:
+        the token at position p sees keys at positions k with
+        p - W < k <= p, the last W positions including its own (Hugging
+        Face's `kv_idx > q_idx - sliding_window`, as in Gemma 2/3 and
+        Mistral).  K/V rows before the window of a sequence's first new
+        token never affect its output (they may hold anything, NaN
+        included), and block-table entries of blocks wholly before that
+        window may point at any block of the pool (the null block, say, once
+        the engine frees them).  The kernels start each query tile's key loop
+        at the block holding its first token's window start, so the cost
+        follows W, not kv_len.
+      soft_cap: None or a static finite float c > 0: scores
+        s = (q . k) * sm_scale become c * tanh(s / c) before the causal /
+        window mask and the softmax (Gemma 2's attn_logit_softcapping,
+        applied as in Hugging Face's eager attention).
 
     Returns:
       [T, num_heads, head_dim] in q's dtype; padding tokens are exactly zero.
@@ -108,10 +131,12 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
     Blocks a sequence does not own (block 0 included) may hold anything, NaN
     included; they never affect its output.  Softmax and accumulation are fp32
     in every impl; kernels match the reference to ~1e-5 relative (fp32 K/V) and
-    ~2e-2 (bf16 K/V and queries).
+    ~2e-2 (bf16 K/V and queries).  Invalid sliding_window / soft_cap values
+    raise ValueError in every impl (`reference.attention_options`).
     """
     return get_backend(impl).attention(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
-                                       sm_scale=sm_scale)
+                                       sm_scale=sm_scale, sliding_window=sliding_window,
+                                       soft_cap=soft_cap)
 
 
 def write_kv(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,

@@ -16,6 +16,11 @@ count).  K/V may be float32 or bfloat16 (converted on load); q and the output
 float32 or bfloat16.  Timings: benchmarks/bench_cpu_attention.py,
 benchmarks/results/cpu_attention.md.
 
+Gemma's options are FFI attributes (0 = none): `window` starts an item's key
+loop at its first token's window start (keys before it are never loaded) and
+masks per element; `soft_cap` caps the fp32 scores with std::tanh before the
+mask.
+
 `write_kv_cpu` writes the new tokens' K/V rows into the pool in place (the
 result aliases the pool; donate it to keep one buffer).  XLA:CPU's own scatter
 converts a whole bf16 pool to f32 and back on every write.
@@ -53,7 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import attention_dims, paged_attention_reference, write_kv_reference
+from pallas_kernels.reference import (attention_dims, attention_options, paged_attention_reference,
+                                      write_kv_reference)
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +251,8 @@ def supports(q: jax.Array, kv_pool: jax.Array) -> bool:
 
 def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
                         block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                        *, sm_scale: float | None = None, max_threads: int = 0) -> jax.Array:
+                        *, sm_scale: float | None = None, sliding_window: int | None = None,
+                        soft_cap: float | None = None, max_threads: int = 0) -> jax.Array:
     """Ragged paged attention (q: [T, H, D]); see `pallas_kernels.paged_attention`.
 
     Decode tokens, prefill chunks and padding mixed in one call.  Only reads
@@ -257,7 +264,9 @@ def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
             raise TypeError(f"paged_attention_cpu: {name} dtype {x.dtype} unsupported "
                             "(float32 or bfloat16)")
-    *_, scale = attention_dims(q, kv_pool, block_tables, kv_lens, cu_q_lens, sm_scale)
+    *_, scale = attention_dims(q, kv_pool, block_tables, kv_lens, cu_q_lens, sm_scale,
+                               sliding_window, soft_cap)
+    sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
     if not available():
         raise RuntimeError(f"CPU paged-attention kernel unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -265,18 +274,20 @@ def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int
     return call(q, kv_pool, jnp.asarray(layer, jnp.int32).reshape(()),
                 jnp.asarray(block_tables, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
                 jnp.asarray(cu_q_lens, jnp.int32), sm_scale=np.float32(scale),
-                max_threads=np.int64(max_threads))
+                max_threads=np.int64(max_threads), window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))
 
 
 def paged_attention_or_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
                                  block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                                 *, sm_scale: float | None = None) -> jax.Array:
+                                 *, sm_scale: float | None = None,
+                                 sliding_window: int | None = None,
+                                 soft_cap: float | None = None) -> jax.Array:
     """`paged_attention_cpu` when `supports(q, kv_pool)`, else the jnp reference."""
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if supports(q, kv_pool):
-        return paged_attention_cpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
-                                   sm_scale=sm_scale)
-    return paged_attention_reference(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
-                                     sm_scale=sm_scale)
+        return paged_attention_cpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, **opts)
+    return paged_attention_reference(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, **opts)
 
 
 def _write_args_ok(kv_pool: jax.Array, k: jax.Array, v: jax.Array) -> bool:

@@ -46,6 +46,14 @@ static tiling only, never from W or the padding):
 Key tiles are `block_k` keys, decoupled from pages: several whole pages (one
 gather-load of the page-id vector), one page, or a slice of one page.
 
+Sliding window (static `sliding_window`): a query tile's key loop starts at
+the key tile holding its first token's window start (the decode kernel splits
+[that tile, last tile] into its P partitions), so key tiles wholly before the
+window are never loaded; keys before the first token's window start in the
+first tile are zeroed like keys past kv_len, and each row's window is masked
+per element.  Soft cap (static `soft_cap`): s = c * tanh(s / c) on the fp32
+scores before the mask.  Both None: the kernels are those without the options.
+
 Masking never multiplies by a mask: keys/values past kv_len are replaced
 with `where`, so NaN in blocks a sequence does not own (block 0 included)
 never reaches the output.  Rows with no visible key produce zeros.
@@ -63,7 +71,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import attention_dims, row_tile_span
+from pallas_kernels.reference import (attention_dims, attention_options, row_tile_span,
+                                      window_start)
 
 try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -133,23 +142,48 @@ def _pv(p, v, fp32_precision):
     return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
 
-def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision):
+def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision, soft_cap=None):
     """One key tile of flash attention: (acc, m, l) updated with q [M, D] over k, v [TK, D].
 
-    Keys past the sequence (key_valid False) are zeroed with `where`, never
-    multiplied, so NaN in blocks a sequence does not own cannot leak;
-    `visible` [M, TK] (which implies key_valid) masks the scores.
+    Keys past the sequence or before the window (key_valid False) are zeroed
+    with `where`, never multiplied, so NaN in blocks a sequence does not own
+    cannot leak; `visible` [M, TK] (which implies key_valid) masks the scores,
+    soft-capped first when soft_cap is set.
     """
     acc, m_i, l_i = carry
     k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
     v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
     s = _qk(q.astype(k.dtype), k, fp32_precision)          # [M, TK] fp32
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
     s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     alpha = jnp.exp(m_i - m_new)
     pr = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     l_new = l_i * alpha + jnp.sum(pr, axis=1)
     return acc * alpha[:, None] + _pv(pr, v, fp32_precision), m_new, l_new
+
+
+def _masks(pos, q_pos, kv_len, lo, sliding_window):
+    """(key_valid [TK], visible [M, TK]) of keys at `pos` for rows at `q_pos`: keys
+    past kv_len and (with a window) before `lo`, the tile's first window start,
+    are invalid; a row sees the valid keys of its causal window."""
+    kvalid = pos < kv_len
+    if sliding_window is None:
+        return kvalid, (pos[None, :] <= q_pos[:, None]) & kvalid[None, :]
+    kvalid &= pos >= lo
+    # 0 <= q_pos - pos < sliding_window, as one unsigned compare
+    behind = (q_pos[:, None] - pos[None, :]).astype(jnp.uint32)
+    return kvalid, (behind < jnp.uint32(sliding_window)) & kvalid[None, :]
+
+
+def _first_key_tile(first_pos, block_k: int, sliding_window):
+    """(window start of the query at first_pos, the key tile holding it); (None, 0)
+    without a window (the loops then start at the Python int 0, as before)."""
+    if sliding_window is None:
+        return None, 0
+    lo = window_start(first_pos, sliding_window)
+    return lo, lax.div(lo, jnp.int32(block_k))
 
 
 def _init_carry(rows: int, d: int):
@@ -296,7 +330,8 @@ def plan_tiling(T: int, G: int, D: int, BS: int, S: int, W: int, KVH: int, items
 
 def _decode_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
                    group: int, num_heads: int, block_size: int, block_k: int, rows: int,
-                   num_partitions: int, sm_scale: float, fp32_precision):
+                   num_partitions: int, sm_scale: float, fp32_precision, sliding_window=None,
+                   soft_cap=None):
     s = pl.program_id(0)
     h = pl.program_id(1)
     p = pl.program_id(2)
@@ -314,16 +349,21 @@ def _decode_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, o_ref, m_r
 
     tk = block_k
     n_k = (kv_len + tk - 1) // tk                          # this sequence's key tiles
-    per_part = (n_k + num_partitions - 1) // num_partitions
-    start = p * per_part
+    if sliding_window is None:
+        lo = None
+        per_part = (n_k + num_partitions - 1) // num_partitions
+        start = p * per_part
+    else:  # key tiles before the one holding the first token's window start are skipped
+        lo, it0 = _first_key_tile(kv_len - q_len, tk, sliding_window)
+        per_part = (n_k - it0 + num_partitions - 1) // num_partitions
+        start = it0 + p * per_part
     end = jnp.minimum(start + per_part, n_k)
 
     def body(it, carry):
         k, v = _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, tk)
         pos = it * tk + lax.iota(jnp.int32, tk)
-        kvalid = pos < kv_len
-        vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :]
-        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision)
+        kvalid, vis = _masks(pos, q_pos, kv_len, lo, sliding_window)
+        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision, soft_cap)
 
     acc, m_i, l_i = lax.fori_loop(start, jnp.maximum(start, end), body, _init_carry(rows, d))
     # Every partition of a short sequence writes (empty ones: m = MASK_VALUE,
@@ -338,7 +378,7 @@ def _decode_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, o_ref, m_r
 
 
 def _decode_partials(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, *, group, sm_scale,
-                     num_warps, num_stages, interpret):
+                     num_warps, num_stages, interpret, sliding_window=None, soft_cap=None):
     """(acc [S, KVH, P, rows, D], m, l [S, KVH, P, rows]) of the split-KV decode kernel."""
     S = kv_lens.shape[0]
     KVH, BS, D = kv_pool.shape[3:]
@@ -346,7 +386,8 @@ def _decode_partials(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, *, grou
     kernel = functools.partial(
         _decode_kernel, group=group, num_heads=KVH * group, block_size=BS, block_k=t.block_k,
         rows=R, num_partitions=P, sm_scale=sm_scale,
-        fp32_precision=_fp32_dot_precision(interpret))
+        fp32_precision=_fp32_dot_precision(interpret), sliding_window=sliding_window,
+        soft_cap=soft_cap)
     full = lambda shape: pl.BlockSpec(shape, lambda s, h, p: (0,) * len(shape))
     part = lambda *shape: pl.BlockSpec((None, None, None) + shape,
                                        lambda s, h, p: (s, h, p) + (0,) * len(shape))
@@ -393,7 +434,7 @@ def _seq_of_tile(i, cu_ref, num_seqs: int, group: int, block_m: int):
 def _ragged_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, *rest,
                    num_seqs: int, num_tokens: int, group: int, num_heads: int, block_size: int,
                    block_k: int, block_m: int, decode_rows: int, num_partitions: int,
-                   sm_scale: float, fp32_precision):
+                   sm_scale: float, fp32_precision, sliding_window=None, soft_cap=None):
     if decode_rows:
         po_ref, pm_ref, pl_ref, o_ref = rest
     else:
@@ -448,25 +489,26 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, *rest,
         ids, ids_safe, id_end, tok = _tile_rows(q_start, q_len, row0, block_m, group, num_heads, h)
         q = q_ref[ids_safe].astype(jnp.float32) * sm_scale        # [block_m, D]
         q_pos = kv_len - q_len + tok
-        _, last_pos = row_tile_span(j, block_m, group, q_len, kv_len)
+        first_tok, last_pos = row_tile_span(j, block_m, group, q_len, kv_len)
         tk = block_k
         n_iters = (jnp.maximum(last_pos, -1) + tk) // tk         # causal: later tiles unseen
+        # window: earlier tiles unseen
+        lo, it0 = _first_key_tile(kv_len - q_len + first_tok, tk, sliding_window)
 
         def body(it, carry):
             k, v = _load_kv_tile(kv_ref, bt_ref, sc, it, layer, h, block_size, tk)
             pos = it * tk + lax.iota(jnp.int32, tk)
-            kvalid = pos < kv_len
-            vis = (pos[None, :] <= q_pos[:, None]) & kvalid[None, :]
-            return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision)
+            kvalid, vis = _masks(pos, q_pos, kv_len, lo, sliding_window)
+            return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision, soft_cap)
 
-        acc, _, l_i = lax.fori_loop(0, n_iters, body, _init_carry(block_m, d))
+        acc, _, l_i = lax.fori_loop(it0, n_iters, body, _init_carry(block_m, d))
         ok_l = l_i > 0
         out = jnp.where(ok_l[:, None], acc / jnp.where(ok_l, l_i, 1.0)[:, None], 0.0)
         _store_rows(o_ref, ids, id_end, out)
 
 
 def _ragged_call(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, partials, *, group,
-                 sm_scale, num_warps, num_stages, interpret):
+                 sm_scale, num_warps, num_stages, interpret, sliding_window=None, soft_cap=None):
     """out [T * H, D] of the ragged kernel (partials: the decode kernel's, or ())."""
     S = kv_lens.shape[0]
     KVH, BS, D = kv_pool.shape[3:]
@@ -475,7 +517,8 @@ def _ragged_call(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, partials, *
         _ragged_kernel, num_seqs=S, num_tokens=q2.shape[0] // H, group=group, num_heads=H,
         block_size=BS, block_k=t.block_k, block_m=t.block_m, decode_rows=t.decode_rows,
         num_partitions=t.num_partitions, sm_scale=sm_scale,
-        fp32_precision=_fp32_dot_precision(interpret))
+        fp32_precision=_fp32_dot_precision(interpret), sliding_window=sliding_window,
+        soft_cap=soft_cap)
     full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
@@ -491,10 +534,11 @@ def _ragged_call(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, partials, *
 
 
 def _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale, block_m, block_k,
-             decode_rows, num_partitions):
+             decode_rows, num_partitions, sliding_window=None, soft_cap=None):
     """(tiling, G, scale, (q2, kv_pool, layer_arr, bt, kv_lens, cu)) of one call."""
     T, H, D, KVH, BS, G, S, W, scale = attention_dims(q, kv_pool, block_tables, kv_lens,
-                                                      cu_q_lens, sm_scale)
+                                                      cu_q_lens, sm_scale, sliding_window,
+                                                      soft_cap)
     _check_pow2(BS, D)
     t = plan_tiling(T, G, D, BS, S, W, KVH, kv_pool.dtype.itemsize, block_m=block_m,
                     block_k=block_k, decode_rows=decode_rows, num_partitions=num_partitions)
@@ -506,13 +550,15 @@ def _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale, b
     return t, G, scale, args
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "block_k", "decode_rows",
-                                             "num_partitions", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_m",
+                                             "block_k", "decode_rows", "num_partitions",
+                                             "num_warps", "num_stages", "interpret"))
 def paged_attention_gpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
-                        block_m=None, block_k=None, decode_rows=None, num_partitions=None,
-                        num_warps=4, num_stages=2, interpret=None):
-    """Ragged paged attention.  Same contract as `pallas_kernels.paged_attention`.
+                        sliding_window=None, soft_cap=None, block_m=None, block_k=None,
+                        decode_rows=None, num_partitions=None, num_warps=4, num_stages=2,
+                        interpret=None):
+    """Ragged paged attention.  Same contract as `pallas_kernels.paged_attention`
+    (sm_scale, sliding_window and soft_cap included).
 
     Tuning (all static; None = the default):
       block_m: query rows (tokens x the G heads of a KV head) per ragged tile,
@@ -531,12 +577,19 @@ def paged_attention_gpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
         interpret = not _on_gpu()
     t, G, scale, args = _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
                                  sm_scale=sm_scale, block_m=block_m, block_k=block_k,
-                                 decode_rows=decode_rows, num_partitions=num_partitions)
+                                 decode_rows=decode_rows, num_partitions=num_partitions,
+                                 sliding_window=sliding_window, soft_cap=soft_cap)
     launch = dict(group=G, sm_scale=scale, num_warps=num_warps, num_stages=num_stages,
-                  interpret=interpret)
+                  interpret=interpret, **_options(sliding_window, soft_cap))
     partials = _decode_partials(t, *args, **launch) if t.decode_rows else ()
     out = _ragged_call(t, *args, partials, **launch)
     return out.reshape(q.shape)
+
+
+def _options(sliding_window, soft_cap) -> dict:
+    """The checked static options as kernel keyword arguments."""
+    sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
+    return dict(sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def single_kernel(kernel: str):
@@ -546,14 +599,15 @@ def single_kernel(kernel: str):
     if kernel not in ("decode", "ragged"):
         raise ValueError(f"kernel must be 'decode' or 'ragged', got {kernel!r}")
 
-    def fn(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None, block_m=None,
-           block_k=None, decode_rows=None, num_partitions=None, num_warps=4, num_stages=2,
-           interpret=False):
+    def fn(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
+           sliding_window=None, soft_cap=None, block_m=None, block_k=None, decode_rows=None,
+           num_partitions=None, num_warps=4, num_stages=2, interpret=False):
         t, G, scale, args = _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens,
                                      sm_scale=sm_scale, block_m=block_m, block_k=block_k,
-                                     decode_rows=decode_rows, num_partitions=num_partitions)
+                                     decode_rows=decode_rows, num_partitions=num_partitions,
+                                     sliding_window=sliding_window, soft_cap=soft_cap)
         launch = dict(group=G, sm_scale=scale, num_warps=num_warps, num_stages=num_stages,
-                      interpret=interpret)
+                      interpret=interpret, **_options(sliding_window, soft_cap))
         if kernel == "decode":
             if not t.decode_rows:
                 raise ValueError("decode_rows=0 launches no decode kernel")

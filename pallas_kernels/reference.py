@@ -2,11 +2,19 @@
 
 Each query token gathers its own sequence's K/V blocks out of the pool through
 the block table (a copy the kernels avoid) and runs masked dense attention in
-fp32.  Tokens are processed in tiles (`lax.map` with a batch size) so that the
-gathered K/V stay bounded: tile x kv_heads x W*block_size x head_dim.
+fp32: scores `(q . k) * scale`, soft-capped (`soft_cap * tanh(s / soft_cap)`)
+when asked, then the causal mask (and the sliding window's lower bound), then
+the softmax.  Tokens are processed in tiles (`lax.map` with a batch size) so
+that the gathered K/V stay bounded: tile x kv_heads x W*block_size x head_dim.
+
+`attention_dims` checks the shapes and the static options (`sliding_window`,
+`soft_cap`) for every implementation.
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +40,13 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int
 
 def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
                               block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                              *, sm_scale: float | None = None) -> jax.Array:
+                              *, sm_scale: float | None = None, sliding_window: int | None = None,
+                              soft_cap: float | None = None) -> jax.Array:
     """See `pallas_kernels.paged_attention` for shapes and semantics."""
     T, H, D, KVH, BS, G, S, W, scale = attention_dims(q, kv_pool, block_tables, kv_lens,
-                                                      cu_q_lens, sm_scale)
+                                                      cu_q_lens, sm_scale, sliding_window,
+                                                      soft_cap)
+    sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
     seq, pos, valid = token_layout(cu_q_lens, kv_lens, T)
     heads = jnp.arange(KVH)[:, None]
     key_pos = jnp.arange(W * BS)
@@ -46,6 +57,8 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
         k = kv_pool[blocks, layer, 0, heads].reshape(KVH, W * BS, D)
         v = kv_pool[blocks, layer, 1, heads].reshape(KVH, W * BS, D)
         owned = key_pos < kv_lens[s]
+        if sliding_window is not None:  # keys before the window may hold anything too
+            owned &= key_pos > p - sliding_window
         visible = owned & (key_pos <= p) & ok                  # [W*BS]
         # Blocks a sequence does not own may hold anything (NaN included):
         # zero them so that 0 * NaN never reaches the output.
@@ -53,6 +66,8 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
         v = jnp.where(owned[None, :, None], v, 0).astype(jnp.float32)
         qg = q_t.astype(jnp.float32).reshape(KVH, G, D)
         scores = jnp.einsum("kgd,ksd->kgs", qg, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(visible, scores, MASK_VALUE)
         probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0)
         return jnp.einsum("kgs,ksd->kgd", probs, v).reshape(H, D)
@@ -61,10 +76,35 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
     return out.astype(q.dtype)
 
 
+def attention_options(sliding_window: int | None, soft_cap: float | None
+                      ) -> tuple[int | None, float | None]:
+    """(sliding_window, soft_cap) checked and normalised to (int | None, float | None).
+
+    Both are static (they change the compiled program): a Python / numpy int
+    >= 1 and a finite float > 0, or None (global attention, no capping).
+    """
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+                or sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int or None (static), "
+                             f"got {sliding_window!r}")
+        sliding_window = int(sliding_window)
+    if soft_cap is not None:
+        if isinstance(soft_cap, bool) or not isinstance(soft_cap, numbers.Real) \
+                or not math.isfinite(soft_cap) or soft_cap <= 0:
+            raise ValueError(f"soft_cap must be a positive finite float or None (static), "
+                             f"got {soft_cap!r}")
+        soft_cap = float(soft_cap)
+    return sliding_window, soft_cap
+
+
 def attention_dims(q: jax.Array, kv_pool: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
-                   cu_q_lens: jax.Array, sm_scale: float | None
+                   cu_q_lens: jax.Array, sm_scale: float | None,
+                   sliding_window: int | None = None, soft_cap: float | None = None
                    ) -> tuple[int, int, int, int, int, int, int, int, float]:
-    """(T, H, D, KVH, BS, G, S, W, scale) of a ragged paged_attention call, checked."""
+    """(T, H, D, KVH, BS, G, S, W, scale) of a ragged paged_attention call, checked
+    (the static options too: `attention_options`)."""
+    attention_options(sliding_window, soft_cap)
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {q.shape}")
     T, H, D = q.shape
@@ -104,3 +144,12 @@ def row_tile_span(t, block_m: int, group: int, q_len, kv_len):
     first_tok = (t * block_m) // group
     last_tok = jnp.minimum((t * block_m + block_m - 1) // group, q_len - 1)
     return first_tok, kv_len - q_len + last_tok
+
+
+def window_start(pos, sliding_window: int | None):
+    """First key position visible to a query at `pos` (any int / array): 0 without
+    a window, else max(0, pos - sliding_window + 1).  Kernels start their key
+    loops at the block holding the window start of a tile's first token."""
+    if sliding_window is None:
+        return 0
+    return jnp.maximum(pos - (sliding_window - 1), 0)

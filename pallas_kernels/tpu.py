@@ -44,6 +44,15 @@ second instance of the compute whose dots and softmax have block_q_small * G
 rows instead of block_q * G: a decode token costs ~G rows of MXU/VPU work,
 not block_q * G, and a decode batch costs one grid step per sequence.
 
+Sliding window (static `sliding_window`): a tile's page walk starts at the
+page holding its first token's window start (its K/V step is the compute
+block holding that page), so pages wholly before the window are never copied
+(nor their block-table entries read); within the first step, the key slots
+before that start (stale VMEM, or rows before the window) are masked like
+the keys past the limit, and each row's window per element.  Soft cap
+(static `soft_cap`): s = c * tanh(s / c) on the fp32 scores before the mask.
+Both None: the kernel is the one without the options.
+
 Masking uses `where` (never a multiply): keys at or past the tile's last
 visible position (block 0, unowned blocks, the tail of the last block, pages
 never copied, stale VMEM) are masked in the scores and zeroed in V, so NaN
@@ -83,7 +92,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import attention_dims
+from pallas_kernels.reference import attention_dims, attention_options, window_start
 
 MASK_VALUE = -1e30
 KEYS_PER_COMPUTE_BLOCK = 256   # default pages_per_compute_block = this // block_size
@@ -173,7 +182,8 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
             o_hbm,                                                               # output (HBM)
             q_buf, qs_sc, kv_buf, o_buf, fin, m_sc, l_sc, acc_sc, sems, state,  # scratch
             *, block_size: int, pages_per_cb: int, block_q: int, block_q_small: int,
-            group: int, heads_per_blk: int, width: int, head_blocks: int, sm_scale: float):
+            group: int, heads_per_blk: int, width: int, head_blocks: int, sm_scale: float,
+            sliding_window: int | None = None, soft_cap: float | None = None):
     BS, P, G, hb = block_size, pages_per_cb, group, heads_per_blk
     N = P * BS
     D = q_buf.shape[-1]
@@ -206,8 +216,13 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
         q_lo = cu_ref[s]
         first_pos = kv_len - (cu_ref[s + 1] - q_lo) + (start - q_lo)   # position of token 0
         limit = jnp.clip(first_pos + n, 0, kv_len)                    # keys seen: 0..limit-1
-        return dict(seq=seq, s=s, start=start, n=n, first_pos=first_pos, limit=limit,
-                    pages=_cdiv(limit, BS), blocks=_cdiv(limit, N))
+        tl = dict(seq=seq, s=s, start=start, n=n, first_pos=first_pos, limit=limit,
+                  pages=_cdiv(limit, BS), blocks=_cdiv(limit, N),
+                  lo=0, first_page=0, first_block=0)   # the page walk starts at page 0
+        if sliding_window is not None:                # ... or at token 0's window start
+            lo = jnp.minimum(window_start(first_pos, sliding_window), limit)
+            tl.update(lo=lo, first_page=lo // BS, first_block=lo // N)
+        return tl
 
     cur = tile(i)
     nxt_i = jnp.minimum(i + 1, NT - 1)
@@ -233,7 +248,11 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
             action(pltpu.make_async_copy(kv_src(phys), kv_buf.at[slot, :, :, rows],
                                          sems.at[0, slot]))
             return carry
-        lax.fori_loop(0, jnp.minimum(tl["pages"] - j * P, P), one, 0)
+        if sliding_window is None:
+            first = 0
+        else:  # pages of the step before the window's first page: not copied
+            first = jnp.maximum(tl["first_page"] - j * P, 0)
+        lax.fori_loop(first, jnp.minimum(tl["pages"] - j * P, P), one, 0)
 
     def kv_start(tl, j, slot):
         kv_each(tl, j, slot, lambda c: c.start())
@@ -246,7 +265,7 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
     def _prologue():
         state[0] = 0
         q_copy(cur, i % 2).start()
-        kv_start(cur, 0, 0)
+        kv_start(cur, cur["first_block"], 0)
 
     def attend(ntok: int):
         """Online softmax over the tile's K/V blocks; rows = ntok tokens x G heads."""
@@ -264,6 +283,8 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
         # needs).  Rows of tokens >= n hold stale q and are never copied out.
         tok = lax.broadcasted_iota(jnp.int32, (Rp, 1), 0) // G
         last_key = jnp.minimum(cur["first_pos"] + tok, cur["limit"] - 1)    # [Rp, 1]
+        if sliding_window is not None:  # first key each row sees
+            first_key = cur["first_pos"] + tok - (sliding_window - 1)       # [Rp, 1]
 
         def step(j, slot):
             last = j + 1 == cur["blocks"]
@@ -275,13 +296,16 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
             @pl.when(last & nxt_work)
             def _():
                 state[0] = 1 - slot
-                kv_start(nxt, 0, 1 - slot)
+                kv_start(nxt, nxt["first_block"], 1 - slot)
 
             kv_wait(cur, j, slot)
             key_row = j * N + lax.broadcasted_iota(jnp.int32, (1, N), 1)    # [1, N]
             key_col = j * N + lax.broadcasted_iota(jnp.int32, (N, 1), 0)    # [N, 1]
             vis = key_row <= last_key                                        # [Rp, N]
             kv_ok = key_col < cur["limit"]
+            if sliding_window is not None:  # slots before the window: stale or not ours
+                vis &= key_row >= first_key
+                kv_ok &= key_col >= cur["lo"]
 
             def head(h, carry):
                 k = kv_buf[slot, 0, h]                                       # [N, D]
@@ -289,6 +313,8 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
                 v = jnp.where(kv_ok, v, jnp.zeros_like(v))
                 s = lax.dot_general(qs_sc[h, :Rp], k, (((1,), (1,)), ((), ())), precision=prec,
                                     preferred_element_type=jnp.float32)      # [Rp, N]
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
                 s = jnp.where(vis, s, MASK_VALUE)
                 m_prev = m_sc[h, :Rp]
                 m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -304,7 +330,7 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
             lax.fori_loop(0, hb, head, 0)
             return 1 - slot
 
-        lax.fori_loop(0, cur["blocks"], step, state[0])
+        lax.fori_loop(cur["first_block"], cur["blocks"], step, state[0])
         for h in range(hb):
             l = l_sc[h, :R]
             ok = l > 0
@@ -359,13 +385,14 @@ def _vmem_bytes(block_q, hb, G, D, N, q_dtype, kv_dtype) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "interpret", "block_q", "block_q_small", "pages_per_compute_block",
-    "kv_heads_per_block", "vmem_limit_bytes"))
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_q_small",
+    "pages_per_compute_block", "kv_heads_per_block", "vmem_limit_bytes"))
 def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
-                        interpret=None, block_q=None, block_q_small=None,
-                        pages_per_compute_block=None, kv_heads_per_block=None,
-                        vmem_limit_bytes=None):
-    """Ragged paged attention on TPU.  Contract of `pallas_kernels.paged_attention`.
+                        sliding_window=None, soft_cap=None, interpret=None, block_q=None,
+                        block_q_small=None, pages_per_compute_block=None,
+                        kv_heads_per_block=None, vmem_limit_bytes=None):
+    """Ragged paged attention on TPU.  Contract of `pallas_kernels.paged_attention`
+    (sm_scale, sliding_window and soft_cap included).
 
     `interpret`: None -> real Mosaic on TPU, `pltpu.InterpretParams()` elsewhere;
     pass `pltpu.InterpretParams(detect_races=True)` to run the race detector.
@@ -382,7 +409,9 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
       vmem_limit_bytes: default by estimate (see the module notes).
     """
     T, H, D, KVH, BS, G, S, W, scale = attention_dims(q, kv_pool, block_tables, kv_lens,
-                                                      cu_q_lens, sm_scale)
+                                                      cu_q_lens, sm_scale, sliding_window,
+                                                      soft_cap)
+    sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
     if interpret is None:
         interpret = default_interpret()
     bq, small, ppcb = block_sizes(T, G, BS, W, kv_pool.dtype, block_q, block_q_small,
@@ -405,7 +434,8 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
 
     kernel = functools.partial(_kernel, block_size=BS, pages_per_cb=ppcb, block_q=bq,
                                block_q_small=small, group=G, heads_per_blk=hb, width=W,
-                               head_blocks=head_blocks, sm_scale=scale)
+                               head_blocks=head_blocks, sm_scale=scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     R = _round_up(bq * G, _sublanes(kv_pool.dtype))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,

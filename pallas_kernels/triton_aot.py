@@ -207,9 +207,10 @@ def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_siz
     tokens each (default 1 for "decode", 64 for "ragged"), T = num_seqs *
     q_len, [num_seqs, max_blocks] tables; only the named kernel is lowered
     (`gpu.single_kernel`).  `launch` goes to the kernel (block_k, block_m,
-    decode_rows, num_partitions, num_warps, ...); omitted ones take the
-    defaults.  Returns (the tiling used, resources).  The pool is 2^32+
-    bytes so that offsets are 64-bit, as in a real pool.
+    decode_rows, num_partitions, num_warps, ..., and the contract's static
+    options sliding_window and soft_cap); omitted ones take the defaults.
+    Returns (the tiling used, resources).  The pool is 2^32+ bytes so that
+    offsets are 64-bit, as in a real pool.
     """
     import jax.numpy as jnp
     from pallas_kernels import gpu

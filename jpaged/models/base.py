@@ -86,10 +86,9 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
     """Writes this step's k, v [T, kv_heads, head_dim] into the pool, then attends
     q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool)."""
     kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
-    extra = {} if window is None and cfg.attn_logit_softcap is None else dict(  # TODO(merge kernels)
-        sliding_window=window, soft_cap=cfg.attn_logit_softcap)
     out = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
-                            sm_scale=cfg.sm_scale, **extra)
+                            sm_scale=cfg.sm_scale, sliding_window=window,
+                            soft_cap=cfg.attn_logit_softcap)
     return out.reshape(q.shape[0], -1), kv_pool
 
 

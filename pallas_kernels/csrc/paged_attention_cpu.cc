@@ -1,12 +1,14 @@
 // Ragged paged attention and the in-place K/V write for XLA:CPU, as XLA FFI
-// custom calls.  Semantics: see pallas_kernels.paged_attention.
+// custom calls.  Semantics: see pallas_kernels.paged_attention (attributes
+// window and soft_cap: 0 = none, else the sliding window and the logit cap).
 //
 // Attention.  One kernel for decode tokens and prefill chunks alike.  A work
 // item is (sequence, kv head, tile of that sequence's new tokens); its rows
 // are the tile's tokens x the G query heads of the kv head (row r is token
 // r / G, head r % G), so every K/V row read serves all of them.  An item walks
-// the keys 0 .. (last visible key of its last token) in chunks of kChunk keys
-// and runs an fp32 online softmax.  K/V rows are read straight from the pool
+// the keys 0 (with a sliding window: its first token's window start) .. (last
+// visible key of its last token) in chunks of kChunk keys and runs an fp32
+// online softmax.  K/V rows are read straight from the pool
 // through the block table (one pointer per key row; bf16 rows, and V rows when
 // head_dim is not a multiple of 8, go through a chunk-sized fp32 copy) -- never
 // a padded gather of the sequence -- and the next chunk's rows are prefetched.
@@ -14,8 +16,11 @@
 //
 //   S^T[key][row] = K . Q^T      register-blocked micro-kernel, kQkKeys keys
 //                                broadcast x kQkVecs*8 rows vectorized
-//   causal mask (only in the chunks past the tile's first token); running
-//   max, sum and exp2 with a polynomial, vectorized over rows
+//   soft cap (if any): S = c * tanh(S / c) with c = soft_cap * log2(e), in
+//   fp32 with std::tanh
+//   sliding-window mask (only in the chunks before the tile's last token's
+//   window start) and causal mask (only in the chunks past the tile's first
+//   token); running max, sum and exp2 with a polynomial, vectorized over rows
 //   O[row][:] = corr[row] * O[row][:] + P . V
 //                                register-blocked micro-kernel, kPvRows rows
 //                                broadcast x kPvVecs*8 head-dim lanes
@@ -25,10 +30,12 @@
 // kDotRows rows (decode with G <= 4) compute S^T as dot products over the head
 // dim instead (qk_dot), which keeps their lanes busy.  Keys at
 // positions >= the sequence's kv_len (or past every row's causal limit, or
-// past the block table) are never loaded, so unowned blocks, the null block
-// and the tail of a last block may hold anything (NaN included).  Items are
-// ordered by decreasing cost and claimed dynamically by the calling thread
-// and XLA's intra-op thread pool; each item is computed by one thread, so the
+// past the block table) are never loaded, nor (with a sliding window) keys
+// before the item's first token's window start pos - window + 1, so unowned
+// blocks, the null block, the tail of a last block and the blocks before the
+// window may hold anything (NaN included).  Items are ordered by decreasing
+// cost and claimed dynamically by the calling thread and XLA's intra-op
+// thread pool; each item is computed by one thread, so the
 // result does not depend on the thread count.
 //
 // K/V write.  pool[blocks[t], layer, {K,V}, h, offsets[t], :] = {k,v}[t, h, :]
@@ -262,6 +269,8 @@ struct Params {
   int64_t layer;
   int64_t tile_tokens, max_rows_p;
   float scale;  // sm_scale * log2(e): scores are kept in base-2 units
+  int64_t window;  // sliding window (keys pos - window + 1 .. pos); 0: none
+  float cap;       // soft_cap * log2(e) (the cap in base-2 units); 0: none
 };
 
 struct Item {
@@ -277,20 +286,20 @@ constexpr int64_t kChunkP = (kChunk + kQkKeys - 1) / kQkKeys * kQkKeys;
 // Per-thread buffers, sized for the largest item.
 struct Scratch {
   std::unique_ptr<float[]> mem;
-  float *qt, *st, *kb, *vb, *o, *m, *l, *corr, *lim, *zero;
+  float *qt, *st, *kb, *vb, *o, *m, *l, *corr, *lim, *lo, *zero;
   const float* krow[kChunkP];  // K row of each key of the chunk (padding keys: zero)
   const float* vrow[kChunkP];  // V row of each key of the chunk
   void init(const Params& p) {
     const int64_t Rp = p.max_rows_p, D = p.D, Dp = p.Dp;
     const int64_t sizes[] = {D * Rp, kChunkP * Rp, kChunkP * D, kChunkP * Dp, Rp * Dp,
-                             Rp, Rp, Rp, Rp, Dp};
+                             Rp, Rp, Rp, Rp, Rp, Dp};
     constexpr int n = sizeof(sizes) / sizeof(sizes[0]);
     int64_t total = 0;
     for (int64_t s : sizes) total += round_up(s, 16) + 16;
     mem.reset(new float[total + 16]());  // zeroed: vb's padding columns, the zero row
     float* base = mem.get();
     base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte align
-    float** ptrs[n] = {&qt, &st, &kb, &vb, &o, &m, &l, &corr, &lim, &zero};
+    float** ptrs[n] = {&qt, &st, &kb, &vb, &o, &m, &l, &corr, &lim, &lo, &zero};
     for (int i = 0; i < n; ++i) {
       *ptrs[i] = base;
       base += round_up(sizes[i], 16) + 16;
@@ -519,6 +528,26 @@ constexpr SoftmaxFn kSoftmax[kSoftmaxVecs + 1] = {
     softmax_chunk<0>, softmax_chunk<1>, softmax_chunk<2>, softmax_chunk<3>,
     softmax_chunk<4>, softmax_chunk<5>, softmax_chunk<6>};
 
+// Soft cap of the first nk keys' scores, in place: S = c * tanh(S / c) (c:
+// the cap in base-2 units, like S).  Padding lanes hold finite values (0).
+void soft_cap_chunk(float* st, int64_t Rp, int64_t nk, float c) {
+  const float inv = 1.0f / c;
+  for (int64_t i = 0; i < nk * Rp; ++i) st[i] = c * std::tanh(st[i] * inv);
+}
+
+// Sliding-window mask of keys k0 .. k0 + nmask - 1 (those before some row's
+// window start): S^T[n][r] = -inf where key k0 + n < lo[r].
+void window_mask_chunk(float* st, int64_t Rp, int64_t nvr, int64_t nmask, int64_t k0,
+                       const float* lo) {
+  for (int64_t n = 0; n < nmask; ++n) {
+    const vf key = vbcast(static_cast<float>(k0 + n));
+    for (int64_t j = 0; j < nvr; ++j) {
+      const vf s = vload(st + n * Rp + j * kLanes);
+      vstore(st + n * Rp + j * kLanes, key < vload(lo + j * kLanes) ? vbcast(-INFINITY) : s);
+    }
+  }
+}
+
 template <typename QT, typename KT>
 void run_item(const Params& p, const Item& it, Scratch& sc) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp;
@@ -542,6 +571,21 @@ void run_item(const Params& p, const Item& it, Scratch& sc) {
   for (int64_t r = 0; r < Rp; ++r) {
     const int64_t l = r < R ? std::min(first_pos + it.tok0 + r / G + 1, key_cap) : 0;
     lim[r] = static_cast<float>(l > 0 ? l : kmax);
+  }
+  // Sliding window: row r sees keys lo[r] .. lim[r] - 1, lo[r] = its position
+  // - window + 1.  The key loop starts at the first token's window start
+  // (kstart, the smallest lo); keys below the largest lo (lo_max) are masked.
+  // Rows that see nothing and the padding rows get lo = kstart (no mask).
+  int64_t kstart = 0, lo_max = 0;
+  if (p.window > 0) {
+    kstart = std::max<int64_t>(0, first_pos + it.tok0 - p.window + 1);
+    for (int64_t r = 0; r < Rp; ++r) {
+      int64_t lo = kstart;
+      if (r < R && first_pos + it.tok0 + r / G >= 0)
+        lo = std::max<int64_t>(0, first_pos + it.tok0 + r / G - p.window + 1);
+      sc.lo[r] = static_cast<float>(lo);
+      lo_max = std::max(lo_max, lo);
+    }
   }
 
   QT* out = static_cast<QT*>(p.out);
@@ -575,7 +619,7 @@ void run_item(const Params& p, const Item& it, Scratch& sc) {
   std::fill(l, l + Rp, 0.0f);
   const int64_t nvr = Rp / kLanes;
 
-  for (int64_t k0 = 0; k0 < kmax; k0 += kChunk) {
+  for (int64_t k0 = kstart; k0 < kmax; k0 += kChunk) {
     const int64_t nk = std::min(kChunk, kmax - k0);
     chunk_rows<KT>(p, bt, it.kvh, k0, nk, sc);
     if (k0 + nk < kmax)
@@ -588,6 +632,8 @@ void run_item(const Params& p, const Item& it, Scratch& sc) {
       gemm<kQkKeys, kQkVecs, false>(st, Rp, RowsA{sc.krow}, StridedB{qt, Rp}, D, nullptr,
                                     round_up(nk, kQkKeys), Rp);
 
+    if (p.cap > 0) soft_cap_chunk(st, Rp, nk, p.cap);
+    if (k0 < lo_max) window_mask_chunk(st, Rp, nvr, std::min(nk, lo_max - k0), k0, sc.lo);
     // Causal mask (only from the first key past some row's limit), online
     // softmax; S^T becomes P^T in place.
     kSoftmax[nvr <= kSoftmaxVecs ? nvr : 0](st, Rp, nvr, nk, k0, std::max<int64_t>(0, kmin - k0),
@@ -644,7 +690,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
                               ffi::AnyBuffer kv_pool, ffi::Buffer<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Result<ffi::AnyBuffer> out,
-                              float sm_scale, int64_t max_threads) {
+                              float sm_scale, int64_t max_threads, int64_t window,
+                              float soft_cap) {
   auto qd = q.dimensions();
   auto pd = kv_pool.dimensions();
   auto bd = block_tables.dimensions();
@@ -682,6 +729,11 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   p.layer = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0),
                               std::max<int64_t>(p.L - 1, 0));
   p.scale = sm_scale * kLog2e;
+  if (window < 0 || !(soft_cap >= 0.0f) || std::isinf(soft_cap))
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: window must be >= 0 and soft_cap finite and >= 0 (0: none)");
+  p.window = window;
+  p.cap = soft_cap * kLog2e;
   p.q = q.untyped_data();
   p.pool = kv_pool.untyped_data();
   p.bt = block_tables.typed_data();
@@ -726,8 +778,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
       it.kv_len = kv_len;
       it.tok0 = t0;
       it.ntok = std::min(p.tile_tokens, q_len - t0);
-      const double keys = static_cast<double>(
-          std::max<int64_t>(0, std::min(kv_len - full_q_len + t0 + it.ntok, p.W * p.BS)));
+      const int64_t key_end = std::min(kv_len - full_q_len + t0 + it.ntok, p.W * p.BS);
+      const int64_t key_start =
+          window > 0 ? std::max<int64_t>(0, kv_len - full_q_len + t0 - window + 1) : 0;
+      const double keys = static_cast<double>(std::max<int64_t>(0, key_end - key_start));
       it.cost = (static_cast<double>(round_up(it.ntok * p.G, kLanes)) + 8.0) * (keys + 16.0);
       for (int64_t h = 0; h < p.KVH; ++h) {
         it.kvh = static_cast<int32_t>(h);
@@ -845,7 +899,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionCpu, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Ret<ffi::AnyBuffer>()         // out [T, H, D]
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("window")       // 0: no sliding window
+                                  .Attr<float>("soft_cap"));     // 0: no soft cap
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
                               ffi::Ffi::Bind()

@@ -1,14 +1,15 @@
 """GPU (Pallas Triton) ragged paged attention vs the jnp reference, on CPU.
 
 The kernels run with `interpret=True` (automatic off a GPU).  Interpret mode
-is slow, so the parameter grid is a covering selection, not the product:
+is slow, so the cases (`cases.CASES`, those listing "gpu") are a covering
+selection, not the product:
 
 * head_dim {64, 128} x GQA {1, 3, 4, 8} x block size {8, 16, 32, 128} x
   dtype {fp32, bf16}: every value appears in the decode cases and again in
   the mixed cases; key tiles of several pages (block_k > BS), one page and
   part of a page (block_k < BS) all occur, and the no-dot path (block_k 8).
 * decode-only batches of 1..33 sequences, contexts up to ~1100 with exact
-  block boundaries (k*BS), k*BS+1 and 1 (`kernel_cases.lens_profile`);
+  block boundaries (k*BS), k*BS+1 and 1 (`cases.lens_profile`);
   whole prompts (q_len == kv_len), chunked prefill over a cached prefix,
   speculative-decode-sized q_lens, mixed batches, padding tokens after the
   real ones and padding sequences (q_len 0, kv_len 0), a q_len-0 sequence
@@ -16,17 +17,23 @@ is slow, so the parameter grid is a covering selection, not the product:
 * both paths of the split: short sequences through the split-KV decode
   kernel + the merge in the ragged kernel (default), and every sequence
   through the ragged kernel (decode_rows=0).
+* sliding windows of 5 (< block, several query tiles per chunk), 16 (== block,
+  split-KV partitions over the window, key tiles of half a page), 40 (> block,
+  key tiles of 4 pages) and past every context; soft caps deciding the softmax
+  with and without a window (fp32 and bf16); NaN in every key before a
+  sequence's window and the null block in its table entries before it.
 * every case fills all pool memory a sequence may not read with NaN (block 0,
   unowned blocks, the tail of each last block, every layer but the one read;
   layer > 0 throughout).
 
-Tolerances (`kernel_cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
+Tolerances (`cases.TOL`): fp32 atol 2e-5 / rtol 1e-5 (3x for the soft-capped
+scores of +-60..90: `cases.BIG_LOGITS`), bf16 2e-2.
 Inputs are fresh random draws each run; the seed is in every failure message.
 Compile time dominates (the interpreted kernels are XLA CPU programs), so
 they are compiled at XLA's backend optimisation level 0 (half the compile
 time; the kernels run for milliseconds either way).
 The lowering tests at the end take the kernels to Triton IR (no GPU needed);
-tests/test_triton_sm90.py compiles that IR for sm_90.
+test_triton_sm90.py compiles that IR for sm_90.
 """
 
 from __future__ import annotations
@@ -37,75 +44,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernels.cases import (FAST_COMPILE, NUM_LAYERS, TOL, attention_per_layer, cases_for,
+                           check_ragged, fresh_seed, make_ragged_case, mixed_seqs)
 
 import pallas_kernels
-from kernel_cases import (NUM_LAYERS, TOL, attention_per_layer, check_ragged, fresh_seed,
-                          lens_profile, make_ragged_case, mixed_seqs)
 from pallas_kernels import gpu as kgpu
 from pallas_kernels import triton_aot
 
 BF16 = jnp.bfloat16
 F32 = np.float32
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def fast_jit(fn, **kw):
     return jax.jit(functools.partial(fn, **kw), compiler_options=FAST_COMPILE)
 
 
-def run(args, seed, what, **kw):
-    out = fast_jit(kgpu.paged_attention_gpu, **kw)(*args)
-    check_ragged(out, args, seed, f"{what} {kw}")
-    return out
-
-
-# --------------------------------------------------------------------------
-# Decode-only batches (split-KV kernel + merge).
-# (D, G, BS, S, max_len, dtype, tuning)
-DECODE_CASES = [
-    (64, 1, 8, 1, 1037, F32, {}),                                  # long single sequence, P = 4
-    (128, 3, 16, 5, 300, BF16, dict(num_partitions=3)),
-    (64, 4, 32, 33, 256, F32, dict(block_k=64)),                   # batch 33, exact boundaries
-    (128, 8, 128, 2, 1100, BF16, {}),                              # slices of 128-token pages
-    (128, 4, 8, 9, 64, BF16, dict(block_k=8)),                     # [16, 8] tiles: no-dot path
-    (128, 4, 128, 3, 600, F32, dict(num_partitions=3, block_k=16)),  # partitions mid-page
-]
-
-
-@pytest.mark.parametrize("D,G,BS,S,max_len,dtype,kw", DECODE_CASES)
-def test_decode(D, G, BS, S, max_len, dtype, kw):
+@pytest.mark.parametrize("case", cases_for("gpu"), ids=lambda c: c.id)
+def test_matches_reference(case):
     seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    lens = [max_len] if S == 1 else lens_profile(rng, S, BS, max_len)
-    args = make_ragged_case(seed, [(kv, 1) for kv in lens], G=G, KVH=2, D=D, BS=BS, dtype=dtype,
-                            pad_tokens=2, pad_seqs=2)
-    run(args, seed, f"decode D={D} G={G} BS={BS} S={S}", **kw)
-
-
-# --------------------------------------------------------------------------
-# Prefill (whole prompts and chunks over a cached prefix) and mixed batches.
-# (D, G, BS, dtype, [(kv_len, q_len), ...], tuning)
-MIXED_CASES = [
-    # decodes, speculative q_lens (short: split-KV), whole prompts, chunked prefill,
-    # a q_len-0 sequence with cached K/V
-    (64, 4, 16, F32, [(1, 1), (24, 24), (70, 24), (100, 3), (40, 0), (50, 7), (17, 2), (300, 1)],
-     dict(num_partitions=3)),
-    (128, 3, 8, BF16, [(20, 20), (57, 13), (9, 1), (300, 1)], {}),
-    (64, 1, 32, F32, [(40, 40), (1030, 40), (64, 1), (96, 10)], {}),      # G=1: q_len 10 is short
-    (128, 8, 128, BF16, [(9, 9), (256, 9), (129, 1)], {}),
-    # several 16-row tiles per sequence; short sequences of up to 32 rows span two
-    # tiles (only the first merges)
-    (64, 3, 16, F32, [(30, 30), (45, 5), (3, 1), (90, 17), (60, 9)],
-     dict(block_m=16, block_k=16, decode_rows=32)),
-    (128, 4, 32, BF16, [(64, 64), (33, 1), (200, 40), (70, 1)], dict(decode_rows=0)),  # no split
-]
-
-
-@pytest.mark.parametrize("D,G,BS,dtype,seqs,kw", MIXED_CASES)
-def test_mixed(D, G, BS, dtype, seqs, kw):
-    seed = fresh_seed()
-    args = make_ragged_case(seed, seqs, G=G, KVH=2, D=D, BS=BS, dtype=dtype)
-    run(args, seed, f"mixed D={D} G={G} BS={BS} {seqs}", **kw)
+    seqs, args = case.make(seed)
+    out = fast_jit(kgpu.paged_attention_gpu, **case.options, **case.tuning.get("gpu", {}))(*args)
+    case.check(out, args, seed, seqs, f"gpu {case.tuning.get('gpu', {})}")
 
 
 def test_fuzz_fixed_shapes():
@@ -146,17 +105,22 @@ def test_nan_isolation_and_layer():
 
 
 def test_traced_layer_in_scan():
-    """Traced layer index inside lax.scan, through the public entry point."""
+    """Traced layer index inside lax.scan, through the public entry point (the
+    options passed through)."""
     seed = fresh_seed()
     q, pool, _, bt, kv_lens, cu = make_ragged_case(seed, [(20, 1), (7, 7), (30, 4)], G=2, KVH=1,
                                                    D=64, BS=16, nan=False)
+    opts = dict(sm_scale=1.0, sliding_window=9, soft_cap=4.0)
 
     def run_impl(impl):
-        return attention_per_layer(impl, q, pool, bt, kv_lens, cu, compiler_options=FAST_COMPILE)
+        return attention_per_layer(impl, q, pool, bt, kv_lens, cu, compiler_options=FAST_COMPILE,
+                                   **opts)
 
     out, ref = run_impl("gpu"), run_impl("reference")
     assert out.shape == (NUM_LAYERS,) + q.shape
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL[np.dtype(F32)])
+    plain = attention_per_layer("reference", q, pool, bt, kv_lens, cu, sm_scale=1.0)
+    assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 0.1    # the options did matter
 
 
 # --------------------------------------------------------------------------
@@ -204,13 +168,14 @@ def test_plan_tiling_defaults_and_checks():
 
 # --------------------------------------------------------------------------
 # The kernels must lower through the Pallas Triton backend (no GPU needed:
-# lowering to Triton IR runs on CPU; tests/test_triton_sm90.py compiles it).
+# lowering to Triton IR runs on CPU; test_triton_sm90.py compiles it).
 LOWER_CASES = [  # (D, G, BS, dtype, T, tuning)
     (128, 4, 16, BF16, 3, {}),
     (64, 3, 8, F32, 40, {}),
     (128, 8, 128, BF16, 64, dict(num_partitions=2)),
     (128, 1, 128, BF16, 64, dict(decode_rows=0)),
     (64, 4, 16, F32, 16, dict(block_k=8)),
+    (128, 4, 16, BF16, 40, dict(sliding_window=64, soft_cap=50.0)),   # Gemma 2's options
 ]
 
 
@@ -232,6 +197,7 @@ def test_lowers_to_triton(D, G, BS, dtype, T, kw):
     assert [ir.name for ir in irs] == names
     for ir in irs:
         assert "tt.func public @" in ir.ttir and (ir.num_warps, ir.num_stages) == (4, 2)
+        assert ("tanh" in ir.ttir) == ("soft_cap" in kw), ir.name     # the cap reaches the IR
 
 
 def test_capture_on_newer_jaxlib(monkeypatch):

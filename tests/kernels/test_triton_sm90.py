@@ -41,6 +41,27 @@ def test_kernel_compiles_for_sm90_without_spills(kernel, dtype, head_dim, block_
     assert r.fits and r.ctas_per_sm >= 2, what
 
 
+# Gemma's options (sliding window + logit soft cap: the window mask and a tanh in the
+# key loop) at the benchmark shape and at Gemma 2/3's head_dim 256 with GQA 2.
+GEMMA_CASES = [
+    ("decode", jnp.bfloat16, 128, 16, 4),
+    ("ragged", jnp.bfloat16, 128, 16, 4),
+    ("decode", jnp.bfloat16, 256, 16, 2),
+    ("ragged", jnp.bfloat16, 256, 16, 2),
+]
+
+
+@pytest.mark.parametrize("kernel,dtype,head_dim,block_size,gqa", GEMMA_CASES)
+def test_window_and_soft_cap_compile_for_sm90_without_spills(kernel, dtype, head_dim, block_size,
+                                                             gqa):
+    tiling, r = triton_aot.jpaged_kernel_resources(kernel, dtype=dtype, head_dim=head_dim,
+                                                   block_size=block_size, gqa=gqa,
+                                                   sliding_window=4096, soft_cap=50.0)
+    what = f"{kernel} window+cap {jnp.dtype(dtype).name} D={head_dim} BS={block_size} {tiling}: {r}"
+    assert r.spill_stores == 0 and r.stack_bytes == 0, what
+    assert r.fits and r.ctas_per_sm >= 2, what
+
+
 def test_small_tile_path_compiles():
     """block_k 8 (< the 16 a Triton dot needs): broadcast-multiply-sum tiles."""
     _, r = triton_aot.jpaged_kernel_resources("decode", dtype=jnp.float32, head_dim=64,

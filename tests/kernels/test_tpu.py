@@ -3,7 +3,8 @@
 Every kernel run is in TPU interpret mode (CPU simulation of HBM, VMEM, SMEM,
 DMAs and semaphores) with the race detector on, and asserts that it found no
 race.  Interpret mode is slow (each distinct shape is a ~5 s compile), so the
-cases are a covering selection, not a product:
+cases (`cases.CASES`, those listing "tpu", plus the tests below) are a
+covering selection, not a product:
 
 * decode-only batches with long contexts (many K/V steps), whole prompts,
   chunked prefill over a cached prefix, mixed batches, padding tokens and
@@ -11,17 +12,24 @@ cases are a covering selection, not a product:
 * head_dim 64 / 128, GQA 1 / 3 / 4 / 8, block size 8 / 16 / 32, fp32 / bf16,
   both the decode (block_q_small) and the prefill (block_q) code paths;
 * NaN in everything a sequence may not read (block 0, unowned blocks, the
-  tail of its last block, every other layer; `tests/kernel_cases.py`),
+  tail of its last block, every other layer; `tests/kernels/cases.py`),
   layer 1 and 2 of 3, a traced layer inside `lax.scan`;
+* sliding windows of 5 (< block, tiles starting mid compute block) and 40
+  (> block) and past every context (the scan test), soft caps deciding the
+  softmax, fp32 and bf16; NaN in every key before a sequence's window and the
+  null block in its table entries before it;
 * fixed shapes with several draws (no padding at all, padding only);
 * 2 simulated TensorCores (head blocks split over cores), eager DMAs;
 * every run checks the exact number of DMAs the kernel issued: q, the pages
-  up to each tile's causal bound and the output of each tile, nothing for
-  empty tiles or unused table entries (so the cost does not scale with W);
+  from the one holding each tile's first window start (page 0 without a
+  window) up to its causal bound and the output of each tile, nothing for
+  empty tiles or unused table entries (so the cost does not scale with W,
+  nor with kv_len under a window);
 * a racy kernel is reported (the detector is live), and the kernel lowers to
   a Mosaic `tpu_custom_call` for a v5e target.
 
-Tolerances: `kernel_cases.TOL` (fp32 2e-5 abs + 1e-5 rel, bf16 2e-2).
+Tolerances: `cases.TOL` (fp32 2e-5 abs + 1e-5 rel, 3x for the soft-capped scores of
++-60..90 of `cases.BIG_LOGITS`; bf16 2e-2).
 Inputs are fresh random draws each run; the seed is in every failure message.
 """
 
@@ -35,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu as ktpu
-from kernel_cases import (TOL, attention_per_layer, check_ragged, fresh_seed,
-                          lens_profile, make_ragged_case, mixed_seqs)
+from kernels.cases import (TOL, attention_per_layer, cases_for, check_ragged, fresh_seed,
+                           make_ragged_case, mixed_seqs)
 
 try:
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
@@ -52,11 +60,12 @@ def assert_no_race():
     assert _interp.races is not None and not _interp.races.races_found, "race detected"
 
 
-def expected_dmas(args, block_q=None, head_blocks=1, **_):
+def expected_dmas(args, block_q=None, head_blocks=1, sliding_window=None, **_):
     """DMAs the kernel must issue, no more: per tile that attends, its q, each
-    page up to the one holding the last key its last token sees, and its output;
-    per tile of padding tokens, its output (zeros); nothing for empty tiles.
-    Independent of the table width W."""
+    page from the one holding its first token's window start (page 0 without a
+    window) up to the one holding the last key its last token sees, and its
+    output; per tile of padding tokens, its output (zeros); nothing for empty
+    tiles.  Independent of the table width W."""
     q, pool, _, bt, kv, cu = args
     T, BS = q.shape[0], pool.shape[4]
     bq = ktpu.block_sizes(T, q.shape[1] // pool.shape[3], BS, bt.shape[1], pool.dtype,
@@ -67,8 +76,11 @@ def expected_dmas(args, block_q=None, head_blocks=1, **_):
     for s, first_tok, n_tok in zip(seq, start, n):
         count += n_tok > 0                                       # output copy
         if s >= 0:
-            last_key = kv[s] - (cu[s + 1] - cu[s]) + (first_tok - cu[s]) + n_tok - 1
-            count += 1 + last_key // BS + 1                      # q copy + pages
+            first_pos = kv[s] - (cu[s + 1] - cu[s]) + (first_tok - cu[s])
+            last_key = first_pos + n_tok - 1
+            first_page = 0 if sliding_window is None else \
+                max(0, first_pos - sliding_window + 1) // BS
+            count += 1 + last_key // BS + 1 - first_page         # q copy + pages
     return count * head_blocks
 
 
@@ -125,45 +137,17 @@ def test_tile_layout_covers_tokens_once():
 
 
 # --------------------------------------------------------------------------
-# Decode-only batches, long contexts: many K/V steps, cross-tile prefetch.
-# (D, G, KVH, BS, dtype, S, max_len, pages_per_compute_block)
-DECODE_CASES = [
-    (128, 4, 1, 32, jnp.bfloat16, 3, 1040, 8),
-    (64, 3, 2, 8, np.float32, 6, 100, 3),
-]
+# The shared cases: decode-only batches with long contexts (many K/V steps,
+# cross-tile prefetch), mixed batches (decodes, whole prompts, chunked prefill
+# over a cached prefix, prompts longer than one query tile, padding), windows
+# and soft caps.
 
-
-@pytest.mark.parametrize("D,G,KVH,BS,dtype,S,max_len,ppcb", DECODE_CASES)
-def test_decode(D, G, KVH, BS, dtype, S, max_len, ppcb):
+@pytest.mark.parametrize("case", cases_for("tpu"), ids=lambda c: c.id)
+def test_matches_reference(case):
     seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    kv = lens_profile(rng, S, BS, max_len)
-    kv[0] = max_len
-    args = make_ragged_case(seed, [(k, 1) for k in kv], G=G, KVH=KVH, D=D, BS=BS, dtype=dtype,
-                            pad_tokens=2, pad_seqs=2)
-    out = run_tpu(args, pages_per_compute_block=ppcb)
-    check_ragged(out, args, seed, f"tpu decode {kv}")
-
-
-# --------------------------------------------------------------------------
-# Mixed batches: decodes, whole prompts (q == kv), chunked prefill over a
-# cached prefix (q < kv), prompts longer than one query tile, padding.
-# (D, G, KVH, BS, dtype, n_seqs, max_len, max_q, block_q, ppcb)
-RAGGED_CASES = [
-    (64, 4, 2, 16, np.float32, 7, 90, 40, 16, 2),     # 3-tile chunks, decode path of 2 tokens
-    (128, 8, 1, 32, jnp.bfloat16, 5, 300, 24, None, None),
-    (128, 1, 2, 16, jnp.bfloat16, 5, 70, 20, 8, 1),  # block_q == block_q_small: one path
-]
-
-
-@pytest.mark.parametrize("D,G,KVH,BS,dtype,n_seqs,max_len,max_q,block_q,ppcb", RAGGED_CASES)
-def test_ragged(D, G, KVH, BS, dtype, n_seqs, max_len, max_q, block_q, ppcb):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    seqs = mixed_seqs(rng, n_seqs, BS, max_len, max_q)
-    args = make_ragged_case(seed, seqs, G=G, KVH=KVH, D=D, BS=BS, dtype=dtype)
-    out = run_tpu(args, block_q=block_q, pages_per_compute_block=ppcb)
-    check_ragged(out, args, seed, f"tpu ragged {seqs}")
+    seqs, args = case.make(seed)
+    out = run_tpu(args, **case.options, **case.tuning.get("tpu", {}))
+    case.check(out, args, seed, seqs, "tpu")
 
 
 # --------------------------------------------------------------------------
@@ -248,35 +232,41 @@ def test_race_detector_is_live():
 # Traced layer inside lax.scan, through the public entry point.
 
 def test_traced_layer_in_scan(monkeypatch):
+    """Through the public entry point, with Gemma 2's options passed through: a
+    window past every context (the global result) and a soft cap that decides."""
     monkeypatch.setattr(ktpu, "default_interpret", lambda: RACE)
     ktpu.paged_attention_tpu.clear_cache()      # no trace made with another default
     seed = fresh_seed()
     q, pool, _, bt, kv_lens, cu = make_ragged_case(seed, [(20, 4), (7, 1), (9, 9)], G=2, KVH=1,
                                                    D=64, BS=16, nan=False)
+    opts = dict(sm_scale=1.0, sliding_window=4096, soft_cap=4.0)
 
-    def run(impl):
-        return attention_per_layer(impl, q, pool, bt, kv_lens, cu)
+    def run(impl, **kw):
+        return np.asarray(attention_per_layer(impl, q, pool, bt, kv_lens, cu, **kw))
 
-    out = run("tpu")
+    out = run("tpu", **opts)
     assert_no_race()
-    np.testing.assert_allclose(np.asarray(out), np.asarray(run("reference")),
-                               **TOL[np.dtype(np.float32)], err_msg=f"seed={seed}")
+    ref = run("reference", **opts)
+    np.testing.assert_allclose(out, ref, **TOL[np.dtype(np.float32)], err_msg=f"seed={seed}")
+    assert np.abs(run("reference", sm_scale=1.0) - ref).max() > 0.1    # the cap did matter
 
 
 # --------------------------------------------------------------------------
 # Lowering to Mosaic for a TPU v5e target (no TPU needed; the final libtpu
 # compile, which checks layouts, is not run here).
-LOWER_CASES = [  # (D, G, KVH, BS, dtype, kv_heads_per_block)
-    (128, 4, 8, 16, jnp.bfloat16, None),
-    (128, 4, 8, 16, jnp.bfloat16, 4),
-    (128, 8, 2, 32, jnp.bfloat16, None),
-    (64, 1, 2, 8, np.float32, None),
-    (128, 3, 2, 16, np.float32, None),
+GEMMA_OPTIONS = dict(sliding_window=4096, soft_cap=50.0)
+LOWER_CASES = [  # (D, G, KVH, BS, dtype, kv_heads_per_block, options)
+    (128, 4, 8, 16, jnp.bfloat16, None, {}),
+    (128, 4, 8, 16, jnp.bfloat16, 4, {}),
+    (128, 8, 2, 32, jnp.bfloat16, None, {}),
+    (64, 1, 2, 8, np.float32, None, {}),
+    (128, 3, 2, 16, np.float32, None, {}),
+    (256, 2, 4, 16, jnp.bfloat16, None, GEMMA_OPTIONS),   # Gemma 2 9B's attention shape
 ]
 
 
-@pytest.mark.parametrize("D,G,KVH,BS,dtype,hb", LOWER_CASES)
-def test_lowers_to_mosaic(monkeypatch, D, G, KVH, BS, dtype, hb):
+@pytest.mark.parametrize("D,G,KVH,BS,dtype,hb,options", LOWER_CASES)
+def test_lowers_to_mosaic(monkeypatch, D, G, KVH, BS, dtype, hb, options):
     from jax._src.pallas.mosaic import tpu_info
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
@@ -287,6 +277,7 @@ def test_lowers_to_mosaic(monkeypatch, D, G, KVH, BS, dtype, hb):
     kv_lens = jax.ShapeDtypeStruct((S,), jnp.int32)
     cu = jax.ShapeDtypeStruct((S + 1,), jnp.int32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
-    fn = jax.jit(lambda *a: ktpu.paged_attention_tpu(*a, interpret=False, kv_heads_per_block=hb))
+    fn = jax.jit(lambda *a: ktpu.paged_attention_tpu(*a, interpret=False, kv_heads_per_block=hb,
+                                                     **options))
     text = fn.trace(q, pool, layer, bt, kv_lens, cu).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text and "jpaged_ragged_attention_tpu" in text

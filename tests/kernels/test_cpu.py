@@ -1,26 +1,36 @@
 """The CPU ragged paged-attention kernel and K/V write (pallas_kernels.cpu, C++ XLA FFI calls).
 
-Attention vs the jnp reference over a covering selection of the grid:
+Attention vs the jnp reference over the shared case table (`cases.CASES`,
+the cases listing "cpu"):
 
 * head_dim {64, 128} (and 20, the scalar paths for a head_dim that is not a
   multiple of 8) x GQA {1, 3, 4, 8} x block size {1, 8, 16, 32} x dtype
   {fp32, bf16} for queries and pool, mixed q / pool dtypes included.
 * decode-only batches (contexts up to ~1100 with exact block boundaries,
-  boundary + 1 and 1: `kernel_cases.lens_profile`), whole prompts, chunked
-  prefill over a cached prefix, mixed batches (`kernel_cases.mixed_seqs`);
+  boundary + 1 and 1: `cases.lens_profile`), whole prompts, chunked
+  prefill over a cached prefix, mixed batches (`cases.mixed_seqs`);
   prompts longer than a work item's token tile and a key chunk; padding tokens
   after the real ones, padding sequences (q_len 0, kv_len 0), a q_len-0
   sequence with cached K/V mid-batch, an all-padding batch.
 * every case fills all pool memory a sequence may not read with NaN (block 0,
   unowned blocks, the tail of each last block, every layer but the one read;
   layer > 0 unless stated); a traced layer inside jit and lax.scan.
+* sliding windows smaller than, equal to and larger than the block size,
+  window 1 and a window past every context, soft caps that decide the
+  softmax (scores ~ +-100 under a cap of 50); with a window every key before
+  the window of a sequence's first new token is NaN and its table entries of
+  blocks wholly before it point at the null block: the kernel never loads
+  them (it starts each item's key loop at its first token's window start),
+  and 0 * NaN would reach the output if it did.
 * a hypothesis test draws random ragged batches at fixed shapes.
 
 K/V write vs `write_kv_reference` (all dtype pairs, padding tokens to the null
 block, out-of-range writes dropped), in place when the pool is donated.
-Fallbacks: the reference when the kernel is unavailable or a dtype unsupported.
+Fallbacks: the reference when the kernel is unavailable or a dtype unsupported,
+with the options passed through.
 
-Tolerances (`kernel_cases.TOL`): fp32 atol 2e-5 / rtol 1e-5, bf16 2e-2.
+Tolerances (`cases.TOL`): fp32 atol 2e-5 / rtol 1e-5 (3x for the soft-capped
+scores of +-60..90: `cases.BIG_LOGITS`), bf16 2e-2.
 Inputs are fresh random draws each run; the seed is in every failure message.
 """
 
@@ -32,10 +42,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernels.cases import (NUM_LAYERS, OPTIONS, TOL, cases_for, check_ragged, fresh_seed,
+                           make_ragged_case, mixed_seqs, reference)
 
 import pallas_kernels
-from kernel_cases import (NUM_LAYERS, TOL, check_ragged, fresh_seed, lens_profile,
-                          make_ragged_case, mixed_seqs, reference)
 from pallas_kernels import cpu
 from pallas_kernels.reference import write_kv_reference
 
@@ -44,7 +54,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(),
 
 BF16 = jnp.bfloat16
 F32 = np.float32
-kernel = jax.jit(cpu.paged_attention_cpu, static_argnames=("sm_scale", "max_threads"))
+kernel = jax.jit(cpu.paged_attention_cpu, static_argnames=OPTIONS + ("max_threads",))
 
 
 def run(args, seed, what, **kw):
@@ -53,40 +63,12 @@ def run(args, seed, what, **kw):
     return out
 
 
-@pytest.mark.parametrize("D,G,KVH,BS,S,max_len,dtype", [
-    (64, 3, 3, 16, 33, 700, F32),      # SmolLM2-135M
-    (128, 1, 2, 8, 9, 300, BF16),
-    (64, 4, 2, 1, 6, 50, F32),
-    (128, 8, 1, 32, 12, 1100, BF16),
-])
-def test_decode(D, G, KVH, BS, S, max_len, dtype):
+@pytest.mark.parametrize("case", cases_for("cpu"), ids=lambda c: c.id)
+def test_matches_reference(case):
     seed = fresh_seed()
-    lens = lens_profile(np.random.default_rng(seed), S, BS, max_len)
-    args = make_ragged_case(seed, [(kv, 1) for kv in lens], G=G, KVH=KVH, D=D, BS=BS, dtype=dtype)
+    seqs, args = case.make(seed)
     assert np.isnan(np.asarray(args[1][0], np.float32)).all()   # the null block is poisoned
-    run(args, seed, f"decode D={D} G={G} BS={BS} {np.dtype(dtype)}")
-
-
-@pytest.mark.parametrize("D,G,KVH,BS,dtype,kind", [
-    (64, 3, 3, 16, F32, "prompts"),
-    (128, 1, 2, 32, F32, "chunks"),
-    (64, 8, 1, 8, BF16, "prompts"),
-    (64, 3, 3, 16, F32, "mixed"),
-    (128, 4, 2, 16, BF16, "mixed"),
-    (64, 1, 4, 1, F32, "mixed"),
-])
-def test_ragged(D, G, KVH, BS, dtype, kind):
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    if kind == "prompts":    # whole prompts: several token tiles and key chunks, boundaries +-1
-        seqs = [(n, n) for n in (1, 17, 48, 49, 130, 2 * BS + 1)]
-    elif kind == "chunks":   # chunked prefill over a cached prefix
-        seqs = [(500, 37), (64, 48), (97, 1), (250, 200), (BS + 1, 2)]
-    else:
-        seqs = mixed_seqs(rng, 10, BS, 400, 120)
-    args = make_ragged_case(seed, seqs, G=G, KVH=KVH, D=D, BS=BS, dtype=dtype, pad_tokens=5,
-                            pad_seqs=2)
-    run(args, seed, f"{kind} D={D} G={G} BS={BS} {np.dtype(dtype)} seqs={seqs}")
+    case.check(kernel(*args, **case.options), args, seed, seqs, "cpu")
 
 
 @pytest.mark.parametrize("q_dtype,pool_dtype", [(F32, BF16), (BF16, F32)])
@@ -100,16 +82,6 @@ def test_mixed_dtypes(q_dtype, pool_dtype):
     ref = np.asarray(reference(*args), np.float32)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, **TOL[np.dtype(BF16)],
                                err_msg=f"seed={seed}")
-
-
-def test_odd_head_dim_and_sm_scale():
-    """head_dim 20 (not a multiple of 8: scalar Q^T and staged V rows) with a custom scale."""
-    seed = fresh_seed()
-    seqs = [(40, 40), (33, 1), (70, 9), (5, 5)]
-    args = make_ragged_case(seed, seqs, G=3, KVH=2, D=20, BS=8)
-    out = kernel(*args, sm_scale=0.3)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(*args, sm_scale=0.3)),
-                               **TOL[np.dtype(F32)], err_msg=f"seed={seed}")
 
 
 def test_padding():
@@ -139,14 +111,15 @@ def test_out_of_contract_lengths_match_reference():
     assert np.isfinite(out).all()
 
 
-def test_threads_deterministic():
+@pytest.mark.parametrize("options", [{}, dict(sliding_window=30, soft_cap=5.0)])
+def test_threads_deterministic(options):
     """Each (sequence, kv head, token tile) is computed by one thread: any thread count
     gives the same bits."""
     seed = fresh_seed()
     args = make_ragged_case(seed, mixed_seqs(np.random.default_rng(seed), 9, 16, 300, 100),
-                            G=3, KVH=3, D=64, BS=16)
-    np.testing.assert_array_equal(np.asarray(kernel(*args)),
-                                  np.asarray(kernel(*args, max_threads=1)))
+                            G=3, KVH=3, D=64, BS=16, sliding_window=options.get("sliding_window"))
+    np.testing.assert_array_equal(np.asarray(kernel(*args, **options)),
+                                  np.asarray(kernel(*args, max_threads=1, **options)))
 
 
 def test_traced_layer_in_scan_and_vmap():
@@ -260,6 +233,11 @@ def test_backend_dispatch():
     args = make_ragged_case(seed, [(20, 20), (9, 1)], G=2, KVH=2, D=64, BS=8)
     np.testing.assert_array_equal(
         np.asarray(pallas_kernels.paged_attention(*args, impl="cpu")), np.asarray(kernel(*args)))
+    # The options reach the kernel.
+    opts = dict(sm_scale=2.0, sliding_window=6, soft_cap=3.0)
+    np.testing.assert_array_equal(
+        np.asarray(pallas_kernels.paged_attention(*args, impl="cpu", **opts)),
+        np.asarray(kernel(*args, **opts)))
 
 
 def test_fallback_to_reference(monkeypatch):
@@ -268,6 +246,9 @@ def test_fallback_to_reference(monkeypatch):
     pool, k, v, blocks, offsets = _write_case(np.random.default_rng(seed), pool_dtype=F32,
                                               kv_dtype=F32)
     want = np.asarray(kernel(*args))
+    opts = dict(sm_scale=2.0, sliding_window=6, soft_cap=3.0)
+    want_opts = np.asarray(kernel(*args, **opts))
+    assert np.abs(want_opts - want).max() > 0.1
     want_pool = np.asarray(jax.jit(write_kv_reference)(pool, 1, k, v, blocks, offsets))
     # Unsupported dtype: not the kernel's (the reference takes it).
     q16 = args[0].astype(jnp.float16)
@@ -280,6 +261,9 @@ def test_fallback_to_reference(monkeypatch):
     assert not cpu.supports(*args[:2])
     out = jax.jit(cpu.paged_attention_or_reference)(*args)    # cannot be the kernel now
     np.testing.assert_allclose(np.asarray(out), want, **TOL[np.dtype(F32)], err_msg=f"seed={seed}")
+    out = jax.jit(cpu.paged_attention_or_reference, static_argnames=OPTIONS)(*args, **opts)
+    np.testing.assert_allclose(np.asarray(out), want_opts, **TOL[np.dtype(F32)],
+                               err_msg=f"seed={seed}")                # the options passed through
     np.testing.assert_array_equal(
         np.asarray(jax.jit(cpu.write_kv_or_reference)(pool, 1, k, v, blocks, offsets)), want_pool)
     with pytest.raises(RuntimeError, match="unavailable"):

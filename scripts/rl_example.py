@@ -1,0 +1,249 @@
+"""GRPO-style RL with jpaged in one process: sample with the engine, score the
+samples, take an optax step, swap the new weights into the engine, sample again.
+
+    python scripts/rl_example.py                      # embedded SmolLM2-135M-Instruct: one-digit sums
+    python scripts/rl_example.py --tiny --rounds=30   # a tiny random Llama (no tokenizer): token reward
+
+Each round:
+  1. rollout  llm.generate: --prompts_per_round prompts, --samples samples of each
+              (SamplingParams(n=...): the samples share their prompt's KV blocks).
+  2. reward   a verifiable reward per sample; advantages normalised within each
+              prompt's group: (r - mean) / (std + eps).
+  3. score    log p of the sampled tokens under the reference (the initial, frozen
+              weights) with jpaged.decode.score.
+  4. update   loss = -mean(advantage * sum of the completion's token log p)
+                     + kl_coef * KL(policy || reference)   (k3 estimator, sampled tokens)
+              value_and_grad through decode.score, then clip_by_global_norm(1) + AdamW.
+  5. swap     llm.update_params(new_params): same tree and shapes, so no step
+              recompiles; the prefix cache (K/V of the old weights) is dropped.
+
+Sampling is at temperature 1 with no top-k/top-p, so the engine's raw logprobs are
+those of the policy that sampled; the `lp_err` column checks them against the
+trainer's (decode.score of the same params).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import pathlib
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags, logging
+
+from jpaged import decode
+from jpaged.engine import LLM
+from jpaged.sequence import SamplingParams
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Embedded model name or HF checkpoint dir (chat model).")
+_TINY = flags.DEFINE_bool("tiny", False, "A tiny random Llama built on the fly (token-id prompts, token reward).")
+_ROUNDS = flags.DEFINE_integer("rounds", 20, "RL rounds (rollout + one optimizer step each).")
+_PROMPTS = flags.DEFINE_integer("prompts_per_round", 4, "Prompts per round (GRPO groups).")
+_SAMPLES = flags.DEFINE_integer("samples", 4, "Samples per prompt (SamplingParams.n).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 12, "Tokens sampled per completion at most.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
+_LR = flags.DEFINE_float("lr", None, "AdamW learning rate (default 1e-5; 3e-3 with --tiny).")
+_KL_COEF = flags.DEFINE_float("kl_coef", 0.04, "Weight of KL(policy || reference) in the loss.")
+_MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per gradient pass (gradients are "
+                                    "accumulated over the round's batch; bounds the memory).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the task's prompts and the samples.")
+_OUT = flags.DEFINE_string("out", None, "Write <out>.csv (one row per round) and <out>.png (the curve).")
+
+TINY_TARGET = 5  # tiny mode's reward: the fraction of generated tokens equal to this id
+
+
+# ------------------------------------------------------------------- tasks
+def arithmetic_prompts(rng: np.random.Generator, k: int) -> list[tuple[dict, str]]:
+    """(chat prompt, answer) for k one-digit sums; a short system prompt keeps sequences short."""
+    out = []
+    for a, b in rng.integers(0, 10, size=(k, 2)):
+        messages = [{"role": "system", "content": "You are a calculator."},
+                    {"role": "user", "content": f"What is {a} + {b}? Reply with just the number."}]
+        out.append(({"messages": messages}, str(a + b)))
+    return out
+
+
+def arithmetic_reward(llm: LLM, token_ids: list[int], answer: str) -> float:
+    """1 if the completion contains the right sum as a number, else 0."""
+    return float(answer in re.findall(r"\d+", llm.tokenizer.decode(token_ids, skip_special_tokens=True)))
+
+
+def tiny_prompts(rng: np.random.Generator, k: int) -> list[tuple[list[int], None]]:
+    return [(rng.integers(3, 64, size=8).tolist(), None) for _ in range(k)]
+
+
+def tiny_reward(llm: LLM, token_ids: list[int], answer: None) -> float:
+    return float(np.mean(np.asarray(token_ids) == TINY_TARGET))
+
+
+def tiny_model_dir() -> str:
+    """A config.json for a 2-layer Llama (vocabulary 64); load_format="dummy" fills
+    it with random weights (std 0.02: near-uniform next-token distributions)."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="rl-tiny-"))
+    (path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)))
+    return str(path)
+
+
+# ------------------------------------------------------------------- loss
+def loss_fn(params, graphdef, ref_lp, ids, lengths, mask, adv, num_rows, num_tokens):
+    """GRPO loss of one micro-batch, normalised by the whole batch's row and token
+    counts, so the micro-batches' gradients add up to the batch's."""
+    lp = decode.score(graphdef, params, ids, lengths)            # [B, L-1] log p(next token)
+    pg = -jnp.sum(adv * jnp.sum(lp * mask, axis=1)) / num_rows
+    d = ref_lp - lp
+    kl = jnp.sum((jnp.exp(d) - d - 1) * mask) / num_tokens         # k3: unbiased, >= 0
+    return pg + _KL_COEF.value * kl, (kl, lp)
+
+
+def pack(outs):
+    """The round's sequences (prompt + completion) as ids [B, L] (L a multiple of 16,
+    so the update step sees few shapes), lengths [B] and a mask [B, L-1] of the
+    score entries that predict completion tokens."""
+    rows = [(o.prompt_token_ids, s["token_ids"]) for o in outs for s in o.samples]
+    L = 16 * -(-max(len(p) + len(c) for p, c in rows) // 16)
+    ids = np.zeros((len(rows), L), np.int32)
+    mask = np.zeros((len(rows), L - 1), np.float32)
+    for b, (p, c) in enumerate(rows):
+        ids[b, :len(p) + len(c)] = p + c
+        mask[b, len(p) - 1:len(p) + len(c) - 1] = 1.0
+    return ids, np.array([len(p) + len(c) for p, c in rows], np.int32), mask
+
+
+# ------------------------------------------------------------------- main
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
+    P, S = _PROMPTS.value, _SAMPLES.value
+    B = P * S
+    if _TINY.value:
+        llm = LLM(model=tiny_model_dir(), load_format="dummy", max_model_len=128, num_blocks=B * 8 + 1,
+                  max_num_seqs=B, max_num_batched_tokens=max(128, B), attention_impl="reference")
+        make_prompts, reward = tiny_prompts, tiny_reward
+    else:
+        llm = LLM(model=_MODEL.value, max_model_len=256, num_blocks=B * 16 + 1, max_num_seqs=B,
+                  max_num_batched_tokens=max(256, B))
+        make_prompts, reward = arithmetic_prompts, arithmetic_reward
+    graphdef = llm.graphdef
+    ref_params = llm.params  # the reference policy: the initial weights, never updated
+    lr = _LR.value or (3e-3 if _TINY.value else 1e-5)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr))
+    opt_state = opt.init(llm.params)
+
+    ref_score = jax.jit(decode.score, static_argnums=0)
+    grad_step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=1)
+
+    # The donation trap: the engine holds a reference to the params it serves
+    # (llm.params), so they must NOT be donated here (donate_argnums=0 would
+    # delete the engine's weights: its next step, or update_params, fails on a
+    # deleted array).  The optimizer state and the gradients are ours alone.
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def apply_step(params, opt_state, grads):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    rng = np.random.default_rng(_SEED.value)
+    rows = []
+    print(f"{B} samples/round ({P} prompts x {S}), lr {lr:g}, kl_coef {_KL_COEF.value:g}, "
+          f"model {'tiny random llama' if _TINY.value else _MODEL.value}")
+    for rnd in range(_ROUNDS.value):
+        # 1. rollout: n samples per prompt, each prompt's samples with their own seeds.
+        batch = make_prompts(rng, P)
+        sampling = [SamplingParams(n=S, temperature=_TEMPERATURE.value, max_tokens=_MAX_TOKENS.value,
+                                   seed=_SEED.value + (rnd * P + i) * S, logprobs=0,
+                                   ignore_eos=_TINY.value)  # tiny: fixed lengths, fixed shapes
+                    for i in range(P)]
+        t0 = time.perf_counter()
+        outs = llm.generate([prompt for prompt, _ in batch], sampling)
+        rollout_s = time.perf_counter() - t0
+        num_generated = sum(len(s["token_ids"]) for o in outs for s in o.samples)
+
+        # 2. rewards and group-normalised advantages
+        r = np.array([[reward(llm, s["token_ids"], answer) for s in o.samples]
+                      for o, (_, answer) in zip(outs, batch)], np.float32)       # [P, S]
+        adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
+
+        # 3. the reference's log p of the sampled tokens
+        ids, lengths, mask = pack(outs)
+        t0 = time.perf_counter()
+        ref_lp = np.concatenate([ref_score(graphdef, ref_params, ids[i:i + _MICRO_BATCH.value],
+                                           lengths[i:i + _MICRO_BATCH.value])
+                                 for i in range(0, B, _MICRO_BATCH.value)])
+        score_s = time.perf_counter() - t0
+
+        # 4. one optimizer step on the round's batch (gradients summed over micro-batches)
+        t0 = time.perf_counter()
+        grads, kl, policy_lp = None, 0.0, []
+        for i in range(0, B, _MICRO_BATCH.value):
+            mb = slice(i, i + _MICRO_BATCH.value)
+            (_, (kl_mb, lp)), g = grad_step(llm.params, graphdef, ref_lp[mb], ids[mb], lengths[mb], mask[mb],
+                                            adv[mb], B, mask.sum())
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            kl += float(kl_mb)
+            policy_lp.append(np.asarray(lp))
+        new_params, opt_state = apply_step(llm.params, opt_state, grads)
+        jax.block_until_ready(new_params)
+        update_s = time.perf_counter() - t0
+
+        # 5. the engine samples the next round with the new weights
+        t0 = time.perf_counter()
+        llm.update_params(new_params)
+        swap_s = time.perf_counter() - t0
+
+        # The engine's logprobs (what sampled) against the trainer's, same weights.
+        engine_lp = [lp.logprob for o in outs for s in o.samples for lp in s["logprobs"]]
+        lp_err = float(np.max(np.abs(np.concatenate(policy_lp)[mask > 0] - np.array(engine_lp))))
+        row = dict(round=rnd + 1, reward=float(r.mean()), kl=kl, sample_tok_s=num_generated / rollout_s,
+                   rollout_s=rollout_s, score_s=score_s, update_s=update_s, update_params_ms=1000 * swap_s,
+                   compiles=llm.num_compilations, update_compiles=grad_step._cache_size(), lp_err=lp_err)
+        rows.append(row)
+        print(f"round {rnd + 1:3d}  reward {row['reward']:.3f}  kl {kl:.4f}  sample {row['sample_tok_s']:6.1f} tok/s"
+              f"  rollout {rollout_s:5.2f}s  score {score_s:5.2f}s  update {update_s:6.2f}s"
+              f"  update_params {row['update_params_ms']:.2f}ms  compiles {row['compiles']}"
+              f"  lp_err {lp_err:.1e}", flush=True)
+        if not _TINY.value and rnd in (0, _ROUNDS.value - 1):
+            print("   e.g.", [llm.tokenizer.decode(s["token_ids"], skip_special_tokens=True)
+                              for s in outs[0].samples])
+    if _OUT.value:
+        write_curve(_OUT.value, rows)
+
+
+def write_curve(out: str, rows: list[dict]) -> None:
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = [r["round"] for r in rows]
+    ax.plot(x, [r["reward"] for r in rows], "o-", label="mean reward")
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean reward")
+    kl_ax = ax.twinx()
+    kl_ax.plot(x, [r["kl"] for r in rows], "s--", color="tab:red", alpha=0.6, label="KL to reference")
+    kl_ax.set_ylabel("KL (k3, per token)")
+    fig.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+    print(f"[wrote {path.with_suffix('.csv')} and {path.with_suffix('.png')}]")
+
+
+if __name__ == "__main__":
+    app.run(main)
