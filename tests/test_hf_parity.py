@@ -168,3 +168,20 @@ def test_smollm_greedy_matches_transformers_gguf(smollm_llm, hf_smollm):
                         f"HF {want[n:n + 4]}; smallest HF top-2 gap on the path {gap:.3e}")
         assert out.finish_reason == ("stop" if want[-1] in eos else "length")
         assert out.text == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_sliding_window_cpu_kernel_matches_hf(kind, request):
+    """The C++ kernel's window skipping and soft cap, through the engine with
+    4-token blocks (the window of 8 spans 2-3 blocks), give HF's greedy tokens."""
+    from helpers import TINY_ENGINE
+    from jpaged.engine import LLM
+    path, hf = request.getfixturevalue(f"tiny_{kind}")
+    llm = LLM(model=str(path), **{**TINY_ENGINE, "attention_impl": "cpu", "block_size": 4})
+    if llm.attention_impl != "cpu":
+        pytest.skip(f"the CPU kernel is unavailable here: {llm.attention_note}")
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        want, gap = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert gap > 2 * LOGIT_ATOL and out.token_ids == want, f"prompt of {len(prompt)} tokens"
