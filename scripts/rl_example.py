@@ -25,9 +25,10 @@ trainer's (decode.score of the same params).
 from __future__ import annotations
 
 import csv
-import functools
 import json
+import os
 import pathlib
+import platform
 import re
 import tempfile
 import time
@@ -94,15 +95,57 @@ def tiny_model_dir() -> str:
     return str(path)
 
 
-# ------------------------------------------------------------------- loss
-def loss_fn(params, graphdef, ref_lp, ids, lengths, mask, adv, num_rows, num_tokens):
+# ------------------------------------------------------------------- training
+def loss_fn(params, graphdef, ref_lp, ids, lengths, mask, adv, kl_coef, num_rows, num_tokens):
     """GRPO loss of one micro-batch, normalised by the whole batch's row and token
-    counts, so the micro-batches' gradients add up to the batch's."""
+    counts, so that the micro-batches' gradients add up to the batch's."""
     lp = decode.score(graphdef, params, ids, lengths)            # [B, L-1] log p(next token)
     pg = -jnp.sum(adv * jnp.sum(lp * mask, axis=1)) / num_rows
     d = ref_lp - lp
     kl = jnp.sum((jnp.exp(d) - d - 1) * mask) / num_tokens         # k3: unbiased, >= 0
-    return pg + _KL_COEF.value * kl, (kl, lp)
+    return pg + kl_coef * kl, (kl, lp)
+
+
+class Trainer:
+    """The reference's logprobs and the optimizer step, jitted once per batch shape.
+
+    Batches go through in micro-batches of `micro_batch` sequences (gradients
+    summed) to bound the memory of the backward pass."""
+
+    def __init__(self, graphdef, params, lr: float, kl_coef: float, micro_batch: int):
+        self.graphdef, self.kl_coef, self.micro_batch = graphdef, kl_coef, micro_batch
+        self.opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr))
+        self.opt_state = self.opt.init(params)
+        self.score = jax.jit(decode.score, static_argnums=0)
+        self.grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=1)
+        # The donation trap: the engine holds a reference to the params it serves
+        # (llm.params), so they must NOT be donated here: donate_argnums=0 would
+        # delete the engine's weights (its next step, or update_params, would meet
+        # a deleted array).  The optimizer state and the gradients are ours alone.
+        self.apply = jax.jit(self._apply, donate_argnums=(1, 2))
+
+    def _apply(self, params, opt_state, grads):
+        updates, opt_state = self.opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def chunks(self, n: int):
+        return [slice(i, i + self.micro_batch) for i in range(0, n, self.micro_batch)]
+
+    def reference_logprobs(self, ref_params, ids, lengths) -> np.ndarray:
+        return np.concatenate([self.score(self.graphdef, ref_params, ids[mb], lengths[mb])
+                               for mb in self.chunks(len(ids))])
+
+    def step(self, params, ref_lp, ids, lengths, mask, adv):
+        """One AdamW step on the batch: (new params, mean KL per token, the policy's logprobs)."""
+        grads, kl, lps = None, 0.0, []
+        for mb in self.chunks(len(ids)):
+            (_, (kl_mb, lp)), g = self.grad(params, self.graphdef, ref_lp[mb], ids[mb], lengths[mb], mask[mb],
+                                            adv[mb], self.kl_coef, len(ids), mask.sum())
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            kl += float(kl_mb)
+            lps.append(np.asarray(lp))
+        new_params, self.opt_state = self.apply(params, self.opt_state, grads)
+        return jax.block_until_ready(new_params), kl, np.concatenate(lps)
 
 
 def pack(outs):
@@ -119,48 +162,41 @@ def pack(outs):
     return ids, np.array([len(p) + len(c) for p, c in rows], np.int32), mask
 
 
+def advantages(rewards: np.ndarray) -> np.ndarray:
+    """rewards [P, S] -> advantages [P * S], normalised within each prompt's group."""
+    mean, std = rewards.mean(1, keepdims=True), rewards.std(1, keepdims=True)
+    return ((rewards - mean) / (std + 1e-4)).reshape(-1)
+
+
+def make_engine(tiny: bool, model: str, num_seqs: int) -> LLM:
+    """An engine that runs all of a round's samples at once."""
+    if tiny:
+        return LLM(model=tiny_model_dir(), load_format="dummy", max_model_len=128, num_blocks=num_seqs * 8 + 1,
+                   max_num_seqs=num_seqs, max_num_batched_tokens=max(128, num_seqs), attention_impl="reference")
+    return LLM(model=model, max_model_len=256, num_blocks=num_seqs * 16 + 1, max_num_seqs=num_seqs,
+               max_num_batched_tokens=max(256, num_seqs))
+
+
 # ------------------------------------------------------------------- main
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
-    P, S = _PROMPTS.value, _SAMPLES.value
-    B = P * S
-    if _TINY.value:
-        llm = LLM(model=tiny_model_dir(), load_format="dummy", max_model_len=128, num_blocks=B * 8 + 1,
-                  max_num_seqs=B, max_num_batched_tokens=max(128, B), attention_impl="reference")
-        make_prompts, reward = tiny_prompts, tiny_reward
-    else:
-        llm = LLM(model=_MODEL.value, max_model_len=256, num_blocks=B * 16 + 1, max_num_seqs=B,
-                  max_num_batched_tokens=max(256, B))
-        make_prompts, reward = arithmetic_prompts, arithmetic_reward
-    graphdef = llm.graphdef
+    P, S, tiny = _PROMPTS.value, _SAMPLES.value, _TINY.value
+    llm = make_engine(tiny, _MODEL.value, P * S)
+    make_prompts, reward = (tiny_prompts, tiny_reward) if tiny else (arithmetic_prompts, arithmetic_reward)
+    lr = _LR.value or (3e-3 if tiny else 1e-5)
     ref_params = llm.params  # the reference policy: the initial weights, never updated
-    lr = _LR.value or (3e-3 if _TINY.value else 1e-5)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr))
-    opt_state = opt.init(llm.params)
-
-    ref_score = jax.jit(decode.score, static_argnums=0)
-    grad_step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=1)
-
-    # The donation trap: the engine holds a reference to the params it serves
-    # (llm.params), so they must NOT be donated here (donate_argnums=0 would
-    # delete the engine's weights: its next step, or update_params, fails on a
-    # deleted array).  The optimizer state and the gradients are ours alone.
-    @functools.partial(jax.jit, donate_argnums=(1, 2))
-    def apply_step(params, opt_state, grads):
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
+    trainer = Trainer(llm.graphdef, llm.params, lr, _KL_COEF.value, _MICRO_BATCH.value)
     rng = np.random.default_rng(_SEED.value)
     rows = []
-    print(f"{B} samples/round ({P} prompts x {S}), lr {lr:g}, kl_coef {_KL_COEF.value:g}, "
-          f"model {'tiny random llama' if _TINY.value else _MODEL.value}")
+    print(f"{P * S} samples/round ({P} prompts x {S}), lr {lr:g}, kl_coef {_KL_COEF.value:g}, "
+          f"model {'tiny random llama' if tiny else _MODEL.value}")
     for rnd in range(_ROUNDS.value):
-        # 1. rollout: n samples per prompt, each prompt's samples with their own seeds.
+        # 1. rollout: n samples per prompt, each prompt's samples with their own seeds
         batch = make_prompts(rng, P)
         sampling = [SamplingParams(n=S, temperature=_TEMPERATURE.value, max_tokens=_MAX_TOKENS.value,
                                    seed=_SEED.value + (rnd * P + i) * S, logprobs=0,
-                                   ignore_eos=_TINY.value)  # tiny: fixed lengths, fixed shapes
+                                   ignore_eos=tiny)  # tiny: fixed lengths, so fixed step shapes
                     for i in range(P)]
         t0 = time.perf_counter()
         outs = llm.generate([prompt for prompt, _ in batch], sampling)
@@ -170,28 +206,17 @@ def main(argv):
         # 2. rewards and group-normalised advantages
         r = np.array([[reward(llm, s["token_ids"], answer) for s in o.samples]
                       for o, (_, answer) in zip(outs, batch)], np.float32)       # [P, S]
-        adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
+        adv = advantages(r)
 
         # 3. the reference's log p of the sampled tokens
         ids, lengths, mask = pack(outs)
         t0 = time.perf_counter()
-        ref_lp = np.concatenate([ref_score(graphdef, ref_params, ids[i:i + _MICRO_BATCH.value],
-                                           lengths[i:i + _MICRO_BATCH.value])
-                                 for i in range(0, B, _MICRO_BATCH.value)])
+        ref_lp = trainer.reference_logprobs(ref_params, ids, lengths)
         score_s = time.perf_counter() - t0
 
-        # 4. one optimizer step on the round's batch (gradients summed over micro-batches)
+        # 4. one optimizer step on the round's samples
         t0 = time.perf_counter()
-        grads, kl, policy_lp = None, 0.0, []
-        for i in range(0, B, _MICRO_BATCH.value):
-            mb = slice(i, i + _MICRO_BATCH.value)
-            (_, (kl_mb, lp)), g = grad_step(llm.params, graphdef, ref_lp[mb], ids[mb], lengths[mb], mask[mb],
-                                            adv[mb], B, mask.sum())
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            kl += float(kl_mb)
-            policy_lp.append(np.asarray(lp))
-        new_params, opt_state = apply_step(llm.params, opt_state, grads)
-        jax.block_until_ready(new_params)
+        new_params, kl, policy_lp = trainer.step(llm.params, ref_lp, ids, lengths, mask, adv)
         update_s = time.perf_counter() - t0
 
         # 5. the engine samples the next round with the new weights
@@ -199,25 +224,32 @@ def main(argv):
         llm.update_params(new_params)
         swap_s = time.perf_counter() - t0
 
-        # The engine's logprobs (what sampled) against the trainer's, same weights.
-        engine_lp = [lp.logprob for o in outs for s in o.samples for lp in s["logprobs"]]
-        lp_err = float(np.max(np.abs(np.concatenate(policy_lp)[mask > 0] - np.array(engine_lp))))
+        # The engine's logprobs (those it sampled with) against the trainer's, same weights.
+        engine_lp = np.array([lp.logprob for o in outs for s in o.samples for lp in s["logprobs"]])
+        lp_err = float(np.max(np.abs(policy_lp[mask > 0] - engine_lp)))
         row = dict(round=rnd + 1, reward=float(r.mean()), kl=kl, sample_tok_s=num_generated / rollout_s,
                    rollout_s=rollout_s, score_s=score_s, update_s=update_s, update_params_ms=1000 * swap_s,
-                   compiles=llm.num_compilations, update_compiles=grad_step._cache_size(), lp_err=lp_err)
+                   compiles=llm.num_compilations, update_compiles=trainer.grad._cache_size(), lp_err=lp_err)
         rows.append(row)
         print(f"round {rnd + 1:3d}  reward {row['reward']:.3f}  kl {kl:.4f}  sample {row['sample_tok_s']:6.1f} tok/s"
               f"  rollout {rollout_s:5.2f}s  score {score_s:5.2f}s  update {update_s:6.2f}s"
               f"  update_params {row['update_params_ms']:.2f}ms  compiles {row['compiles']}"
               f"  lp_err {lp_err:.1e}", flush=True)
-        if not _TINY.value and rnd in (0, _ROUNDS.value - 1):
-            print("   e.g.", [llm.tokenizer.decode(s["token_ids"], skip_special_tokens=True)
-                              for s in outs[0].samples])
+        if not tiny and rnd in (0, _ROUNDS.value - 1):
+            print("   e.g.", [s["text"] for s in outs[0].samples])
     if _OUT.value:
-        write_curve(_OUT.value, rows)
+        write_curve(_OUT.value, rows, f"rl_example.py: {'tiny random llama' if tiny else _MODEL.value}, "
+                    f"{P} prompts x {S} samples/round, lr {lr:g}, kl_coef {_KL_COEF.value:g}")
 
 
-def write_curve(out: str, rows: list[dict]) -> None:
+def machine() -> str:
+    device = "no accelerator" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    return f"{os.cpu_count()}-core {platform.machine()} CPU, {device}"
+
+
+def write_curve(out: str, rows: list[dict], title: str) -> None:
+    """<out>.csv (one row per round) and <out>.png: the reward (with a 4-round
+    moving average) and the KL to the reference, per round."""
     path = pathlib.Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".csv"), "w", newline="") as f:
@@ -229,16 +261,22 @@ def write_curve(out: str, rows: list[dict]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"[wrote {path.with_suffix('.csv')}; no matplotlib, no plot]")
         return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = [r["round"] for r in rows]
-    ax.plot(x, [r["reward"] for r in rows], "o-", label="mean reward")
-    ax.set_xlabel("round")
-    ax.set_ylabel("mean reward")
+    x = [int(r["round"]) for r in rows]
+    reward = np.array([float(r["reward"]) for r in rows])
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot(x, reward, "o", alpha=0.5, label="mean reward of the round")
+    ax.plot(x, [reward[max(0, i - 3):i + 1].mean() for i in range(len(x))], "-", label="4-round moving average")
+    ax.set(xlabel="round", ylabel="mean reward", ylim=(-0.02, 1.02))
     kl_ax = ax.twinx()
-    kl_ax.plot(x, [r["kl"] for r in rows], "s--", color="tab:red", alpha=0.6, label="KL to reference")
-    kl_ax.set_ylabel("KL (k3, per token)")
-    fig.legend(loc="upper left", fontsize=8)
+    kl_ax.plot(x, [float(r["kl"]) for r in rows], "--", color="tab:red", alpha=0.6, label="KL to reference")
+    kl_ax.set_ylabel("KL to reference (k3, per token)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(ax.get_legend_handles_labels()[0] + kl_ax.get_legend_handles_labels()[0],
+              ax.get_legend_handles_labels()[1] + kl_ax.get_legend_handles_labels()[1],
+              loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)
+    ax.set_title(f"{title}\n{machine()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
     plt.close(fig)

@@ -1,0 +1,191 @@
+"""The cost of one RL round (scripts/rl_example.py's GRPO loop) split into rollout,
+scoring, update and update_params, against the same round written naively with
+transformers: same weights, same prompts, same CPU.
+
+    python benchmarks/bench_rl_round.py [--prompts_per_round=4 --samples=4 --max_tokens=32 --rounds=2]
+
+(The flags are scripts/rl_example.py's; here --rounds counts the timed rounds.)
+
+jpaged: llm.generate (n samples per prompt, sharing the prompt's blocks) ->
+decode.score under the reference weights -> value_and_grad through decode.score +
+AdamW (micro-batches of --micro_batch) -> llm.update_params.
+transformers: model.generate(do_sample=True, num_return_sequences=n) on the
+left-padded prompts -> a frozen copy's forward (reference logprobs) -> forward +
+backward + clip_grad_norm_ + torch AdamW on the same loss, full batch (the model
+is updated in place, so there is no weight swap).
+
+Both sample at temperature 1 over the whole vocabulary (no top-k / top-p) and
+ignore EOS, so each generates exactly prompts x samples x max_tokens tokens.
+Each side runs one untimed round first (jpaged compiles its programs), then
+--rounds timed rounds; the table gives each phase's median.
+Targets: jpaged's rollout >= 2x faster than transformers generate; update_params
+< 1 % of jpaged's round.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
+
+sys.path.insert(0, str(B.REPO / "scripts"))
+import rl_example as rl  # noqa: E402  (defines the flags used here)
+
+from jpaged.sequence import SamplingParams  # noqa: E402
+
+FLAGS = flags.FLAGS
+PHASES = ("rollout", "scoring", "update", "update_params")
+
+
+def jpaged_round(llm, trainer, ref_params, prompts, answers, seed: int) -> dict:
+    P, S, T = len(prompts), FLAGS.samples, FLAGS.max_tokens
+    times = {}
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [SamplingParams(n=S, temperature=1.0, max_tokens=T, seed=seed + i * S,
+                                                 ignore_eos=True) for i in range(P)])
+    times["rollout"] = time.perf_counter() - t0
+    r = np.array([[rl.arithmetic_reward(llm, s["token_ids"], a) for s in o.samples]
+                  for o, a in zip(outs, answers)], np.float32)
+    ids, lengths, mask = rl.pack(outs)
+    t0 = time.perf_counter()
+    ref_lp = trainer.reference_logprobs(ref_params, ids, lengths)
+    times["scoring"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    new_params, _, _ = trainer.step(llm.params, ref_lp, ids, lengths, mask, rl.advantages(r))
+    times["update"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.update_params(new_params)
+    times["update_params"] = time.perf_counter() - t0
+    times["tokens"] = sum(len(s["token_ids"]) for o in outs for s in o.samples)
+    return times
+
+
+class HFRound:
+    """The naive round: transformers generate, then a torch AdamW step on the GRPO loss."""
+
+    def __init__(self, llm, lr: float, kl_coef: float):
+        import torch
+        self.torch, self.llm, self.kl_coef = torch, llm, kl_coef
+        self.model = B.hf_model(llm)  # jpaged's own dequantised weights, fp32, SDPA
+        for p in self.model.parameters():  # our own writable copy (tied embeddings stay tied)
+            p.data = p.data.clone()
+            p.requires_grad_(True)
+        self.ref = copy.deepcopy(self.model).requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=1e-4)  # optax's defaults
+
+    def logprobs(self, model, seqs, attn, pos):
+        torch = self.torch
+        logits = model(input_ids=seqs, attention_mask=attn, position_ids=pos).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, seqs[:, 1:, None])[..., 0]
+
+    def __call__(self, prompt_ids, answers, seed: int) -> dict:
+        from transformers import GenerationConfig
+        torch, S, T = self.torch, FLAGS.samples, FLAGS.max_tokens
+        pad = self.model.config.pad_token_id
+        L0 = max(map(len, prompt_ids))
+        ids = torch.tensor([[pad] * (L0 - len(x)) + x for x in prompt_ids])
+        mask = torch.tensor([[0] * (L0 - len(x)) + [1] * len(x) for x in prompt_ids])
+        gc = GenerationConfig(max_new_tokens=T, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              num_return_sequences=S, eos_token_id=None, pad_token_id=pad, bos_token_id=None)
+        times = {}
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            seqs = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        times["rollout"] = time.perf_counter() - t0
+        assert seqs.shape == (len(prompt_ids) * S, L0 + T), seqs.shape  # EOS ignored: every sample is T long
+        completions = seqs[:, L0:].tolist()
+        r = np.array([rl.arithmetic_reward(self.llm, c, answers[i // S]) for i, c in enumerate(completions)],
+                     np.float32).reshape(-1, S)
+        adv = torch.from_numpy(rl.advantages(r))
+        attn = torch.cat([mask.repeat_interleave(S, 0), torch.ones(len(seqs), T, dtype=mask.dtype)], 1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cmask = torch.zeros(len(seqs), L0 + T - 1)
+        cmask[:, L0 - 1:] = 1.0  # score entries that predict completion tokens
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ref_lp = self.logprobs(self.ref, seqs, attn, pos)
+        times["scoring"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lp = self.logprobs(self.model, seqs, attn, pos)
+        d = ref_lp - lp
+        kl = ((torch.exp(d) - d - 1) * cmask).sum() / cmask.sum()
+        loss = -(adv * (lp * cmask).sum(1)).mean() + self.kl_coef * kl
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        times["update"] = time.perf_counter() - t0
+        times["update_params"] = 0.0  # trained in place
+        times["tokens"] = seqs[:, L0:].numel()
+        return times
+
+
+def median(rounds: list[dict], key: str) -> float:
+    return float(np.median([r[key] for r in rounds]))
+
+
+def main(argv):
+    del argv
+    B.header("rl_round")
+    P, S, T = FLAGS.prompts_per_round, FLAGS.samples, FLAGS.max_tokens
+    lr = FLAGS.lr or 1e-5
+    llm = rl.make_engine(False, FLAGS.model, P * S)
+    batch = rl.arithmetic_prompts(np.random.default_rng(FLAGS.seed), P)
+    prompt_ids = [llm.tokenize(p) for p, _ in batch]  # the same token ids for both sides
+    answers = [a for _, a in batch]
+    print(f"round: {P} prompts x {S} samples x {T} tokens (EOS ignored), prompts "
+          f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens; 1 untimed + {FLAGS.rounds} timed rounds",
+          flush=True)
+
+    ref_params = llm.params
+    trainer = rl.Trainer(llm.graphdef, llm.params, lr, FLAGS.kl_coef, FLAGS.micro_batch)
+    jp = []
+    for i in range(1 + FLAGS.rounds):
+        jp.append(jpaged_round(llm, trainer, ref_params, prompt_ids, answers, seed=1000 * i))
+        print("jpaged", {k: round(v, 3) for k, v in jp[-1].items()}, f"compiles {llm.num_compilations}",
+              flush=True)
+    jp = jp[1:]
+
+    hf_round = HFRound(llm, lr, FLAGS.kl_coef)
+    hf = []
+    for i in range(1 + FLAGS.rounds):
+        hf.append(hf_round(prompt_ids, answers, seed=1000 * i))
+        print("transformers", {k: round(v, 3) for k, v in hf[-1].items()}, flush=True)
+    hf = hf[1:]
+
+    for r in jp + hf:
+        r["round"] = sum(r[p] for p in PHASES)
+    jp_round = median(jp, "round")
+    rows = [{"phase": phase, "jpaged_s": median(jp, phase), "transformers_s": median(hf, phase),
+             "transformers_over_jpaged": median(hf, phase) / median(jp, phase) if median(jp, phase) else None,
+             "jpaged_share_pct": 100 * median(jp, phase) / jp_round} for phase in PHASES + ("round",)]
+    B.report("rl_round", rows, ["phase", "jpaged_s", "transformers_s", "transformers_over_jpaged",
+                                "jpaged_share_pct"],
+             {"jpaged_s": ".3f", "transformers_s": ".3f", "transformers_over_jpaged": ".2f",
+              "jpaged_share_pct": ".3f"},
+             title=f"One RL round ({P} prompts x {S} samples x {T} tokens), median of {FLAGS.rounds} rounds")
+    tok = P * S * T
+    rollout = rows[0]["transformers_over_jpaged"]
+    swap_pct = rows[3]["jpaged_share_pct"]
+    print(f"\nrollout: jpaged {tok / rows[0]['jpaged_s']:.1f} tok/s, transformers {tok / rows[0]['transformers_s']:.1f} tok/s")
+    checks = [("jpaged rollout >= 2x faster than transformers generate", rollout >= 2, f"{rollout:.2f}x"),
+              ("update_params < 1 % of the round", swap_pct < 1, f"{swap_pct:.3f} %")]
+    B.report("rl_round_targets", [{"target": c, "met": "yes" if ok else "NO", "measured": m}
+                                  for c, ok, m in checks], title="Targets")
+    B.write_markdown("rl_round", f"# One RL round, {B.machine()}, {B.today()}\n\n"
+                     f"{P} prompts x {S} samples x {T} tokens, median of {FLAGS.rounds} timed rounds.\n\n"
+                     + B.markdown_table(rows, formats={"jpaged_s": ".3f", "transformers_s": ".3f",
+                                                       "transformers_over_jpaged": ".2f",
+                                                       "jpaged_share_pct": ".3f"}))
+
+
+if __name__ == "__main__":
+    FLAGS.set_default("max_tokens", 32)
+    FLAGS.set_default("rounds", 2)
+    app.run(main)
