@@ -16,8 +16,9 @@ is updated in place, so there is no weight swap).
 
 Both sample at temperature 1 over the whole vocabulary (no top-k / top-p) and
 ignore EOS, so each generates exactly prompts x samples x max_tokens tokens.
-Each side runs one untimed round first (jpaged compiles its programs), then
---rounds timed rounds; the table gives each phase's median.
+The two sides alternate, round by round (the first round of each is untimed:
+jpaged compiles its programs), then --rounds timed rounds; the table gives each
+phase's median.
 Targets: jpaged's rollout >= 2x faster than transformers generate; update_params
 < 1 % of jpaged's round.
 """
@@ -95,7 +96,7 @@ class HFRound:
         times = {}
         torch.manual_seed(seed)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: the sequences feed the backward pass
             seqs = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
         times["rollout"] = time.perf_counter() - t0
         assert seqs.shape == (len(prompt_ids) * S, L0 + T), seqs.shape  # EOS ignored: every sample is T long
@@ -145,19 +146,15 @@ def main(argv):
 
     ref_params = llm.params
     trainer = rl.Trainer(llm.graphdef, llm.params, lr, FLAGS.kl_coef, FLAGS.micro_batch)
-    jp = []
-    for i in range(1 + FLAGS.rounds):
-        jp.append(jpaged_round(llm, trainer, ref_params, prompt_ids, answers, seed=1000 * i))
-        print("jpaged", {k: round(v, 3) for k, v in jp[-1].items()}, f"compiles {llm.num_compilations}",
-              flush=True)
-    jp = jp[1:]
-
     hf_round = HFRound(llm, lr, FLAGS.kl_coef)
-    hf = []
-    for i in range(1 + FLAGS.rounds):
+    jp, hf = [], []
+    for i in range(1 + FLAGS.rounds):  # alternating, so that other load on the machine hits both alike
+        jp.append(jpaged_round(llm, trainer, ref_params, prompt_ids, answers, seed=1000 * i))
+        print("jpaged      ", {k: round(v, 3) for k, v in jp[-1].items()}, f"compiles {llm.num_compilations}",
+              flush=True)
         hf.append(hf_round(prompt_ids, answers, seed=1000 * i))
         print("transformers", {k: round(v, 3) for k, v in hf[-1].items()}, flush=True)
-    hf = hf[1:]
+    jp, hf = jp[1:], hf[1:]  # the first round compiles / warms up
 
     for r in jp + hf:
         r["round"] = sum(r[p] for p in PHASES)
@@ -187,5 +184,5 @@ def main(argv):
 
 if __name__ == "__main__":
     FLAGS.set_default("max_tokens", 32)
-    FLAGS.set_default("rounds", 2)
+    FLAGS.set_default("rounds", 3)
     app.run(main)

@@ -22,7 +22,8 @@ def test_rl_example_tiny_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--rounds=5", f"--out={out}"],
                           capture_output=True, text=True, timeout=300)  # a hang guard, not a timing check
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("round ") == 5
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("round ")] == \
+        ["1", "2", "3", "4", "5"]
     with open(out.with_suffix(".csv")) as f:
         rows = list(csv.DictReader(f))
     assert [int(r["round"]) for r in rows] == [1, 2, 3, 4, 5]
