@@ -84,10 +84,9 @@ def tiny_reward(llm: LLM, token_ids: list[int], answer: None) -> float:
     return float(np.mean(np.asarray(token_ids) == TINY_TARGET))
 
 
-def tiny_model_dir() -> str:
+def write_tiny_config(path: pathlib.Path) -> str:
     """A config.json for a 2-layer Llama (vocabulary 64); load_format="dummy" fills
     it with random weights (std 0.02: near-uniform next-token distributions)."""
-    path = pathlib.Path(tempfile.mkdtemp(prefix="rl-tiny-"))
     (path / "config.json").write_text(json.dumps(dict(
         model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -149,11 +148,11 @@ class Trainer:
 
 
 def pack(outs):
-    """The round's sequences (prompt + completion) as ids [B, L] (L a multiple of 16,
-    so the update step sees few shapes), lengths [B] and a mask [B, L-1] of the
-    score entries that predict completion tokens."""
+    """The round's sequences (prompt + completion) as ids [B, L] (L a multiple of 8,
+    so the update step sees few shapes: each is one compilation), lengths [B] and
+    a mask [B, L-1] of the score entries that predict completion tokens."""
     rows = [(o.prompt_token_ids, s["token_ids"]) for o in outs for s in o.samples]
-    L = 16 * -(-max(len(p) + len(c) for p, c in rows) // 16)
+    L = 8 * -(-max(len(p) + len(c) for p, c in rows) // 8)
     ids = np.zeros((len(rows), L), np.int32)
     mask = np.zeros((len(rows), L - 1), np.float32)
     for b, (p, c) in enumerate(rows):
@@ -171,8 +170,10 @@ def advantages(rewards: np.ndarray) -> np.ndarray:
 def make_engine(tiny: bool, model: str, num_seqs: int) -> LLM:
     """An engine that runs all of a round's samples at once."""
     if tiny:
-        return LLM(model=tiny_model_dir(), load_format="dummy", max_model_len=128, num_blocks=num_seqs * 8 + 1,
-                   max_num_seqs=num_seqs, max_num_batched_tokens=max(128, num_seqs), attention_impl="reference")
+        with tempfile.TemporaryDirectory(prefix="rl-tiny-") as tmp:  # read once, at load
+            return LLM(model=write_tiny_config(pathlib.Path(tmp)), load_format="dummy", max_model_len=128,
+                       num_blocks=num_seqs * 8 + 1, max_num_seqs=num_seqs, max_num_batched_tokens=max(128, num_seqs),
+                       attention_impl="reference")
     return LLM(model=model, max_model_len=256, num_blocks=num_seqs * 16 + 1, max_num_seqs=num_seqs,
                max_num_batched_tokens=max(256, num_seqs))
 
