@@ -23,7 +23,8 @@ from flax import nnx
 from jpaged.block_manager import NULL_BLOCK
 from jpaged.kv_pool import create_kv_pool
 from jpaged.models.base import StepMetadata, forward
-from jpaged.sampling import SamplingArrays, TokenLogprobs, greedy, processed_logits, token_logprobs
+from jpaged.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
+                             token_logprobs)
 from jpaged.sampling import sample as _sample
 from pallas_kernels.reference import token_layout
 
@@ -96,8 +97,12 @@ def generate_step_with_logprobs(
     logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
                                    attention_impl=attention_impl, logits="all" if every else "last")
     last = logits[meta.logits_indices] if every else logits
-    next_tokens = sample(last, sampling)
-    source = processed_logits(last, sampling) if logprobs_mode == "processed" else last
+    if sampling is None:
+        next_tokens, processed = greedy(last), last
+    else:  # the processed logits serve both the draw and "processed" logprobs
+        processed = processed_logits(last, sampling)
+        next_tokens = sample_processed(last, processed, sampling)
+    source = processed if logprobs_mode == "processed" else last
     prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
     return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool
 

@@ -63,14 +63,19 @@ def processed_logits(logits: jax.Array, params: SamplingArrays | None) -> jax.Ar
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Next token per row of logits[B, vocab]; rows with temperature 0 are greedy.
+    """Next token per row of logits[B, vocab]; rows with temperature 0 are greedy."""
+    return sample_processed(logits, processed_logits(logits, params), params)
+
+
+def sample_processed(logits: jax.Array, processed: jax.Array, params: SamplingArrays) -> jax.Array:
+    """`sample`, given processed_logits(logits, params) already computed.
 
     Gumbel-max: argmax(processed + g) is a draw from softmax(processed).  Every
     row draws the same noise (in vocabulary order) whether or not its batch
     filters, so a row that filters nothing draws the same token in either variant.
     """
     noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(params.seed, params.step, logits.shape[-1])
-    drawn = jnp.argmax(processed_logits(logits, params) + noise, axis=-1)
+    drawn = jnp.argmax(processed + noise, axis=-1)
     return jnp.where(params.temperature > 0, drawn.astype(jnp.int32), greedy(logits))
 
 
