@@ -71,6 +71,11 @@ def default_config() -> ml_collections.ConfigDict:
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
     # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
     c.layer_loop = "auto"
+    # Parallelism (jax.sharding): tensor_parallel_size devices split each layer's
+    # heads and the KV pool's heads; data_parallel_size replicas, each on its own
+    # tensor_parallel_size devices with its own pool, take requests from a router.
+    c.tensor_parallel_size = 1
+    c.data_parallel_size = 1
     # HTTP server (scripts/serve.py): requests waiting for a seat beyond this bound
     # get a 429 with Retry-After; on SIGTERM, in-flight requests get this long to
     # finish before they are aborted.
@@ -172,6 +177,8 @@ FIELDS: dict[str, FieldSpec] = {
     "seed": _ints(0, INT32_MAX),
     "attention_impl": _choice(*ATTENTION_IMPLS),
     "layer_loop": _choice(*LAYER_LOOPS),
+    "tensor_parallel_size": _ints(1, 4096),
+    "data_parallel_size": _ints(1, 4096),
     "max_queued_requests": _ints(1, INT32_MAX),
     "shutdown_grace_seconds": _reals(0, 24 * 3600, allowed="a number of seconds in [0, 86400]"),
 }

@@ -23,14 +23,16 @@ import tqdm
 from flax import nnx
 
 import pallas_kernels
-from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, apply_overrides,
+from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, ConfigError, apply_overrides,
                            default_config, validate_config)
 from jpaged.block_manager import BlockManager
 from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.models import build_model
 from jpaged.models.base import split_model
-from jpaged.model_runner import ModelRunner, StepResult
+from jpaged.model_runner import ModelRunner, PendingStep, StepResult
 from jpaged.scheduler import Scheduler, SchedulerOutput
+from jpaged.sharding import (Mesh, bytes_per_device, check_heads, make_mesh, replicate_kv_heads,
+                             shard_params, tensor_parallel_size)
 from jpaged.stats import EngineStats
 from jpaged.request_parsing import default_sampling_params
 from jpaged.sampling import TokenLogprobs
@@ -152,6 +154,15 @@ def token_logprob(lp: TokenLogprobs, row: int, token_id: int, k: int) -> TokenLo
     return TokenLogprob(token_id, float(lp.chosen[row]), top)
 
 
+@dataclasses.dataclass
+class StartedStep:
+    """A step between LLM.start_step() and finish_step()."""
+    out: SchedulerOutput
+    pending: PendingStep | None
+    error: Exception | None
+    start: float
+
+
 class EngineStalled(RuntimeError):
     """A step could schedule nothing while requests waited (they were failed)."""
 
@@ -159,9 +170,14 @@ class EngineStalled(RuntimeError):
 class LLM:
     """Loads a model, sizes the KV pool and serves batches of requests."""
 
-    def __init__(self, config: ml_collections.ConfigDict | None = None, **overrides: Any):
+    def __init__(self, config: ml_collections.ConfigDict | None = None, *, mesh: Mesh | None = None,
+                 **overrides: Any):
+        """`mesh`: the (1, tensor_parallel_size) devices of this engine; by default the
+        first tensor_parallel_size devices (none: one device, unsharded).  A
+        data-parallel router (jpaged.router) gives each replica its own."""
         cfg = apply_overrides(default_config(), config, **overrides)
         validate_config(cfg)  # one line per problem, before anything loads
+        self.mesh = self._mesh(cfg, mesh)
         self.config = cfg
         self.scan_layers = resolve_layer_loop(cfg.layer_loop)
         self.dtype = jnp.dtype(cfg.dtype)
@@ -171,17 +187,21 @@ class LLM:
         loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
                               cache_dir=cfg.cache_dir or None)
         self.loaded = loaded
-        self.model_config = loaded.config
+        tp = tensor_parallel_size(self.mesh)
+        check_heads(loaded.config, tp)
+        self.model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
         self.tokenizer = loaded.tokenizer
-        self.graphdef, self.params = split_model(build_model(loaded.config, loaded.arrays, self.dtype,
+        self.graphdef, self.params = split_model(build_model(self.model_config, arrays, self.dtype,
                                                              scan_layers=self.scan_layers))
-        weight_bytes = sum(a.nbytes for a in loaded.arrays.values())
-        loaded.arrays = {}  # the device copy in self.params is the one we keep
+        if self.mesh is not None:
+            self.params = shard_params(self.params, self.model_config, self.mesh)
+        weight_bytes = sum(a.nbytes for a in arrays.values()) // tp
+        loaded.arrays = arrays = {}  # the device copy in self.params is the one we keep
         self.num_blocks = num_blocks_for(
             self.model_config, block_size=cfg.block_size, dtype=self.kv_dtype,
             num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
             weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len)
+            max_model_len=cfg.max_model_len, num_shards=tp)
         self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
         if self.attention_note:
             log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
@@ -194,7 +214,8 @@ class LLM:
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  swap_space=self.swap_space, logprobs_mode=cfg.logprobs_mode)
+                                  swap_space=self.swap_space, logprobs_mode=cfg.logprobs_mode,
+                                  mesh=self.mesh)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -207,6 +228,23 @@ class LLM:
         self._active: dict[int, Sequence] = {}
         self._generate_base = EngineStats()  # totals when the last generate() began
         self._idle_state: tuple | None = None  # scheduler state after the last step that ran nothing
+
+    @staticmethod
+    def _mesh(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Mesh | None:
+        if mesh is not None:
+            if mesh.shape["model"] != cfg.tensor_parallel_size or mesh.shape["data"] != 1:
+                raise ValueError(f"mesh {dict(mesh.shape)} is not one replica of tensor_parallel_size="
+                                 f"{cfg.tensor_parallel_size}")
+            return mesh
+        if cfg.data_parallel_size > 1:
+            raise ConfigError("data_parallel_size", f"{cfg.data_parallel_size} replicas need a router",
+                              "build the engine with jpaged.router.create_engine (one LLM is one replica)")
+        return make_mesh(cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
+
+    def memory_per_device(self) -> dict[str, tuple[int, int]]:
+        """(weight bytes, KV pool bytes) held on each of this engine's devices."""
+        weights, pool = bytes_per_device(self.params), bytes_per_device(self.runner.kv_pool)
+        return {d: (weights.get(d, 0), pool.get(d, 0)) for d in sorted({*weights, *pool})}
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (only between generate() calls)."""
@@ -389,10 +427,26 @@ class LLM:
         An exception inside the step fails only the sequences it involved (their
         blocks are freed) and the engine stays usable; see `_recover`.  A step
         that can make no progress while requests wait raises EngineStalled."""
+        return self.finish_step(self.start_step())
+
+    def start_step(self) -> StartedStep:
+        """step()'s first half: schedules and dispatches the step to the device
+        without waiting for it.  finish_step() must follow before the next one."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         try:
-            result = self.runner.execute(out)
+            return StartedStep(out, self.runner.launch(out), None, t0)
+        except Exception as e:  # noqa: BLE001 - reported by finish_step
+            return StartedStep(out, None, e, t0)
+
+    def finish_step(self, started: StartedStep) -> list[Sequence]:
+        """step()'s second half: waits for the device, then appends tokens, applies
+        stop conditions and frees what finished (returned)."""
+        out, t0 = started.out, started.start
+        try:
+            if started.error is not None:
+                raise started.error
+            result = self.runner.collect(started.pending)
         except Exception as e:  # noqa: BLE001 - one bad step must not poison the engine
             self._recover(out, e)
             result = StepResult(np.zeros(0, np.int32))
@@ -517,6 +571,11 @@ class LLM:
                                   for q in self.scheduler.running))
         s.swap_blocks_peak = max(s.swap_blocks_peak, self.swap_space.num_used_blocks)
 
+    def begin_generate(self) -> None:
+        """Starts the window that `stats` reports (generate() calls it)."""
+        self.totals.reset_peaks()
+        self._generate_base = self.totals.snapshot()
+
     @property
     def stats(self) -> EngineStats:
         """What the last (or the running) generate() call did; `totals` holds
@@ -549,8 +608,7 @@ class LLM:
             sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        self.totals.reset_peaks()
-        self._generate_base = self.totals.snapshot()
+        self.begin_generate()
         index = {self._add_prompt(p, sp): i for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
         pending = {rid: len(self._active[rid].group) for rid in index}
         try:
@@ -564,11 +622,17 @@ class LLM:
                         if not pending[rid]:
                             del pending[rid]
                             bar.update(1)
-                            yield self._output(seq.group[0], index[rid])
+                            yield self.request_output(seq.group[0], index[rid])
         finally:
             self.abort(pending)  # closed early, or an exception: nothing stays queued
 
     def _add_prompt(self, prompt: Any, params: SamplingParams) -> int:
+        return self.add_request(*self.prepare_prompt(prompt, params))
+
+    def prepare_prompt(self, prompt: Any, params: SamplingParams
+                       ) -> tuple[list[int] | None, SamplingParams, str | None, str | None]:
+        """The arguments of add_request() for a prompt as generate() takes it:
+        (token ids, params, prompt text, error)."""
         text, token_ids, error = self._tokenize(prompt)
         unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
         if unknown:  # e.g. sampling fields, which would otherwise be silently ignored
@@ -580,14 +644,28 @@ class LLM:
                 params = dataclasses.replace(params, cache_salt=salt)
             else:
                 error = f"cache_salt must be a string, got {type(salt).__name__} {salt!r}"
-        return self.add_request(token_ids, params, prompt=text, error=error)
+        return token_ids, params, text, error
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Prompt tokens a new request would find in the prefix cache now (a router's
+        question: changes nothing)."""
+        probe = Sequence(-1, list(prompt_token_ids), params, weights_version=self.weights_version)
+        return len(self.block_manager.match(probe)[1]) * self.config.block_size
+
+    def outstanding_tokens(self) -> int:
+        """Tokens this engine still owes its unfinished requests: prompt tokens not
+        computed yet plus the most each sequence may still generate."""
+        return sum(max(0, s.num_tokens - s.num_computed_tokens)
+                   + max(0, s.params.max_tokens - len(s.output_token_ids))
+                   for s in self._active.values() if not s.is_done)
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None or not token_ids:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _output(self, seq: Sequence, index: int = 0) -> RequestOutput:
+    def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput:
+        """The RequestOutput of a finished request (seq: its first sample)."""
         ms = lambda t: None if t is None else 1000 * (t - seq.arrival_time)  # noqa: E731
         p = seq.params
         samples = [dict(text=self._decode(s.output_token_ids), token_ids=list(s.output_token_ids),

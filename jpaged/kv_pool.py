@@ -46,21 +46,30 @@ def free_device_memory(weight_bytes: int) -> int:
 
 def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_blocks: int,
                    kv_memory_fraction: float, weight_bytes: int, max_num_seqs: int,
-                   max_model_len: int) -> int:
+                   max_model_len: int, num_shards: int = 1) -> int:
     """Pool size: explicit `num_blocks`, else a fraction of the memory left after the
-    weights, capped at what max_num_seqs sequences of max_model_len can ever use."""
+    weights, capped at what max_num_seqs sequences of max_model_len can ever use.
+    With the pool split over num_shards devices, each holds 1/num_shards of a
+    block (weight_bytes: one device's share)."""
     if num_blocks > 0:
         return num_blocks
     budget = int(free_device_memory(weight_bytes) * kv_memory_fraction)
+    if jax.devices()[0].platform != "cpu":  # CPU "devices" share one memory: no per-device budget
+        budget *= num_shards
     by_budget = budget // bytes_per_block(cfg, block_size, dtype)
     useful = max_num_seqs * cdiv(max_model_len, block_size) + 1
     return int(max(2, min(by_budget, useful)))
 
 
-def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> jax.Array:
+def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
+                   sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """A zeroed pool; with `sharding`, created in place on its devices (never whole on one)."""
     if not 1 <= block_size <= 256:
         raise ValueError(f"block_size must be in [1, 256], got {block_size}")
-    return jnp.zeros((num_blocks, *block_shape(cfg, block_size)), dtype=dtype)
+    shape = (num_blocks, *block_shape(cfg, block_size))
+    if sharding is None:
+        return jnp.zeros(shape, dtype=dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype=dtype), out_shardings=sharding)()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -52,6 +52,9 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "swapped_out_mib": stats.swapped_out_bytes / 2**20,
         "swapped_in_mib": stats.swapped_in_bytes / 2**20,
         "swap_s": stats.swap_seconds,
+        "memory_per_device": {d: {"weights_bytes": w, "kv_pool_bytes": p}
+                              for d, (w, p) in llm.memory_per_device().items()},
+        "replicas": llm.replica_summary() if hasattr(llm, "replica_summary") else [],
     }
 
 
@@ -87,4 +90,26 @@ def format_summary(summary: dict[str, float]) -> str:
     if "process_wall_s" in summary:  # serve_batch: start-up (load, compiles) included
         rows.insert(3, ("wall time (whole run)", f"{summary['process_wall_s']:.2f} s"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if "memory_per_device" in summary:
+        memory = {d: (m["weights_bytes"], m["kv_pool_bytes"]) for d, m in summary["memory_per_device"].items()}
+        lines.append(format_memory(memory))
+    if summary.get("replicas"):
+        lines.append(format_replicas(summary["replicas"]))
+    return "\n".join(lines)
+
+
+def format_memory(memory: dict[str, tuple[int, int]]) -> str:
+    """One line per device: the bytes of weights and of KV pool it holds."""
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    return "\n".join(f"memory on {d}: weights {mib(w)}, KV pool {mib(p)}" for d, (w, p) in memory.items())
+
+
+def format_replicas(replicas: list[dict]) -> str:
+    """The load of each data-parallel replica in the last run."""
+    head = f"{'replica':<8} {'devices':<14} {'requests':>8} {'prompt tok':>10} {'cache hits':>10} " \
+           f"{'output tok':>10} {'steps':>6} {'peak blocks':>11}"
+    rows = [f"{r['replica']:<8} {','.join(r['devices']):<14} {r['requests']:>8} {r['prompt_tokens']:>10} "
+            f"{r['cached_prompt_tokens']:>10} {r['output_tokens']:>10} {r['steps']:>6} {r['peak_kv_blocks']:>11}"
+            for r in replicas]
+    return "\n".join([head, *rows])

@@ -12,6 +12,7 @@ into the same buffer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -29,6 +30,7 @@ from jpaged.rounding import cdiv, next_pow2
 from jpaged.sampling import SamplingArrays, TokenLogprobs
 from jpaged.scheduler import ScheduledSeq, SchedulerOutput
 from jpaged.sequence import MAX_LOGPROBS
+from jpaged.sharding import Mesh, pool_sharding, replicated
 from jpaged.swap_space import HostSwapSpace
 
 
@@ -53,6 +55,14 @@ class StepResult:
 
 
 @dataclasses.dataclass
+class PendingStep:
+    """A launched step: its device outputs (None when it ran no forward)."""
+    outputs: tuple | None
+    num_seqs: int
+    start: float
+
+
+@dataclasses.dataclass
 class StepTiming:
     """Seconds of the last execute(): host array building, block moves, forward."""
     build: float = 0.0
@@ -63,27 +73,49 @@ class StepTiming:
 
 
 class ModelRunner:
+    """`mesh` (a (1, tp) jax.sharding.Mesh, or None for one device): params must
+    already be sharded on it (jpaged.sharding.shard_params); the pool is split on
+    its kv-head axis and every step's inputs and outputs have fixed shardings."""
+
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw"):
+                 swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
+                 mesh: Mesh | None = None):
         self.params = params
+        self.mesh = mesh
         self.block_size = block_size
         self.table_width = cdiv(max_model_len, block_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs)
-        self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype)
+        self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype,
+                                           sharding=None if mesh is None else pool_sharding(mesh))
         self.kv_pool = self._new_pool()
         self.swap_space = swap_space
         step = functools.partial(generate_step, graphdef, attention_impl=attention_impl)
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._step = self._jit(step, num_host_args=3, num_outputs=1)
         # Steps where a sequence wants logprobs run this variant (its own programs).
         step = functools.partial(generate_step_with_logprobs, graphdef, attention_impl=attention_impl,
                                  num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
-        self._step_with_logprobs = jax.jit(step, donate_argnums=(1,))
+        self._step_with_logprobs = self._jit(step, num_host_args=4, num_outputs=3)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.timing = StepTiming()
+
+    def _jit(self, step, num_host_args: int, num_outputs: int):
+        """The step jitted with the pool donated; on a mesh, with every input's and
+        output's sharding fixed (host arrays and results replicated, the pool split
+        on heads), so the donated pool never meets a resharding."""
+        if self.mesh is None:
+            return jax.jit(step, donate_argnums=(1,))
+        rep, pool = replicated(self.mesh), pool_sharding(self.mesh)
+        params = jax.tree.map(lambda x: x.sharding, self.params)
+        return jax.jit(step, donate_argnums=(1,), in_shardings=(params, pool) + (rep,) * num_host_args,
+                       out_shardings=(rep,) * num_outputs + (pool,))
+
+    def _mesh_context(self):
+        """Traces a step under the mesh, where the attention kernels find it."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # ----------------------------------------------------------------- shapes
     @property
@@ -118,7 +150,8 @@ class ModelRunner:
         if exe is None:
             t0 = time.perf_counter()
             step = self._step if variant == "tokens" else self._step_with_logprobs
-            exe = step.lower(self.params, *args).compile()
+            with self._mesh_context():
+                exe = step.lower(self.params, *args).compile()
             dt = time.perf_counter() - t0
             self.compile_seconds += dt
             self.timing.compile += dt
@@ -152,9 +185,13 @@ class ModelRunner:
         return True
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Applies the step's block moves, then one forward + sample over its
-        tokens; returns the sampled token of each scheduled sequence (and
-        logprobs when one of them asked)."""
+        """launch() then collect(): the step's results as numpy."""
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Applies the step's block moves, then dispatches one forward + sample over
+        its tokens without waiting for it (a data-parallel router launches every
+        replica's step before collecting any)."""
         self.timing = StepTiming()
         if out.swap_out or out.swap_in:  # before copies and the forward rewrite blocks
             t0 = time.perf_counter()
@@ -165,7 +202,7 @@ class ModelRunner:
             self.kv_pool = copy_blocks(self.kv_pool, out.block_copies)
             self.timing.copy = time.perf_counter() - t0
         if not out.scheduled:
-            return StepResult(np.zeros(0, np.int32))
+            return PendingStep(None, 0, time.perf_counter())
         t0 = time.perf_counter()
         tokens, meta = self._build(out.scheduled)
         sampling = self._sampling_arrays(out.scheduled, meta.kv_lens.shape[0])
@@ -178,9 +215,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         outputs = exe(self.params, *args)
         self.kv_pool = outputs[-1]
-        result = StepResult(*jax.device_get(outputs[:-1]))
-        self.timing.forward = time.perf_counter() - t0
-        result.tokens = result.tokens[:len(out.scheduled)]
+        return PendingStep(outputs[:-1], len(out.scheduled), t0)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Waits for a launched step; the sampled token of each scheduled sequence
+        (and logprobs when one of them asked)."""
+        if pending.outputs is None:
+            return StepResult(np.zeros(0, np.int32))
+        result = StepResult(*jax.device_get(pending.outputs))
+        self.timing.forward = time.perf_counter() - pending.start
+        result.tokens = result.tokens[:pending.num_seqs]
         return result
 
     @staticmethod

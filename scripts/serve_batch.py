@@ -187,10 +187,13 @@ def run(config_file: Any) -> int:
         print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {_OUTPUT.value}")
 
     t0 = time.perf_counter()
-    from jpaged.engine import LLM, EngineStalled  # jax loads here: every check above ran without it
-    from jpaged.metrics import format_summary, summarize
+    from jpaged.engine import EngineStalled  # jax loads here: every check above ran without it
+    from jpaged.metrics import format_memory, format_summary, summarize
+    from jpaged.router import create_engine
     try:
-        llm = LLM(config)
+        llm = create_engine(config)
+    except ConfigError:  # e.g. a tensor_parallel_size the model's heads do not divide
+        raise
     except (ValueError, OSError) as e:  # a missing, truncated or unreadable model
         raise UsageError(f"model: {e}") from None
     loaded = llm.loaded
@@ -200,6 +203,7 @@ def run(config_file: Any) -> int:
     attention = llm.attention_impl + (f" ({llm.attention_note})" if llm.attention_note else "")
     print(f"KV pool: {llm.num_blocks} blocks x {config.block_size} tokens "
           f"({llm.kv_pool_bytes / 2**20:.0f} MiB), attention {attention}, scheduler {config.scheduler}")
+    print(format_memory(llm.memory_per_device()))
     if _PRECOMPILE.value:
         t0 = time.perf_counter()
         n = llm.precompile()

@@ -13,6 +13,11 @@ import pathlib
 import jax
 import pytest
 
+# Four simulated CPU devices for the sharding tests (tests/test_sharding.py), set
+# before jax initialises its backend in any test worker; everything else runs on
+# the first device as before.
+jax.config.update("jax_num_cpu_devices", 4)
+
 from helpers import SMOLLM_ENGINE, TINY_ENGINE, import_torch
 from jpaged.weight_cache import default_cache_dir
 

@@ -27,9 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jpaged.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
+from jpaged.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
 
 
@@ -85,10 +87,27 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
                     ) -> tuple[jax.Array, jax.Array]:
     """Writes this step's k, v [T, kv_heads, head_dim] into the pool, then attends
     q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool)."""
-    kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
-    out = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
-                            sm_scale=cfg.sm_scale, sliding_window=window,
-                            soft_cap=cfg.attn_logit_softcap)
+    def write_and_attend(q, k, v, kv_pool, meta, layer=layer):
+        kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
+        out = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
+                                sm_scale=cfg.sm_scale, sliding_window=window,
+                                soft_cap=cfg.attn_logit_softcap)
+        return out, kv_pool
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("model", 1) == 1:
+        out, kv_pool = write_and_attend(q, k, v, kv_pool, meta)
+    else:
+        # Under tensor parallelism each device attends with its own heads over
+        # its own slice of the pool.  XLA cannot partition a custom call (the
+        # C++ and Pallas kernels) and would gather the whole pool to one
+        # device, so the write and the kernel run per device under shard_map.
+        heads = P(None, "model", None)
+        args, specs = (q, k, v, kv_pool, meta), (heads, heads, heads, POOL_SPEC, P())
+        if not isinstance(layer, int):  # a scanned layer index: a traced scalar
+            args, specs = args + (layer,), specs + (P(),)
+        out, kv_pool = jax.shard_map(write_and_attend, mesh=mesh, check_vma=False, in_specs=specs,
+                                     out_specs=(heads, POOL_SPEC))(*args)
     return out.reshape(q.shape[0], -1), kv_pool
 
 

@@ -1,0 +1,138 @@
+"""Tensor and data parallelism on four simulated CPU devices (set in conftest.py).
+
+On the CPU these check correctness, not speed: the sharded engine must give the
+one-device engine's tokens and (within fp32 all-reduce rounding) its logprobs,
+with the weights, the pool and the step's collectives where the design puts them.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY_ENGINE, random_prompts
+from jpaged.config import ConfigError
+from jpaged.router import DataParallelLLM, create_engine
+from jpaged.sequence import SamplingParams
+from jpaged.sharding import POOL_SPEC, collectives, weight_spec
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
+PROMPTS = random_prompts([5, 17, 40, 3, 29], seed=11)
+# fp32 logprobs after row-parallel all-reduces sum in another order than one device's matmul.
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def one_device(make_tiny_llm):
+    return make_tiny_llm()
+
+
+@pytest.fixture(scope="module")
+def expected(one_device):
+    return one_device.generate(PROMPTS, GREEDY)
+
+
+def assert_same(outputs, expected) -> None:
+    for got, want in zip(outputs, expected):
+        assert got.token_ids == want.token_ids
+        got_lp = [t.logprob for t in got.logprobs]
+        want_lp = [t.logprob for t in want.logprobs]
+        np.testing.assert_allclose(got_lp, want_lp, atol=LOGPROB_ATOL)
+        assert [t.top[0][0] for t in got.logprobs] == [t.top[0][0] for t in want.logprobs]
+
+
+def leaf_name(path) -> str:
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return next(n for n in reversed(names) if isinstance(n, str) and n != "value")
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_tp2_matches_one_device(make_tiny_llm, expected, impl):
+    llm = make_tiny_llm(tensor_parallel_size=2, attention_impl=impl)
+    assert_same(llm.generate(PROMPTS, GREEDY), expected)
+    pool = llm.runner.kv_pool
+    assert pool.sharding.spec == POOL_SPEC and len(pool.sharding.device_set) == 2
+    for path, leaf in jax.tree_util.tree_flatten_with_path(llm.params)[0]:
+        assert leaf.sharding.spec == weight_spec(leaf_name(path), leaf.ndim), path
+    # Each device holds half of the pool and about half of the weights (norms are replicated).
+    memory = llm.memory_per_device()
+    assert len(memory) == 2
+    full_weights = sum(x.nbytes for x in jax.tree.leaves(llm.params))
+    for weights, pool_bytes in memory.values():
+        assert pool_bytes == pool.nbytes // 2
+        assert full_weights / 2 <= weights < 0.55 * full_weights
+    compiled = llm.num_compilations
+    assert_same(llm.generate(PROMPTS, GREEDY), expected)
+    assert llm.num_compilations == compiled
+
+
+def test_tp_decode_step_gathers_no_pool_or_weight(make_tiny_llm):
+    llm = make_tiny_llm(tensor_parallel_size=2, attention_impl="cpu")
+    llm.precompile(8)  # the decode bucket
+    (exe,) = llm.runner.executables()
+    ops = collectives(exe.as_text())
+    reduce_bytes = [b for op, _, b in ops if op == "all-reduce"]
+    # One all-reduce of the [8, hidden] activations after the embedding and after
+    # each row-parallel matmul (o and down) of each layer.
+    assert len(reduce_bytes) == 1 + 2 * llm.model_config.num_layers
+    assert set(reduce_bytes) == {8 * llm.model_config.hidden_size * 4}
+    smallest_weight = min(x.nbytes for x in jax.tree.leaves(llm.params) if x.ndim == 2)
+    gathers = [(shape, b) for op, shape, b in ops if op == "all-gather"]
+    assert all(b < smallest_weight // 8 for _, b in gathers), gathers  # only the argmax's [8, tp] candidates
+
+
+def test_fewer_kv_heads_than_devices_are_replicated(make_tiny_llm, expected):
+    llm = make_tiny_llm(tensor_parallel_size=4)  # the tiny Llama has 2 KV heads
+    assert llm.model_config.num_kv_heads == 4
+    assert llm.runner.kv_pool.sharding.shard_shape(llm.runner.kv_pool.shape)[3] == 1
+    assert_same(llm.generate(PROMPTS, GREEDY), expected)
+
+
+def test_heads_that_do_not_divide_fail_at_start(make_tiny_llm):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 3 does not divide .* 4 query heads"):
+        make_tiny_llm(tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="needs 8 devices; 4 are visible"):
+        make_tiny_llm(tensor_parallel_size=8)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_tp(make_tiny_llm, mode):
+    # 12 blocks of 16 tokens for 5 sequences growing to 56+ tokens: they must preempt.
+    settings = dict(num_blocks=12, preemption_mode=mode, swap_space_gb=0.01)
+    want = make_tiny_llm(**settings).generate(PROMPTS, GREEDY)
+    llm = make_tiny_llm(tensor_parallel_size=2, **settings)
+    assert_same(llm.generate(PROMPTS, GREEDY), want)
+    assert llm.stats.preemptions > 0
+    assert llm.runner.kv_pool.sharding.spec == POOL_SPEC
+
+
+def test_prefix_cache_under_tp(make_tiny_llm):
+    shared = random_prompts([48], seed=3)[0]
+    prompts = [shared + p for p in random_prompts([4, 9, 1], seed=4)]
+    one = make_tiny_llm(enable_prefix_caching=True)
+    tp = make_tiny_llm(enable_prefix_caching=True, tensor_parallel_size=2)
+    for llm in (one, tp):
+        llm.generate(prompts[:1], GREEDY)  # caches the shared blocks
+    want = one.generate(prompts[1:], GREEDY)
+    assert_same(tp.generate(prompts[1:], GREEDY), want)
+    assert tp.stats.cached_prompt_tokens == one.stats.cached_prompt_tokens == 2 * 48
+
+
+def test_data_parallel_replicas(tiny_llama_dir, expected):
+    dp = create_engine(model=tiny_llama_dir, **{**TINY_ENGINE, "enable_prefix_caching": True},
+                       data_parallel_size=2, tensor_parallel_size=2)  # a 2 x 2 mesh
+    assert isinstance(dp, DataParallelLLM)
+    assert [len(r.memory_per_device()) for r in dp.replicas] == [2, 2]
+    devices = [set(r.memory_per_device()) for r in dp.replicas]
+    assert not devices[0] & devices[1]
+    assert_same(dp.generate(PROMPTS, GREEDY), expected)
+    loads = dp.replica_summary()
+    assert all(r["requests"] >= 2 for r in loads)  # the batch was spread
+    # A request sharing a cached prefix goes where the prefix is, whatever the order.
+    shared = random_prompts([40], seed=5)[0]
+    dp.generate([shared + [7]], GREEDY)
+    home = next(r["replica"] for r in dp.replica_summary() if r["requests"])
+    dp.generate([shared + [9, 10]], GREEDY)
+    (hit,) = [r for r in dp.replica_summary() if r["requests"]]
+    assert hit["replica"] == home and hit["cached_prompt_tokens"] == 32
