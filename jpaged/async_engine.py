@@ -124,7 +124,8 @@ class AsyncEngine:
         self.metrics = metrics or EngineMetrics()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, EngineRequest, int]] = []  # (add | abort | finish, request, sample)
-        self._num_queued = 0  # requests not started yet (guarded by _cond)
+        self._num_queued = 0      # requests not started yet (guarded by _cond)
+        self._num_unfinished = 0  # requests submitted and not finished (guarded by _cond)
         self._closing = False
         self._tracked: dict[int, EngineRequest] = {}  # engine thread only: by engine request id
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
@@ -141,6 +142,12 @@ class AsyncEngine:
     def num_queued(self) -> int:
         return self._num_queued
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted whose last delta has not been delivered yet (a
+        draining server waits for 0)."""
+        return self._num_unfinished
+
     def submit(self, prompts: list[tuple[list[int], SamplingParams, str | None]]) -> Submission:
         """Queues every prompt of one HTTP request, or none of them: QueueFull when
         they do not all fit under max_queued_requests, EngineClosed after close()."""
@@ -154,6 +161,7 @@ class AsyncEngine:
                 raise QueueFull(f"{self._num_queued} requests are queued; the bound is "
                                 f"{self.max_queued_requests} (max_queued_requests)")
             self._num_queued += len(prompts)
+            self._num_unfinished += len(prompts)
             self._inbox.extend(("add", r, 0) for r in submission.requests)
             self._cond.notify()
         return submission
@@ -284,6 +292,8 @@ class AsyncEngine:
     def _mark_finished(self, request: EngineRequest, delta: Delta, now: float) -> None:
         self._dequeue(request)
         request.finished = True
+        with self._cond:
+            self._num_unfinished -= 1
         self.metrics.on_finished(request, delta.finish_reasons, now)
         request.submission.deliver(delta)
 

@@ -25,8 +25,10 @@ import json
 import logging
 import threading
 import time
+from types import FrameType
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -93,8 +95,16 @@ class ServerState:
             if on_failure is not None:
                 on_failure(e)
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """Takes no new requests (503, /health too) while those in flight go on."""
         self.status = "shutting down"
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_unfinished if self.engine is not None else 0
+
+    def close(self) -> None:
+        self.drain()
         if self.engine is not None:
             self.engine.close(ENGINE_JOIN_SECONDS)
 
@@ -492,3 +502,39 @@ def create_app(engine: Union["LLM", Callable[[], "LLM"]], config: Any = None, *,
 
     return app
 
+
+# ------------------------------------------------------------------ server
+class DrainingServer(uvicorn.Server):
+    """uvicorn with a drain before its shutdown.  uvicorn alone stops listening on
+    SIGTERM, so a load balancer's health check gets "connection refused" and new
+    requests fail while in-flight ones finish.  Here the first SIGTERM or SIGINT
+    drains instead: the server keeps listening, answers /health and new requests
+    with 503, and lets the requests in flight finish; once none is left, or the
+    grace period is over, uvicorn shuts down as usual within what is left of the
+    period (requests still running then are cancelled, which aborts them).  A
+    second signal ends the drain at once."""
+
+    def __init__(self, config: uvicorn.Config, app_state: ServerState, grace_seconds: float):
+        super().__init__(config)
+        self.app_state = app_state
+        self.grace_seconds = grace_seconds
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is None and not self.should_exit:
+            self._drain_deadline = time.monotonic() + self.grace_seconds
+            self.app_state.drain()  # (a signal handler: only sets state; on_tick does the rest)
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Called by uvicorn's main loop every 0.1 s; True stops the server."""
+        if self._drain_deadline is not None:
+            left = self._drain_deadline - time.monotonic()
+            if left <= 0 or self.app_state.num_in_flight == 0:
+                if not self.should_exit:
+                    log.info("drain over (%d requests in flight): shutting down", self.app_state.num_in_flight)
+                self.should_exit = True
+            if self.should_exit:
+                self.config.timeout_graceful_shutdown = max(left, 0.0)
+        return await super().on_tick(counter)

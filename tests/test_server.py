@@ -380,11 +380,16 @@ def test_metrics_parse(ready):
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(ready):
-    stream = ready.client().completions.create(model=MODEL, prompt="Count to twenty:", max_tokens=24,
+    stream = ready.client().completions.create(model=MODEL, prompt="Count to twenty:", max_tokens=64,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
     ready.proc.send_signal(signal.SIGTERM)
+    # While the request drains, the server still listens: /health and new requests get 503,
+    # so that a load balancer sends its traffic elsewhere.
+    _wait_for(lambda: http("GET", ready.url + "/health", timeout=5)[0] == 503, 10, "/health 503 after SIGTERM")
+    status, headers, _ = http("POST", ready.url + "/v1/completions", json.dumps({"prompt": "hi"}).encode())
+    assert status == 503 and "retry-after" in headers
     rest = list(chunks)  # the request in flight finishes within the grace period
     assert rest[-1].choices[0].finish_reason == "length"
     assert ready.proc.wait(timeout=60) == 0, ready.log.read_text()
