@@ -5,8 +5,11 @@ the engine.  The server's coroutines never touch it: they put requests and
 aborts into a thread-safe inbox, which the thread drains at the top of each
 step, and read per-step deltas (the tokens each sample appended, and how it
 finished) from an asyncio queue per HTTP request, fed with
-`loop.call_soon_threadsafe`.  When nothing is queued or running the thread
-blocks on the inbox's condition variable: an idle server uses no CPU.
+`loop.call_soon_threadsafe`.  A server that sees a stop string in one
+sample's text ends that sample in the engine (`finish_sample`, through the
+inbox too), so its blocks are freed rather than computed to max_tokens.  When
+nothing is queued or running the thread blocks on the inbox's condition
+variable: an idle server uses no CPU.
 
 Host code: the engine object comes in from outside; this module imports no jax.
 """
@@ -20,7 +23,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from jpaged.sequence import SamplingParams, Sequence, Status
+from jpaged.sequence import SamplingParams, Sequence, Status, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,10 @@ class Delta:
     error: str | None = None
     num_cached_tokens: int = 0
     time: float = 0.0                 # perf_counter() when the step that made it returned
+    # SamplingParams.logprobs: per sample, one entry per new token ([] when not asked for)
+    new_logprobs: list[list[TokenLogprob]] = dataclasses.field(default_factory=list)
+    # SamplingParams.prompt_logprobs: in the request's first delta with tokens, else None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -79,7 +86,7 @@ class EngineRequest:
         self.num_sent: list[int] = []
         self.last_token_time: list[float | None] = []
         self.queued = True     # counts against max_queued_requests until a sample starts
-        self.abort_reason: str | None = None  # what an abort from the server counts as in the metrics
+        self.prompt_logprobs_sent = False
         self.finished = False
 
 
@@ -116,8 +123,9 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or EngineMetrics()
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, EngineRequest]] = []
-        self._num_queued = 0  # requests not started yet (guarded by _cond)
+        self._inbox: list[tuple[str, EngineRequest, int]] = []  # (add | abort | finish, request, sample)
+        self._num_queued = 0      # requests not started yet (guarded by _cond)
+        self._num_unfinished = 0  # requests submitted and not finished (guarded by _cond)
         self._closing = False
         self._tracked: dict[int, EngineRequest] = {}  # engine thread only: by engine request id
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
@@ -134,6 +142,12 @@ class AsyncEngine:
     def num_queued(self) -> int:
         return self._num_queued
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted whose last delta has not been delivered yet (a
+        draining server waits for 0)."""
+        return self._num_unfinished
+
     def submit(self, prompts: list[tuple[list[int], SamplingParams, str | None]]) -> Submission:
         """Queues every prompt of one HTTP request, or none of them: QueueFull when
         they do not all fit under max_queued_requests, EngineClosed after close()."""
@@ -147,19 +161,24 @@ class AsyncEngine:
                 raise QueueFull(f"{self._num_queued} requests are queued; the bound is "
                                 f"{self.max_queued_requests} (max_queued_requests)")
             self._num_queued += len(prompts)
-            self._inbox.extend(("add", r) for r in submission.requests)
+            self._num_unfinished += len(prompts)
+            self._inbox.extend(("add", r, 0) for r in submission.requests)
             self._cond.notify()
         return submission
 
-    def abort(self, requests: Iterable[EngineRequest], reason: str = "abort") -> None:
-        """Ends these requests (those not finished yet) and frees their blocks.
-        `reason` is what the metrics count them as ("stop": a stop string ended
-        them, so the client got a complete answer)."""
-        requests = [r for r in requests if not r.finished]
-        for r in requests:
-            r.abort_reason = r.abort_reason or reason  # the first abort says why
+    def abort(self, requests: Iterable[EngineRequest]) -> None:
+        """Ends these requests (those not finished yet) and frees their blocks."""
+        self._send([("abort", r, 0) for r in requests if not r.finished])
+
+    def finish_sample(self, request: EngineRequest, index: int) -> None:
+        """Ends sample `index` of the request with finish_reason "stop" (its text
+        hit a stop string) and frees its blocks; the other samples go on."""
+        if not request.finished:
+            self._send([("finish", request, index)])
+
+    def _send(self, work: list[tuple[str, EngineRequest, int]]) -> None:
         with self._cond:
-            self._inbox.extend(("abort", r) for r in requests)
+            self._inbox.extend(work)
             self._cond.notify()
 
     def close(self, timeout: float | None = None) -> None:
@@ -186,7 +205,7 @@ class AsyncEngine:
                 log.exception("engine loop error")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
 
-    def _wait_for_work(self) -> tuple[list[tuple[str, EngineRequest]], bool]:
+    def _wait_for_work(self) -> tuple[list[tuple[str, EngineRequest, int]], bool]:
         """Blocks while there is nothing to do; then takes the whole inbox."""
         with self._cond:
             while not self._inbox and not self._closing and not self.llm.has_unfinished_requests():
@@ -194,12 +213,16 @@ class AsyncEngine:
             work, self._inbox = self._inbox, []
             return work, self._closing
 
-    def _apply(self, work: list[tuple[str, EngineRequest]]) -> None:
-        for kind, request in work:  # in arrival order: an abort follows its add
+    def _apply(self, work: list[tuple[str, EngineRequest, int]]) -> None:
+        for kind, request, index in work:  # in arrival order: an abort follows its add
             if kind == "add":
                 self._add(request)
-            elif request.engine_id in self._tracked:
+            elif request.engine_id not in self._tracked:
+                continue  # finished already
+            elif kind == "abort":
                 self.llm.abort([request.engine_id])
+            else:
+                self.llm.finish_sample(request.engine_id, index, "stop")
 
     def _add(self, request: EngineRequest) -> None:
         try:
@@ -238,19 +261,27 @@ class AsyncEngine:
         self.metrics.on_snapshot(self._snapshot())
 
     def _delta_of(self, request: EngineRequest, now: float) -> Delta:
-        new, reasons = [], []
+        new, new_logprobs, reasons = [], [], []
         for i, seq in enumerate(request.samples):
-            tokens = seq.output_token_ids[request.num_sent[i]:]
+            sent = request.num_sent[i]
+            tokens = seq.output_token_ids[sent:]
             if tokens:
-                first = request.num_sent[i] == 0 and i == 0
+                first = sent == 0 and i == 0
                 gap = None if request.last_token_time[i] is None else now - request.last_token_time[i]
                 self.metrics.on_tokens(request, len(tokens), gap, first)
                 request.num_sent[i] += len(tokens)
                 request.last_token_time[i] = now
             new.append(list(tokens))
+            new_logprobs.append(seq.logprobs[sent:sent + len(tokens)])  # [] unless asked for
             reasons.append(seq.finish_reason if seq.is_done else None)
         error = next((s.error for s in request.samples if s.error), None)
-        return Delta(request.index, new, reasons, error, request.samples[0].num_cached_tokens, now)
+        delta = Delta(request.index, new, reasons, error, request.samples[0].num_cached_tokens, now,
+                      new_logprobs)
+        if request.params.prompt_logprobs is not None and any(new) and not request.prompt_logprobs_sent:
+            # Complete once a sample has a token: its whole prompt has been computed.
+            delta.prompt_logprobs = list(request.samples[0].prompt_logprobs)
+            request.prompt_logprobs_sent = True
+        return delta
 
     def _dequeue(self, request: EngineRequest) -> None:
         if request.queued:
@@ -261,8 +292,9 @@ class AsyncEngine:
     def _mark_finished(self, request: EngineRequest, delta: Delta, now: float) -> None:
         self._dequeue(request)
         request.finished = True
-        reasons = [request.abort_reason or r if r == "abort" else r for r in delta.finish_reasons]
-        self.metrics.on_finished(request, reasons, now)
+        with self._cond:
+            self._num_unfinished -= 1
+        self.metrics.on_finished(request, delta.finish_reasons, now)
         request.submission.deliver(delta)
 
     def _finish_unstarted(self, request: EngineRequest, reason: str, error: str | None) -> None:
@@ -299,7 +331,7 @@ class AsyncEngine:
             else:
                 snap.waiting += 1
         with self._cond:
-            snap.waiting += sum(kind == "add" for kind, _ in self._inbox)
+            snap.waiting += sum(kind == "add" for kind, _, _ in self._inbox)
         totals = self.llm.totals
         snap.prompt_tokens, snap.cached_prompt_tokens = totals.prompt_tokens, totals.cached_prompt_tokens
         snap.preemptions = totals.preemptions

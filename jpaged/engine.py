@@ -518,13 +518,36 @@ class LLM:
         """Ends the given requests (every sample) now and frees what they hold;
         they finish with finish_reason "abort"."""
         for rid in request_ids:
-            seq = self._active.get(rid)
-            if seq is None:
-                continue
-            for s in seq.group:
+            for s in self._group(rid):
                 if not s.is_done:
                     self.scheduler.fail(s, "aborted", reason="abort")
                 self._active.pop(s.seq_id, None)
+
+    def finish_sample(self, request_id: int, index: int, reason: str = "stop") -> None:
+        """Ends sample `index` of a request now with `reason` and frees what it
+        holds; its other samples go on.  For a server that sees a stop string in
+        one sample's text: computing that sample further would be wasted.  Like a
+        sample that hits max_tokens, the next step() returns it as finished.  A
+        finished or unknown sample is left as it is."""
+        group = self._group(request_id)
+        if not 0 <= index < len(group) or group[index].is_done:
+            return
+        leader, sample = group[0], group[index]
+        if sample in leader.forks:  # not forked yet: it holds no blocks
+            leader.forks.remove(sample)
+            sample.finish(reason)
+        elif sample is leader and leader.forks:  # failing it now would end its pending forks too
+            raise ValueError(f"sample 0 of request {request_id} cannot finish before its prompt is prefilled")
+        else:
+            self.scheduler.fail(sample, None, reason=reason)
+
+    def _group(self, request_id: int) -> list[Sequence]:
+        """The samples of a request while any is active ([] after): sample 0 leaves
+        _active when step() returns it finished, and its siblings may still run."""
+        seq = self._active.get(request_id)
+        if seq is None:
+            seq = next((s for s in self._active.values() if s.group[0].seq_id == request_id), None)
+        return seq.group if seq is not None else []
 
     def _advance(self, seq: Sequence, num_new: int, token: int, eos: set[int]) -> None:
         seq.num_computed_tokens += num_new

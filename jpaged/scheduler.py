@@ -369,9 +369,9 @@ class Scheduler:
         self.stats.swapped_in_blocks += sum(len(r.block_ids) for r in ins)
         return outs, ins
 
-    def fail(self, seq: Sequence, error: str, reason: str = "error") -> None:
+    def fail(self, seq: Sequence, error: str | None, reason: str = "error") -> None:
         """Ends seq wherever it is (waiting, running or swapped) with `reason` and
-        `error`, freeing its blocks and host swap slots."""
+        `error` (None for an early but normal end), freeing its blocks and host swap slots."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.swapped:
@@ -388,7 +388,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.running.clear()
 
-    def _fail(self, seq: Sequence, error: str, reason: str = "error") -> None:
+    def _fail(self, seq: Sequence, error: str | None, reason: str = "error") -> None:
         """Ends seq (and samples it has not forked yet) with an error, freeing what it holds."""
         if seq in self.running:
             self.running.remove(seq)

@@ -8,10 +8,12 @@ and `data: [DONE]` at the end.
 The engine runs in one background thread (jpaged.async_engine); each HTTP
 request turns into engine requests, reads their per-step deltas, detokenizes
 them (jpaged.detokenizer, which also applies stop strings) and answers.  A
-client that goes away, mid-stream or while waiting for a whole answer, has its
-requests aborted, which frees their KV blocks.  Bad input is a 400 with an
+sample whose text hits a stop string is ended in the engine at once; a client
+that goes away, mid-stream or while waiting for a whole answer, has its
+requests aborted; both free their KV blocks.  Bad input is a 400 with an
 OpenAI-style error body; a full queue is a 429 with Retry-After; a request that
-fails inside the engine fails alone.
+fails inside the engine fails alone.  Logprobs travel with the text: each
+streamed chunk carries those of the tokens consumed since the previous one.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ import json
 import logging
 import threading
 import time
+from types import FrameType
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jpaged.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
 from jpaged.detokenizer import SampleText
 from jpaged.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
-                                    completion_choice, envelope, error_body, new_id, parse_chat,
-                                    parse_completion, parse_generate, usage)
+                                    chat_logprobs, completion_choice, completion_logprobs, envelope,
+                                    error_body, new_id, parse_chat, parse_completion, parse_generate,
+                                    token_logprob_json, usage)
 from jpaged.request_parsing import default_sampling_params
+from jpaged.sequence import TokenLogprob
 from jpaged.server_metrics import CONTENT_TYPE, ServerMetrics
 
 if TYPE_CHECKING:  # the engine (and jax) load when the server builds it, not on import
@@ -66,6 +72,7 @@ class ServerState:
         self.status = "loading"  # loading | ready | failed: <why> | shutting down
         self.load_error: str | None = None
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     def load(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
         """Builds (if given a factory) and starts the engine; /health turns 200."""
@@ -88,8 +95,16 @@ class ServerState:
             if on_failure is not None:
                 on_failure(e)
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """Takes no new requests (503, /health too) while those in flight go on."""
         self.status = "shutting down"
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_unfinished if self.engine is not None else 0
+
+    def close(self) -> None:
+        self.drain()
         if self.engine is not None:
             self.engine.close(ENGINE_JOIN_SECONDS)
 
@@ -103,6 +118,16 @@ class ServerState:
         tokenizer = self.llm.tokenizer
         return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens shown (logprobs name their tokens
+        so); cached: a logprobs answer decodes up to 21 tokens per token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.llm.tokenizer
+            text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
+            self._token_texts[token_id] = text
+        return text
+
 
 def _is_factory(source: Any) -> bool:
     return callable(source) and not hasattr(source, "step")
@@ -114,12 +139,14 @@ class ChoiceUpdate:
     index: int                  # choice index: prompt index * n + sample index
     text: str                   # new text ("" with a finish)
     finish_reason: str | None   # set once, on the choice's last update
+    # The logprobs of the tokens consumed since the choice's last update (when asked for).
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 class GenerationRun:
     """One HTTP request in flight: its engine requests' deltas in, its choices'
-    text out.  Ends (and aborts what is left in the engine) when every choice has
-    finished, a request failed, or the client went away."""
+    text (and logprobs) out.  Ends (and aborts what is left in the engine) when
+    every choice has finished, a request failed, or the client went away."""
 
     def __init__(self, state: ServerState, engine: AsyncEngine, submission: Submission,
                  gen: GenerationRequest, request: Request):
@@ -127,6 +154,10 @@ class GenerationRun:
         self.n = gen.params.n
         self.samples = [SampleText(state.decode, gen.stop) for _ in range(len(submission.requests) * self.n)]
         self.finish_reasons: list[str | None] = [None] * len(self.samples)
+        # Per choice, of the tokens its text consumed (SamplingParams.logprobs); per prompt, its own.
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in self.samples]
+        self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(submission.requests)
+        self._logprobs_sent = [0] * len(self.samples)
         self.error: str | None = None
         self._disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
 
@@ -169,28 +200,40 @@ class GenerationRun:
         if "error" in delta.finish_reasons:
             self.error = delta.error or "internal error"
             return []
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[delta.index] = delta.prompt_logprobs
         updates = []
         for j in range(self.n):
             c = delta.index * self.n + j
             if self.finish_reasons[c] is not None:
                 continue  # ended by a stop string; the engine's later tokens are not part of it
-            update = self._advance_sample(c, delta.new_token_ids[j], delta.finish_reasons[j])
-            if update.text or update.finish_reason:
+            logprobs = delta.new_logprobs[j] if delta.new_logprobs else []
+            update = self._advance_sample(c, delta.new_token_ids[j], logprobs, delta.finish_reasons[j])
+            if update is not None:
                 updates.append(update)
-        request_choices = self.finish_reasons[delta.index * self.n:(delta.index + 1) * self.n]
-        if not delta.finished and None not in request_choices:  # every sample hit a stop string
-            self.engine.abort([self.submission.requests[delta.index]], reason="stop")
+            if self.samples[c].stopped and delta.finish_reasons[j] is None:
+                # The engine would compute this sample on to max_tokens: end it there now.
+                self.engine.finish_sample(self.submission.requests[delta.index], j)
         return updates
 
-    def _advance_sample(self, c: int, token_ids: list[int], engine_reason: str | None) -> ChoiceUpdate:
+    def _advance_sample(self, c: int, token_ids: list[int], logprobs: list[TokenLogprob],
+                        engine_reason: str | None) -> ChoiceUpdate | None:
+        """The choice's update for these new tokens, or None while it has no new
+        text and goes on (its tokens' logprobs then wait for the next update)."""
         sample = self.samples[c]
+        consumed = sample.num_tokens
         text = sample.push(token_ids)
+        self.logprobs[c] += logprobs[:sample.num_tokens - consumed]  # none past a stop string
         reason = "stop" if sample.stopped else engine_reason
         if reason is not None and not sample.stopped:
             text += sample.finish()
             reason = "stop" if sample.stopped else reason
         self.finish_reasons[c] = reason
-        return ChoiceUpdate(c, text, reason)
+        if not text and reason is None:
+            return None
+        new_logprobs = self.logprobs[c][self._logprobs_sent[c]:]
+        self._logprobs_sent[c] = len(self.logprobs[c])
+        return ChoiceUpdate(c, text, reason, new_logprobs)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -223,12 +266,32 @@ class Answer:
 
 
 class CompletionAnswer(Answer):
+    """/v1/completions.  With echo the prompt leads each choice, in the body and in
+    the choice's first chunk (which waits for the prompt's logprobs)."""
+
+    def __init__(self, run: GenerationRun, state: ServerState, prompt_texts: list[str]):
+        super().__init__(run, state, prompt_texts)
+        self._started = [False] * len(run.samples)  # streaming: the choice had a chunk
+        self._offsets = [0] * len(run.samples)      # streaming: its token strings' length so far
+
     def _echo(self, c: int) -> str:
         return self.prompt_texts[c // self.run.n] if self.run.gen.echo else ""
 
+    def _logprobs(self, c: int, logprobs: list[TokenLogprob], echo: bool, offset: int) -> dict[str, Any] | None:
+        """The choice's `logprobs` of these tokens, led by the prompt's with echo."""
+        if self.run.gen.params.logprobs is None:
+            return None
+        ids, entries = [lp.token_id for lp in logprobs], list(logprobs)
+        if echo:
+            request = self.run.submission.requests[c // self.run.n]
+            prompt = self.run.prompt_logprobs[c // self.run.n] or [None] * len(request.prompt_token_ids)
+            ids, entries = request.prompt_token_ids + ids, prompt + entries
+        return completion_logprobs(ids, entries, self.state.token_text, offset)
+
     def body(self) -> dict[str, Any]:
         run = self.run
-        choices = [completion_choice(c, self._echo(c) + s.text, run.finish_reasons[c])
+        choices = [completion_choice(c, self._echo(c) + s.text, run.finish_reasons[c],
+                                     self._logprobs(c, run.logprobs[c], run.gen.echo, 0))
                    for c, s in enumerate(run.samples)]
         return envelope(self.id, "text_completion", run.gen.model, choices, run.usage())
 
@@ -236,13 +299,14 @@ class CompletionAnswer(Answer):
         return envelope(self.id, "text_completion", self.run.gen.model, choices, None,
                         with_usage=self.run.gen.include_usage)
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        if not self.run.gen.echo:
-            return []
-        return [self._chunk([completion_choice(c, self._echo(c), None)]) for c in range(len(self.run.samples))]
-
     def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
-        return self._chunk([completion_choice(update.index, update.text, update.finish_reason)])
+        c = update.index
+        echo, self._started[c] = self.run.gen.echo and not self._started[c], True
+        logprobs = self._logprobs(c, update.logprobs, echo, self._offsets[c])
+        if logprobs is not None:
+            self._offsets[c] += sum(map(len, logprobs["tokens"]))
+        text = (self._echo(c) if echo else "") + update.text
+        return self._chunk([completion_choice(c, text, update.finish_reason, logprobs)])
 
     def usage_chunk(self) -> dict[str, Any]:
         return envelope(self.id, "text_completion", self.run.gen.model, [], self.run.usage())
@@ -251,9 +315,13 @@ class CompletionAnswer(Answer):
 class ChatAnswer(Answer):
     prefix = "chatcmpl"
 
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        return None if self.run.gen.params.logprobs is None else chat_logprobs(logprobs, self.state.token_text)
+
     def body(self) -> dict[str, Any]:
         run = self.run
-        choices = [chat_choice(c, s.text, run.finish_reasons[c]) for c, s in enumerate(run.samples)]
+        choices = [chat_choice(c, s.text, run.finish_reasons[c], self._logprobs(run.logprobs[c]))
+                   for c, s in enumerate(run.samples)]
         return envelope(self.id, "chat.completion", run.gen.model, choices, run.usage())
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -266,7 +334,8 @@ class ChatAnswer(Answer):
 
     def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
         delta = {"content": update.text} if update.text else {}
-        return self._chunk([chat_chunk_choice(update.index, delta, update.finish_reason)])
+        return self._chunk([chat_chunk_choice(update.index, delta, update.finish_reason,
+                                              self._logprobs(update.logprobs))])
 
     def usage_chunk(self) -> dict[str, Any]:
         return envelope(self.id, "chat.completion.chunk", self.run.gen.model, [], self.run.usage())
@@ -276,10 +345,16 @@ class GenerateAnswer(Answer):
     """/generate: the shape of the batch CLI's output lines."""
 
     def body(self) -> dict[str, Any]:
-        run = self.run
+        run, params = self.run, self.run.gen.params
         samples = [dict(text=s.text, token_ids=list(s.token_ids), finish_reason=run.finish_reasons[c])
                    for c, s in enumerate(run.samples)]
-        return {**samples[0], "samples": samples, "usage": run.usage()}
+        if params.logprobs is not None:
+            for sample, logprobs in zip(samples, run.logprobs):
+                sample["logprobs"] = [token_logprob_json(lp) for lp in logprobs]
+        body = {**samples[0], "samples": samples, "usage": run.usage()}
+        if params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = [token_logprob_json(lp) for lp in run.prompt_logprobs[0] or []]
+        return body
 
 
 async def _respond(answer: Answer) -> Response:
@@ -426,3 +501,40 @@ def create_app(engine: Union["LLM", Callable[[], "LLM"]], config: Any = None, *,
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+# ------------------------------------------------------------------ server
+class DrainingServer(uvicorn.Server):
+    """uvicorn with a drain before its shutdown.  uvicorn alone stops listening on
+    SIGTERM, so a load balancer's health check gets "connection refused" and new
+    requests fail while in-flight ones finish.  Here the first SIGTERM or SIGINT
+    drains instead: the server keeps listening, answers /health and new requests
+    with 503, and lets the requests in flight finish; once none is left, or the
+    grace period is over, uvicorn shuts down as usual within what is left of the
+    period (requests still running then are cancelled, which aborts them).  A
+    second signal ends the drain at once."""
+
+    def __init__(self, config: uvicorn.Config, app_state: ServerState, grace_seconds: float):
+        super().__init__(config)
+        self.app_state = app_state
+        self.grace_seconds = grace_seconds
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is None and not self.should_exit:
+            self._drain_deadline = time.monotonic() + self.grace_seconds
+            self.app_state.drain()  # (a signal handler: only sets state; on_tick does the rest)
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Called by uvicorn's main loop every 0.1 s; True stops the server."""
+        if self._drain_deadline is not None:
+            left = self._drain_deadline - time.monotonic()
+            if left <= 0 or self.app_state.num_in_flight == 0:
+                if not self.should_exit:
+                    log.info("drain over (%d requests in flight): shutting down", self.app_state.num_in_flight)
+                self.should_exit = True
+            if self.should_exit:
+                self.config.timeout_graceful_shutdown = max(left, 0.0)
+        return await super().on_tick(counter)

@@ -8,7 +8,9 @@ serve_batch.py; the config is checked before jax loads (a bad one exits 2 with
 one line).  The server binds at once and builds the engine in the background:
 GET /health answers 503 until the engine is ready, then 200.  On SIGTERM (or
 SIGINT) it stops accepting connections, gives the requests in flight
-shutdown_grace_seconds to finish, aborts the rest and exits 0.
+shutdown_grace_seconds to finish while GET /health and new requests get 503
+(it keeps listening meanwhile, so a load balancer sees the 503 and moves on),
+aborts what is left and exits 0.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def run(config_file: Any) -> int:
     validate_config(config)
     import uvicorn
 
-    from jpaged.server import create_app
+    from jpaged.server import DrainingServer, create_app
 
     server: uvicorn.Server | None = None
 
@@ -61,9 +63,10 @@ def run(config_file: Any) -> int:
 
     application = create_app(lambda: build_engine(config, _PRECOMPILE.value), config,
                              model_name=_MODEL_NAME.value, on_load_failure=stop)
-    server = uvicorn.Server(uvicorn.Config(application, host=_HOST.value, port=_PORT.value, lifespan="on",
+    server = DrainingServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value, lifespan="on",
                                            timeout_graceful_shutdown=config.shutdown_grace_seconds,
-                                           access_log=_ACCESS_LOG.value))
+                                           access_log=_ACCESS_LOG.value),
+                            application.state.jpaged, config.shutdown_grace_seconds)
     # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal it got
     # into the handlers it found: these stop the server instead of killing the process.
     for s in (signal.SIGINT, signal.SIGTERM):

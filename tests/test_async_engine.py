@@ -1,6 +1,7 @@
 """AsyncEngine, the HTTP server's engine loop, on the tiny Llama: deltas add up
-to generate()'s tokens, aborts free blocks, a failure pinned to one request
-fails it alone, the queue bound holds, and close() aborts what is left."""
+to generate()'s tokens (and logprobs), aborts free blocks, finish_sample ends
+one sample early, a failure pinned to one request fails it alone, the queue
+bound holds, and close() aborts what is left."""
 
 from __future__ import annotations
 
@@ -72,6 +73,47 @@ def test_abort_frees_blocks_wherever_the_request_is(llm):
         return await collect(running), await collect(queued)
     for results in run(llm, scenario):
         assert results[0]["reasons"] == ["abort"] and len(results[0]["tokens"]) < 100
+    assert_all_blocks_free(llm)
+
+
+def test_deltas_carry_the_logprobs_of_their_tokens(llm):
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    want = llm.generate(PROMPTS[:2], params)
+
+    async def scenario(engine):
+        submission = engine.submit([(p, params, None) for p in PROMPTS[:2]])
+        got, left = [{"logprobs": [], "prompt": []} for _ in PROMPTS[:2]], 2
+        while left:
+            delta = await submission.queue.get()
+            got[delta.index]["logprobs"] += delta.new_logprobs[0]
+            if delta.prompt_logprobs is not None:
+                got[delta.index]["prompt"].append(delta.prompt_logprobs)
+            left -= delta.finished
+        return got
+    for g, w in zip(run(llm, scenario), want):
+        assert g["logprobs"] == w.logprobs
+        assert g["prompt"] == [w.prompt_logprobs]  # once, with the first tokens
+
+
+def test_finish_sample_ends_one_sample_in_the_engine(llm):
+    max_tokens = 60
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=2, temperature=1.0, seed=5)
+
+    async def scenario(engine):
+        submission = engine.submit([(PROMPTS[1], params, None)])
+        tokens, finished = [[], []], False
+        while not finished:
+            delta = await submission.queue.get()
+            for j in range(2):
+                tokens[j] += delta.new_token_ids[j]
+            if len(tokens[0]) >= 2 and delta.finish_reasons[0] is None:
+                engine.finish_sample(submission.requests[0], 0)  # as a server does on a stop string
+            finished = delta.finished
+        return tokens, delta.finish_reasons
+    tokens, reasons = run(llm, scenario)
+    assert reasons == ["stop", "length"]
+    # Sample 0 ends a step or two after its second token, not at max_tokens; sample 1 goes on.
+    assert 2 <= len(tokens[0]) <= 6 and len(tokens[1]) == max_tokens
     assert_all_blocks_free(llm)
 
 

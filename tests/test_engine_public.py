@@ -62,3 +62,20 @@ def test_one_statistics_object(llm):
     assert llm.totals.cached_prompt_tokens == before.cached_prompt_tokens + second.num_cached_tokens
     assert llm.totals.steps == before.steps + stats.steps and stats.steps >= 2
     assert 0 < stats.peak_blocks_used <= llm.num_blocks
+
+
+def test_finish_sample_ends_one_sample_and_frees_its_blocks(llm):
+    params = SamplingParams(max_tokens=40, ignore_eos=True, n=2, temperature=1.0, seed=0)
+    rid = llm.add_request(list(range(1, 21)), params)  # 20 tokens: the samples' own copies of block 1
+    group = llm.get_sequence(rid).group
+    while not all(s.output_token_ids for s in group):
+        llm.step()
+    used = llm.block_manager.num_used_blocks
+    llm.finish_sample(rid, 0)
+    first = group[0]
+    assert (first.finish_reason, first.error, len(first.output_token_ids)) == ("stop", None, 1)
+    assert llm.block_manager.num_used_blocks < used  # its own blocks are free now, not at max_tokens
+    assert first in llm.step() and not group[1].is_done  # returned as finished; the sibling goes on
+    llm.abort([rid])  # sample 0 has left the engine's books: the abort still reaches sample 1
+    assert group[1].finish_reason == "abort" and not llm.has_unfinished_requests()
+    assert llm.block_manager.num_used_blocks == 0

@@ -6,7 +6,9 @@ fails a test instead of hanging the suite."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -182,6 +184,13 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": [10**9]}, "prompt"),                  # outside the vocabulary
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),   # above MAX_LOGPROBS
+    ({"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
+]
+BAD_CHAT_REQUESTS = [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),                             # without logprobs: true
 ]
 
 
@@ -196,6 +205,11 @@ def test_bad_requests_get_400_while_good_ones_complete(ready, expected):
                 error = json.loads(text)["error"]
                 assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), text
                 assert error["message"]
+            for fields, param in BAD_CHAT_REQUESTS:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+                status, _, text = await asyncio.to_thread(http, "POST", ready.url + "/v1/chat/completions",
+                                                          json.dumps(body).encode())
+                assert (status, json.loads(text)["error"]["param"]) == (400, param), text
             status, _, text = await asyncio.to_thread(http, "POST", ready.url + "/v1/chat/completions",
                                                       b'{"model": "smollm2-135m", "messages": [')
             assert status == 400 and "JSON" in json.loads(text)["error"]["message"]
@@ -208,6 +222,98 @@ def test_bad_requests_get_400_while_good_ones_complete(ready, expected):
             return await asyncio.gather(*good)
     results = asyncio.run(asyncio.wait_for(run(), REQUEST_SECONDS))
     assert [r.choices[0].text for r in results] == expected[:4]
+
+
+TOP = 5  # alternatives asked for per token
+
+
+def check_top_logprobs(token: str, logprob: float, top: list[tuple[str, float]], k: int = TOP) -> None:
+    """Greedy: the chosen token is the best; the alternatives come best first, k of them."""
+    values = [v for _, v in top]
+    assert len(top) == k and values == sorted(values, reverse=True)
+    assert top[0] == (token, logprob)
+
+
+def test_completion_logprobs_of_a_greedy_completion(ready, llm):
+    prompt = "The three primary colours are"
+    want = llm.generate([prompt], SamplingParams(max_tokens=8, logprobs=TOP, prompt_logprobs=TOP))[0]
+    client = ready.client()
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=TOP)
+    choice = got.choices[0]
+    lp = choice.logprobs
+    assert choice.finish_reason == "length" and len(lp.tokens) == got.usage.completion_tokens == 8
+    assert "".join(lp.tokens) == choice.text  # each token decoded alone, joined
+    assert lp.text_offset == [0, *itertools.accumulate(map(len, lp.tokens[:-1]))]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        check_top_logprobs(token, value, list(top.items()))  # (this prompt's alternatives decode apart)
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
+    assert 0 < math.exp(sum(lp.token_logprobs)) < 1
+    # echo: the prompt's tokens lead, the first with no logprob; streamed, the same in pieces.
+    n_prompt = got.usage.prompt_tokens
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=TOP,
+                                     echo=True).choices[0]
+    assert echo.text == prompt + choice.text
+    assert echo.logprobs.tokens[n_prompt:] == lp.tokens and len(echo.logprobs.tokens) == n_prompt + 8
+    assert echo.logprobs.token_logprobs[0] is None and echo.logprobs.top_logprobs[0] is None
+    assert echo.logprobs.token_logprobs[1:n_prompt] == pytest.approx(
+        [t.logprob for t in want.prompt_logprobs[1:]], abs=1e-4)
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                           logprobs=TOP, echo=True, stream=True):
+        for key, values in streamed.items():
+            values += getattr(chunk.choices[0].logprobs, key)
+    assert streamed == {key: getattr(echo.logprobs, key) for key in streamed}
+    # /generate: the batch CLI's form, token ids and [id, logprob] pairs.
+    status, _, text = http("POST", ready.url + "/generate", json.dumps(
+        {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2, "prompt_logprobs": 1}).encode())
+    body = json.loads(text)
+    assert status == 200 and [t["token_id"] for t in body["logprobs"]] == body["token_ids"]
+    assert [t["logprob"] for t in body["logprobs"]] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert all(len(t["top"]) == 2 and t["top"][0] == [t["token_id"], t["logprob"]] for t in body["logprobs"])
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == n_prompt
+
+
+def test_streamed_chat_logprobs_concatenate_to_the_whole_ones(ready):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    client = ready.client()
+    ask = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True, top_logprobs=TOP)
+    answer = client.chat.completions.create(**ask)
+    whole, content = answer.choices[0], answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    # The tokens spell the text (then the end-of-turn token, if that is how it stopped).
+    assert "".join(t.token for t in content).startswith(whole.message.content)
+    for t in content:
+        assert t.bytes == list(t.token.encode("utf-8"))
+        check_top_logprobs(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+    streamed, texts = [], []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            pieces = choice.logprobs.content if choice.logprobs is not None else []
+            streamed += pieces
+            if choice.delta.content:  # a chunk's text comes with its tokens' logprobs
+                assert "".join(t.token for t in pieces).startswith(choice.delta.content)
+            texts.append(choice.delta.content or "")
+    assert "".join(texts) == whole.message.content
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+
+
+def test_a_stop_string_ends_its_samples_in_the_engine(ready):
+    """The engine computes a stopped sample no further (a step or two of slack),
+    rather than to max_tokens: generation tokens ~ the tokens the answer used."""
+    client = ready.client()
+    for n in (1, 2):
+        before = _wait_for(lambda: (m := ready.metrics())["vllm:num_requests_running"] == 0 and m, 30, "idle")
+        got = client.completions.create(model=MODEL, prompt="Write three short sentences about cats.", n=n,
+                                        max_tokens=120, temperature=0.8, seed=3, stop=["."],
+                                        extra_body={"ignore_eos": True})
+        assert [c.finish_reason for c in got.choices] == ["stop"] * n
+        assert all(len(c.text) > 0 and "." not in c.text for c in got.choices)
+        # The engine ends the request just after the answer (it counts as a success, not an abort).
+        stops = "vllm:request_success_total{finished_reason=stop}"
+        after = _wait_for(lambda: (m := ready.metrics()).get(stops, 0) == before.get(stops, 0) + 1 and m, 10,
+                          "the request finished with reason stop")
+        computed = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
+        assert got.usage.completion_tokens <= computed <= got.usage.completion_tokens + 3 * n
 
 
 def _wait_for(condition, seconds: float, what: str):
@@ -274,11 +380,16 @@ def test_metrics_parse(ready):
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(ready):
-    stream = ready.client().completions.create(model=MODEL, prompt="Count to twenty:", max_tokens=24,
+    stream = ready.client().completions.create(model=MODEL, prompt="Count to twenty:", max_tokens=64,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
     ready.proc.send_signal(signal.SIGTERM)
+    # While the request drains, the server still listens: /health and new requests get 503,
+    # so that a load balancer sends its traffic elsewhere.
+    _wait_for(lambda: http("GET", ready.url + "/health", timeout=5)[0] == 503, 10, "/health 503 after SIGTERM")
+    status, headers, _ = http("POST", ready.url + "/v1/completions", json.dumps({"prompt": "hi"}).encode())
+    assert status == 503 and "retry-after" in headers
     rest = list(chunks)  # the request in flight finishes within the grace period
     assert rest[-1].choices[0].finish_reason == "length"
     assert ready.proc.wait(timeout=60) == 0, ready.log.read_text()

@@ -1,13 +1,14 @@
 """The HTTP server's host-side pieces, without a model: incremental
-detokenization, stop strings, and the OpenAI request checks."""
+detokenization, stop strings, the OpenAI request checks and logprobs shapes."""
 
 from __future__ import annotations
 
 import pytest
 
 from jpaged.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
-from jpaged.openai_protocol import RequestError, parse_chat, parse_completion, parse_generate
-from jpaged.sequence import SamplingParams
+from jpaged.openai_protocol import (LOGPROB_FLOOR, RequestError, chat_logprobs, completion_logprobs, parse_chat,
+                                    parse_completion, parse_generate)
+from jpaged.sequence import SamplingParams, TokenLogprob
 
 # A byte-level "tokenizer": token t is the byte t; decode is UTF-8 with replacement,
 # so a multi-byte character spans several tokens.
@@ -93,7 +94,10 @@ def test_sampling_fields_and_openai_extras():
     ({"seed": "x"}, "seed"),
     ({"model": "gpt-4"}, "model"),
     ({"stop": [1]}, "stop"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),                                   # above MAX_LOGPROBS
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),                                 # a count here, not chat's flag
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),                      # echo + logprobs gives them
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
@@ -122,3 +126,46 @@ def test_generate_takes_a_prompt_or_messages():
         parse_generate({}, DEFAULT, "m")
     with pytest.raises(RequestError):
         parse_generate({"prompt": "a", "stream": True}, DEFAULT, "m")
+
+
+def test_logprobs_fields_per_route():
+    assert parse_completion({"prompt": "a"}, DEFAULT, "m").params.logprobs is None
+    p = parse_completion({"prompt": "a", "logprobs": 3}, DEFAULT, "m").params
+    assert (p.logprobs, p.prompt_logprobs) == (3, None)
+    p = parse_completion({"prompt": "a", "logprobs": 0, "echo": True}, DEFAULT, "m").params
+    assert (p.logprobs, p.prompt_logprobs) == (0, 0)  # echo: the prompt's tokens get them too
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert parse_chat({**chat, "logprobs": True, "top_logprobs": 20}, DEFAULT, "m").params.logprobs == 20
+    assert parse_chat({**chat, "logprobs": True}, DEFAULT, "m").params.logprobs == 0
+    assert parse_chat({**chat, "logprobs": False}, DEFAULT, "m").params.logprobs is None
+    p = parse_generate({"prompt": [1], "logprobs": 2, "prompt_logprobs": 1}, DEFAULT, "m").params
+    assert (p.logprobs, p.prompt_logprobs) == (2, 1)  # the batch CLI's fields
+
+
+@pytest.mark.parametrize("fields", [
+    {"top_logprobs": 2},                      # without logprobs: true
+    {"logprobs": False, "top_logprobs": 0},
+    {"logprobs": True, "top_logprobs": 21},
+    {"logprobs": True, "top_logprobs": -1},
+    {"logprobs": True, "top_logprobs": 1.5},
+])
+def test_chat_top_logprobs_needs_logprobs_and_a_count_in_range(fields):
+    with pytest.raises(RequestError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "a"}], **fields}, DEFAULT, "m")
+    assert e.value.param == "top_logprobs" and e.value.status == 400
+    with pytest.raises(RequestError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "a"}], "logprobs": 2}, DEFAULT, "m")
+    assert e.value.param == "logprobs"
+
+
+def test_logprobs_shapes():
+    text = {1: "a", 2: "\u00e9", 3: " b", 4: "a"}.__getitem__  # 4: another id with 1's string
+    entries = [None, TokenLogprob(2, -0.5, ((2, -0.5), (1, -1.0))),
+               TokenLogprob(3, float("-inf"), ((1, -0.1), (4, -0.2), (3, float("-inf"))))]
+    got = completion_logprobs([1, 2, 3], entries, text, text_offset=5)
+    assert got == {"tokens": ["a", "\u00e9", " b"], "token_logprobs": [None, -0.5, LOGPROB_FLOOR],
+                   "top_logprobs": [None, {"\u00e9": -0.5, "a": -1.0}, {"a": -0.1, " b": LOGPROB_FLOOR}],
+                   "text_offset": [5, 6, 7]}
+    content = chat_logprobs(entries[1:2], text)["content"]
+    e_acute = {"token": "\u00e9", "logprob": -0.5, "bytes": [0xC3, 0xA9]}
+    assert content == [{**e_acute, "top_logprobs": [e_acute, {"token": "a", "logprob": -1.0, "bytes": [97]}]}]
