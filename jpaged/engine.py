@@ -26,6 +26,7 @@ import pallas_kernels
 from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, ConfigError, apply_overrides,
                            default_config, validate_config)
 from jpaged.block_manager import BlockManager
+from jpaged.distributed import broadcast_step
 from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.models import build_model
 from jpaged.models.base import split_model
@@ -202,6 +203,11 @@ class LLM:
             num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
             weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len, num_shards=tp)
+        if jax.process_count() > 1:  # free memory differs by host: process 0's size for all
+            self.num_blocks = int(broadcast_step(self.num_blocks))
+            if cfg.preemption_mode == "swap":
+                raise ConfigError("preemption_mode", "swap keeps blocks in process 0's host memory, "
+                                  "which the other processes cannot read", "recompute in a multi-process run")
         self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
         if self.attention_note:
             log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
@@ -240,6 +246,17 @@ class LLM:
             raise ConfigError("data_parallel_size", f"{cfg.data_parallel_size} replicas need a router",
                               "build the engine with jpaged.router.create_engine (one LLM is one replica)")
         return make_mesh(cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
+
+    def follow(self) -> None:
+        """Processes other than 0 of a multi-process run (jpaged.distributed): run
+        the steps process 0 schedules until it calls close()."""
+        if jax.process_index() == 0:
+            raise RuntimeError("process 0 schedules; follow() is for the other processes")
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Process 0 of a multi-process run: releases the processes in follow()."""
+        self.runner.stop_followers()
 
     def memory_per_device(self) -> dict[str, tuple[int, int]]:
         """(weight bytes, KV pool bytes) held on each of this engine's devices."""

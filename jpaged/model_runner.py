@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import generate_step, generate_step_with_logprobs
+from jpaged.distributed import broadcast_step
 from jpaged.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
 from jpaged.model_config import ModelConfig
 from jpaged.models.base import StepMetadata
@@ -30,7 +31,7 @@ from jpaged.rounding import cdiv, next_pow2
 from jpaged.sampling import SamplingArrays, TokenLogprobs
 from jpaged.scheduler import ScheduledSeq, SchedulerOutput
 from jpaged.sequence import MAX_LOGPROBS
-from jpaged.sharding import Mesh, pool_sharding, replicated
+from jpaged.sharding import Mesh, pool_sharding, put, replicated
 from jpaged.swap_space import HostSwapSpace
 
 
@@ -191,31 +192,66 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Applies the step's block moves, then dispatches one forward + sample over
         its tokens without waiting for it (a data-parallel router launches every
-        replica's step before collecting any)."""
+        replica's step before collecting any).  In a multi-process run, process 0
+        first sends the step's host arrays to the others (see `follow`)."""
         self.timing = StepTiming()
         if out.swap_out or out.swap_in:  # before copies and the forward rewrite blocks
             t0 = time.perf_counter()
             self._swap(out)
             self.timing.swap = time.perf_counter() - t0
-        if out.block_copies:  # copy-on-write, before the forward writes into the copies
-            t0 = time.perf_counter()
-            self.kv_pool = copy_blocks(self.kv_pool, out.block_copies)
-            self.timing.copy = time.perf_counter() - t0
-        if not out.scheduled:
-            return PendingStep(None, 0, time.perf_counter())
         t0 = time.perf_counter()
-        tokens, meta = self._build(out.scheduled)
-        sampling = self._sampling_arrays(out.scheduled, meta.kv_lens.shape[0])
-        args = (self.kv_pool, tokens, meta, sampling)
-        wants = [s.seq.params for s in out.scheduled]
-        if any(p.logprobs is not None or p.prompt_logprobs is not None for p in wants):
-            args += (self._prompt_targets(out.scheduled, tokens.shape[0]),)
+        host = self._host_inputs(out.scheduled) if out.scheduled else None
         self.timing.build = time.perf_counter() - t0
+        if self.followers and (host is not None or out.block_copies):
+            broadcast_step(("step", out.block_copies, host))
+        return self._run(out.block_copies, host, len(out.scheduled))
+
+    def _host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple:
+        """(tokens, meta, sampling[, prompt_targets]): the step's numpy inputs."""
+        tokens, meta = self._build(scheduled)
+        host = (tokens, meta, self._sampling_arrays(scheduled, meta.kv_lens.shape[0]))
+        if any(s.seq.params.logprobs is not None or s.seq.params.prompt_logprobs is not None
+               for s in scheduled):
+            host += (self._prompt_targets(scheduled, tokens.shape[0]),)
+        return host
+
+    def _run(self, block_copies: list[tuple[int, int]], host: tuple | None, num_seqs: int) -> PendingStep:
+        """The device work of a step, the same in every process: copy-on-write, then
+        the jitted forward + sample (dispatched, not waited for)."""
+        if block_copies:  # copy-on-write, before the forward writes into the copies
+            t0 = time.perf_counter()
+            self.kv_pool = copy_blocks(self.kv_pool, block_copies)
+            self.timing.copy = time.perf_counter() - t0
+        if host is None:
+            return PendingStep(None, 0, time.perf_counter())
+        if jax.process_count() > 1:  # every process passes the same global (replicated) arrays
+            host = jax.tree.map(lambda x: put(x, replicated(self.mesh)), host)
+        args = (self.kv_pool, *host)
         exe = self._executable(args)
         t0 = time.perf_counter()
         outputs = exe(self.params, *args)
         self.kv_pool = outputs[-1]
-        return PendingStep(outputs[:-1], len(out.scheduled), t0)
+        return PendingStep(outputs[:-1], num_seqs, t0)
+
+    # ------------------------------------------------------------- multi-host
+    @property
+    def followers(self) -> bool:
+        """Whether this is process 0 of a multi-process run (others run `follow`)."""
+        return jax.process_count() > 1 and jax.process_index() == 0
+
+    def follow(self) -> None:
+        """Processes other than 0: runs every step process 0 launches, with the host
+        arrays it broadcasts, until it sends "stop" (`stop_followers`)."""
+        while True:
+            command, block_copies, host = broadcast_step(None)
+            if command == "stop":
+                return
+            num_seqs = 0 if host is None else host[1].kv_lens.shape[0]
+            self.collect(self._run(block_copies, host, num_seqs))
+
+    def stop_followers(self) -> None:
+        if self.followers:
+            broadcast_step(("stop", [], None))
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a launched step; the sampled token of each scheduled sequence

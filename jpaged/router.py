@@ -19,10 +19,11 @@ import dataclasses
 import threading
 from typing import Any, Iterable, Iterator
 
+import jax
 import ml_collections
 import tqdm
 
-from jpaged.config import apply_overrides, default_config, validate_config
+from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
 from jpaged.engine import LLM, RequestOutput
 from jpaged.sequence import SamplingParams, Sequence
 from jpaged.sharding import make_mesh, replica_meshes
@@ -50,6 +51,9 @@ class DataParallelLLM:
     def __init__(self, config: ml_collections.ConfigDict | None = None, **overrides: Any):
         cfg = apply_overrides(default_config(), config, **overrides)
         validate_config(cfg)
+        if jax.process_count() > 1:
+            raise ConfigError("data_parallel_size", f"{cfg.data_parallel_size} replicas in a multi-process "
+                              "run are not supported", "1 across processes (tensor_parallel_size spans them)")
         self.config = cfg
         self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
         self.replicas = [LLM(cfg, mesh=m) for m in replica_meshes(self.mesh)]
@@ -128,6 +132,10 @@ class DataParallelLLM:
         finally:
             for i, r in enumerate(self.replicas):
                 r.abort([rid for (j, rid) in pending if j == i])
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
 
     def default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].default_sampling_params()

@@ -15,6 +15,12 @@ bad request line becomes that line's error result), each result is written and
 flushed to --output as it finishes, SIGINT/SIGTERM stop the batch after the
 current step and keep what finished, and --resume skips the requests already in
 --output.
+
+Multi-host (JAX's distributed runtime): start the same command on every host with
+--num_processes, --process_id and --coordinator_address (host:port of process 0),
+or the JAX_NUM_PROCESSES / JAX_PROCESS_ID / JAX_COORDINATOR_ADDRESS variables;
+the mesh spans every process's devices, process 0 schedules and writes, the
+others run its steps.
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ _SUMMARY_JSON = flags.DEFINE_string("summary_json", None, "Write the summary tab
 _PRECOMPILE = flags.DEFINE_bool("precompile", False,
                                 "Compile every step bucket before the first request (default: "
                                 "each bucket compiles the first time a step needs it).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0 "
+                                   "(default: $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: processes in the run "
+                                      "(default: $JAX_NUM_PROCESSES or 1).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index "
+                                   "(default: $JAX_PROCESS_ID or 0); only process 0 reads prompts and writes.")
 
 
 class UsageError(Exception):
@@ -171,6 +183,8 @@ def run(config_file: Any) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
     config = apply_overrides(default_config(), config_file)  # a misspelt field names the right one
     validate_config(config)
+    if process_id() != 0:
+        return follow(config)
     requests = read_requests(_PROMPTS.value, default_sampling_params(config))
     out_file, done = open_output(_OUTPUT.value, _PROMPTS.value, _RESUME.value)
     summary_file = open_summary(_SUMMARY_JSON.value)
@@ -187,10 +201,10 @@ def run(config_file: Any) -> int:
         print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {_OUTPUT.value}")
 
     t0 = time.perf_counter()
-    from jpaged.engine import EngineStalled  # jax loads here: every check above ran without it
-    from jpaged.metrics import format_memory, format_summary, summarize
+    from jpaged.metrics import format_memory  # jax loads here: every check above ran without it
     from jpaged.router import create_engine
     try:
+        start_distributed()
         llm = create_engine(config)
     except ConfigError:  # e.g. a tensor_parallel_size the model's heads do not divide
         raise
@@ -209,6 +223,16 @@ def run(config_file: Any) -> int:
         n = llm.precompile()
         print(f"precompiled {n} step buckets {llm.token_buckets} in {time.perf_counter() - t0:.1f} s")
 
+    try:
+        return run_batch(llm, config, good, out_file, summary_file, stopper, len(todo), t_start)
+    finally:
+        llm.close()  # a multi-process run: the other processes stop following
+
+
+def run_batch(llm: Any, config: Any, good: list[ParsedRequest], out_file: TextIO | None,
+              summary_file: TextIO | None, stopper: StopOnSignal, num_todo: int, t_start: float) -> int:
+    from jpaged.engine import EngineStalled
+    from jpaged.metrics import format_summary, summarize
     outputs = []
     t0 = time.perf_counter()
     stream = llm.generate_iter([r.prompt for r in good], [r.params for r in good],
@@ -235,12 +259,30 @@ def run(config_file: Any) -> int:
         return 128 + stopper.signum
     summary = summarize(outputs, llm, wall)
     summary["process_wall_s"] = time.perf_counter() - t_start
-    summary["requests"] += len(todo) - len(good)  # the lines rejected before the model loaded
-    summary["errors"] += len(todo) - len(good)
+    summary["requests"] += num_todo - len(good)  # the lines rejected before the model loaded
+    summary["errors"] += num_todo - len(good)
     print("\n" + format_summary(summary))
     if summary_file is not None:
         with summary_file:
             json.dump(summary, summary_file, indent=1)
+    return 0
+
+
+def process_id() -> int:
+    return _PROCESS_ID.value if _PROCESS_ID.value is not None else int(os.environ.get("JAX_PROCESS_ID", "0"))
+
+
+def start_distributed() -> None:
+    """Joins a multi-process run when flags or environment ask for one."""
+    from jpaged import distributed
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+
+
+def follow(config: Any) -> int:
+    """A process other than 0: the same engine, running the steps process 0 schedules."""
+    from jpaged.router import create_engine
+    start_distributed()
+    create_engine(config).follow()
     return 0
 
 

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY_ENGINE, random_prompts
+from helpers import SMOLLM_ENGINE, TINY_ENGINE, random_prompts
 from jpaged.config import ConfigError
+from jpaged.engine import LLM
 from jpaged.router import DataParallelLLM, create_engine
 from jpaged.sequence import SamplingParams
 from jpaged.sharding import POOL_SPEC, collectives, weight_spec
@@ -136,3 +137,17 @@ def test_data_parallel_replicas(tiny_llama_dir, expected):
     dp.generate([shared + [9, 10]], GREEDY)
     (hit,) = [r for r in dp.replica_summary() if r["requests"]]
     assert hit["replica"] == home and hit["cached_prompt_tokens"] == 32
+
+
+def test_smollm2_tp3_matches_one_device(smollm_llm):
+    """SmolLM2-135M has 9 query and 3 KV heads: TP = 3 gives each device 3 and 1;
+    TP = 2 fails at start-up with the sizes that work."""
+    prompts = [{"prompt": p} for p in ("What is a paged KV cache?", "Name three primary colors.",
+                                       "Write a haiku about JAX.")]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    want = smollm_llm.generate(prompts, params)
+    tp = LLM(**{**SMOLLM_ENGINE, "tensor_parallel_size": 3})
+    got = tp.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 does not divide .*9 query heads.*\[1, 3\]"):
+        LLM(**{**SMOLLM_ENGINE, "tensor_parallel_size": 2})
