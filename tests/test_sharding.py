@@ -151,3 +151,12 @@ def test_smollm2_tp3_matches_one_device(smollm_llm):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 does not divide .*9 query heads.*\[1, 3\]"):
         LLM(**{**SMOLLM_ENGINE, "tensor_parallel_size": 2})
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_pallas_kernels_under_shard_map(make_tiny_llm, expected, impl):
+    """The Pallas kernels (interpret mode on this CPU) run per device under shard_map at TP = 2."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    llm = make_tiny_llm(tensor_parallel_size=2, attention_impl=impl, max_num_batched_tokens=64)
+    got = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids[:4] for o in expected[:2]]
