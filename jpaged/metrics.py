@@ -107,7 +107,7 @@ def format_memory(memory: dict[str, tuple[int, int]]) -> str:
 
 def format_replicas(replicas: list[dict]) -> str:
     """The load of each data-parallel replica in the last run."""
-    head = f"{'replica':<8} {'devices':<14} {'requests':>8} {'prompt tok':>10} {'cache hits':>10} " \
+    head = f"{'replica':<8} {'devices':<14} {'requests':>8} {'prompt tok':>10} {'hits@route':>10} " \
            f"{'output tok':>10} {'steps':>6} {'peak blocks':>11}"
     rows = [f"{r['replica']:<8} {','.join(r['devices']):<14} {r['requests']:>8} {r['prompt_tokens']:>10} "
             f"{r['cached_prompt_tokens']:>10} {r['output_tokens']:>10} {r['steps']:>6} {r['peak_kv_blocks']:>11}"
