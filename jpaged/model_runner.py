@@ -185,10 +185,6 @@ class ModelRunner:
         self.kv_pool = self._new_pool()
         return True
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """launch() then collect(): the step's results as numpy."""
-        return self.collect(self.launch(out))
-
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Applies the step's block moves, then dispatches one forward + sample over
         its tokens without waiting for it (a data-parallel router launches every

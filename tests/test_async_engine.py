@@ -136,14 +136,14 @@ def test_a_failure_pinned_to_one_request_fails_it_alone(llm, expected, monkeypat
 
 
 def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving(llm, expected, monkeypatch):
-    real, calls = llm.runner.execute, [0]
+    real, calls = llm.runner.launch, [0]
 
-    def execute(out):
+    def launch(out):
         calls[0] += 1
         if calls[0] == 1:
             raise RuntimeError("injected device failure")
         return real(out)
-    monkeypatch.setattr(llm.runner, "execute", execute)
+    monkeypatch.setattr(llm.runner, "launch", launch)
 
     async def scenario(engine):
         first = await collect(engine.submit([(PROMPTS[0], GREEDY, None)]))

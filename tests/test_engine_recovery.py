@@ -28,17 +28,17 @@ def expected(llm):
 
 
 def fail_on_call(monkeypatch, runner, call: int, *, lose_pool: bool = False) -> None:
-    """Makes the runner's call-th execute() raise (after consuming the pool, if lose_pool)."""
-    real, count = runner.execute, [0]
+    """Makes the runner's call-th launch() (a step's dispatch) raise (after consuming the pool, if lose_pool)."""
+    real, count = runner.launch, [0]
 
-    def execute(out):
+    def launch(out):
         count[0] += 1
         if count[0] == call:
             if lose_pool:
                 runner.kv_pool.delete()  # as if the donated buffer went with the failed program
             raise RuntimeError("injected device failure")
         return real(out)
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
 
 
 @pytest.mark.parametrize("lose_pool", [False, True], ids=["pool kept", "pool lost"])
