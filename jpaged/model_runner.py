@@ -65,7 +65,7 @@ class PendingStep:
 
 @dataclasses.dataclass
 class StepTiming:
-    """Seconds of the last execute(): host array building, block moves, forward."""
+    """Seconds of the last launch() + collect(): host array building, block moves, forward."""
     build: float = 0.0
     swap: float = 0.0
     copy: float = 0.0
