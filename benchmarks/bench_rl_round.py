@@ -8,7 +8,7 @@ transformers: same weights, same prompts, same CPU.
 
 jpaged: llm.generate (n samples per prompt, sharing the prompt's blocks) ->
 decode.score under the reference weights -> value_and_grad through decode.score +
-AdamW (micro-batches of --micro_batch) -> llm.update_params.
+AdamW (the whole batch at once; --micro_batch=k splits it) -> llm.update_params.
 transformers: model.generate(do_sample=True, num_return_sequences=n) on the
 left-padded prompts -> a frozen copy's forward (reference logprobs) -> forward +
 backward + clip_grad_norm_ + torch AdamW on the same loss, full batch (the model

@@ -11,7 +11,9 @@ the new tokens of S sequences packed back to back into tokens[T].
     logits, pool = forward_step(graphdef, params, pool, prompt, meta)
     token = sample(logits, None)            # greedy; or SamplingArrays per sequence
 
-See README "Using jpaged.decode" for a whole loop.
+See README "Using jpaged.decode" for a whole loop.  `generate` (a whole
+generation loop) and `score` (log-probabilities of given tokens, with dense
+attention and no pool) need no pool from the caller.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from jpaged.models.base import StepMetadata, forward
 from jpaged.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
                              token_logprobs)
 from jpaged.sampling import sample as _sample
-from pallas_kernels.reference import token_layout
+from pallas_kernels import Backend
+from pallas_kernels.reference import MASK_VALUE, attention_options, token_layout
 
 
 def ragged_metadata(block_tables: jax.Array, context_lens: jax.Array, q_lens: jax.Array,
@@ -107,29 +110,71 @@ def generate_step_with_logprobs(
     return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool
 
 
-def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array,
-          *, block_size: int = 16) -> jax.Array:
+def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array
+          ) -> jax.Array:
     """Log-probability [B, L - 1] of each next token: entry [b, t] is log p(token_ids[b, t + 1] |
     token_ids[b, :t + 1]) in fp32, 0 where t + 1 >= lengths[b].
 
     Pure and jittable, and differentiable in `params` (put it inside a loss under
-    jax.grad).  The caller owns no pool: the function runs all B * L tokens in
-    one causal pass over a private cache laid out contiguously, with the
-    engine's own model code and the reference attention, so its numbers are
-    the engine's raw logprobs.
+    jax.grad).  No pool: the engine's own model code runs the B * L tokens in
+    one pass with dense causal attention (`DENSE`), a masked [B, heads, L, L]
+    softmax in fp32 with each layer's sliding window and the attention soft cap
+    of the config, so its numbers are the engine's raw logprobs (to fp32
+    rounding), and its gradient is a plain transformer's: no K/V gather through
+    block tables, no pool scatter.  Tokens at or past
+    lengths[b] are padding: causality keeps them out of the real ones.
     """
     B, L = token_ids.shape
-    width = -(-L // block_size)
-    model = nnx.merge(graphdef, params)  # for its config and dtype (static)
-    pool = create_kv_pool(model.cfg, num_blocks=1 + B * width, block_size=block_size,
-                          dtype=model.embed[...].dtype)
-    tables = 1 + jnp.arange(B * width, dtype=jnp.int32).reshape(B, width)
-    meta = ragged_metadata(tables, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), B * L, block_size)
-    logits, _ = forward_step(graphdef, params, pool, token_ids.reshape(-1).astype(jnp.int32), meta,
-                             logits="all")
-    logprobs = jax.nn.log_softmax(logits.reshape(B, L, -1)[:, :-1].astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    cfg = nnx.merge(graphdef, params).cfg
+    zeros = jnp.zeros(B * L, jnp.int32)
+    meta = StepMetadata(positions=jnp.tile(jnp.arange(L, dtype=jnp.int32), B), write_blocks=zeros,
+                        write_offsets=zeros, block_tables=jnp.zeros((B, 1), jnp.int32),
+                        kv_lens=jnp.full(B, L, jnp.int32), cu_q_lens=L * jnp.arange(B + 1, dtype=jnp.int32),
+                        logits_indices=L * jnp.arange(1, B + 1, dtype=jnp.int32) - 1)
+    kv = jnp.zeros((2, B * L, cfg.num_kv_heads, cfg.head_dim), jnp.float32)  # never read: see DENSE
+    logits, _ = forward(graphdef, params, token_ids.reshape(-1).astype(jnp.int32), meta, kv,
+                        attention_impl=DENSE, logits="all")
+    logits = logits.reshape(B, L, -1)[:, :-1].astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, token_ids[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    chosen = chosen - jax.nn.logsumexp(logits, axis=-1)  # log_softmax at the chosen token only
     return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
+
+
+def _dense_write_kv(kv: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+                    blocks: jax.Array, offsets: jax.Array) -> jax.Array:
+    """No cache: the layer's own k, v [T, kv_heads, head_dim], stacked [2, T, ...],
+    are the "pool" its attention reads (and what the next layer ignores)."""
+    return jnp.stack([k, v]).astype(kv.dtype)
+
+
+def _dense_causal_attention(q: jax.Array, kv: jax.Array, layer: jax.Array | int,
+                            block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array, *,
+                            sm_scale: float | None = None, sliding_window: int | None = None,
+                            soft_cap: float | None = None) -> jax.Array:
+    """Causal attention of q [T, H, D] over kv [2, T, KVH, D] (this layer's), T = B * L:
+    B rows of L tokens each (B = kv_lens.shape[0]), position i of a row seeing its
+    positions j <= i (and j > i - sliding_window).  The reference's arithmetic
+    (fp32 scores, scale, soft cap, mask, softmax) over a dense [B, KVH, G, L, L]."""
+    sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
+    B, (T, H, D), KVH = kv_lens.shape[0], q.shape, kv.shape[2]
+    L, G = T // B, H // KVH
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    qg = q.astype(jnp.float32).reshape(B, L, KVH, G, D)
+    k, v = kv.astype(jnp.float32).reshape(2, B, L, KVH, D)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    pos = jnp.arange(L)
+    visible = pos[None, :] <= pos[:, None]                  # [L queries, L keys]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    probs = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(T, H, D).astype(q.dtype)
+
+
+# decode.score's attention: dense causal over [B, L] tokens, no pool (see `score`).
+DENSE = Backend("dense", _dense_causal_attention, _dense_write_kv)
 
 
 def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,

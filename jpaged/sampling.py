@@ -1,13 +1,21 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
 
-Each row draws from its own key, fold_in(seed, number of tokens it has
-generated), so a seeded request samples the same tokens whatever else shares
-its batch.
+A sampled row draws one uniform u from its own key, fold_in(key(seed), number
+of tokens it has generated), and inverts the CDF of softmax(processed logits)
+in vocabulary order: the token is the first one whose cumulative probability
+reaches u.  Everything is computed row by row, so a seeded request samples the
+same tokens whatever else shares its batch; a row that filters nothing has the
+same processed logits, hence draws the same token, whether or not its batch
+compiles the top-k / top-p variant.  A token of probability 0 (filtered out by
+top-k / top-p) is never drawn, whatever the rounding of the cumulative sums.
+u is an fp32 uniform (2^-23 steps), so each token's probability is honoured to
+about 1e-7 absolute.  Rows with temperature 0 are greedy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +42,10 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
-    return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), (vocab,))
+def _uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """u in (0, 1] from the row's key (0 excluded: u = 0 would select a leading
+    token of probability 0)."""
+    return 1.0 - jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())
 
 
 def _filter_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -45,8 +55,9 @@ def _filter_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     sorted_logits = scaled[order]
     keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    # Keep the smallest prefix whose mass reaches top_p (the first token always).
-    keep &= (jnp.cumsum(probs) - probs) < top_p
+    # Keep the smallest prefix whose mass reaches top_p (the first token always;
+    # every token when top_p >= 1, whatever the rounding of the cumulative sum).
+    keep &= ((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1)
     keep = jnp.zeros(vocab, bool).at[order].set(keep)
     return jnp.where(keep, scaled, -jnp.inf)
 
@@ -70,13 +81,38 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
 def sample_processed(logits: jax.Array, processed: jax.Array, params: SamplingArrays) -> jax.Array:
     """`sample`, given processed_logits(logits, params) already computed.
 
-    Gumbel-max: argmax(processed + g) is a draw from softmax(processed).  Every
-    row draws the same noise (in vocabulary order) whether or not its batch
-    filters, so a row that filters nothing draws the same token in either variant.
+    Inverse CDF with one uniform per row (see the module docstring), in two
+    levels so that no cumulative sum runs over the whole vocabulary: the
+    vocabulary is cut into blocks of about sqrt(vocab) tokens, the block is
+    chosen from the cumulative block masses, then the token within it.
     """
-    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(params.seed, params.step, logits.shape[-1])
-    drawn = jnp.argmax(processed + noise, axis=-1)
+    B, V = processed.shape
+    size = _block_size(V)
+    weights = jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True))  # fp32, 0 where -inf
+    weights = jnp.pad(weights, ((0, 0), (0, -V % size))).reshape(B, -1, size)
+    u = jax.vmap(_uniform)(params.seed, params.step)
+    block_mass = weights.sum(axis=-1)                                 # [B, blocks]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    block = _first_reaching(block_cdf, block_mass > 0, u * block_cdf[:, -1])
+    before = jnp.take_along_axis(block_cdf - block_mass, block[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [B, size]
+    target = u * block_cdf[:, -1] - before
+    drawn = block * size + _first_reaching(jnp.cumsum(inner, axis=-1), inner > 0, target)
     return jnp.where(params.temperature > 0, drawn.astype(jnp.int32), greedy(logits))
+
+
+def _block_size(vocab: int) -> int:
+    """A power of two near sqrt(vocab): the inner block of the two-level search."""
+    return 1 << max(0, round(math.log2(vocab) / 2))
+
+
+def _first_reaching(cdf: jax.Array, positive: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the first entry of positive weight whose cdf reaches target (the
+    inverse CDF); the last entry of positive weight if rounding left target above
+    every cdf value.  Only entries of positive weight can come out."""
+    hit = positive & (cdf >= target[:, None])
+    last = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+    return jnp.where(hit.any(axis=-1), jnp.argmax(hit, axis=-1), last).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass

@@ -52,8 +52,9 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 12, "Tokens sampled per complet
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
 _LR = flags.DEFINE_float("lr", None, "AdamW learning rate (default 1e-5; 3e-3 with --tiny).")
 _KL_COEF = flags.DEFINE_float("kl_coef", 0.04, "Weight of KL(policy || reference) in the loss.")
-_MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per gradient pass (gradients are "
-                                    "accumulated over the round's batch; bounds the memory).")
+_MICRO_BATCH = flags.DEFINE_integer("micro_batch", 0, "Sequences per gradient pass (gradients are "
+                                    "accumulated over the round's batch; bounds the memory); 0: the "
+                                    "whole batch in one pass.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the task's prompts and the samples.")
 _OUT = flags.DEFINE_string("out", None, "Write <out>.csv (one row per round) and <out>.png (the curve).")
 
@@ -108,8 +109,11 @@ def loss_fn(params, graphdef, ref_lp, ids, lengths, mask, adv, kl_coef, num_rows
 class Trainer:
     """The reference's logprobs and the optimizer step, jitted once per batch shape.
 
-    Batches go through in micro-batches of `micro_batch` sequences (gradients
-    summed) to bound the memory of the backward pass."""
+    With `micro_batch` > 0, batches go through in micro-batches of that many
+    sequences (gradients summed), to bound the memory of the backward pass for
+    large batches; 0 runs the whole batch at once.  (decode.score's dense
+    attention keeps that memory near a plain transformer's: activations plus a
+    [B, heads, L, L] softmax per layer.)"""
 
     def __init__(self, graphdef, params, lr: float, kl_coef: float, micro_batch: int):
         self.graphdef, self.kl_coef, self.micro_batch = graphdef, kl_coef, micro_batch
@@ -128,7 +132,8 @@ class Trainer:
         return optax.apply_updates(params, updates), opt_state
 
     def chunks(self, n: int):
-        return [slice(i, i + self.micro_batch) for i in range(0, n, self.micro_batch)]
+        size = self.micro_batch if self.micro_batch > 0 else n
+        return [slice(i, i + size) for i in range(0, n, size)]
 
     def reference_logprobs(self, ref_params, ids, lengths) -> np.ndarray:
         return np.concatenate([self.score(self.graphdef, ref_params, ids[mb], lengths[mb])

@@ -158,3 +158,85 @@ def test_temperature_zero_rows_are_greedy():
     want = np.argmax(np.asarray(logits), axis=-1)
     np.testing.assert_array_equal(got[::2], want[::2])
     np.testing.assert_array_equal(np.asarray(decode_sample(logits, None)), want)
+
+
+# ------------------------------------------------- inverse CDF over a real vocabulary
+V = 1000  # 32 blocks of 32 tokens in the two-level search, the last one padded
+LIKELY = np.unique(np.concatenate([[0, 31, 32, 63, 64, 511, 512, 991, 999],
+                                   np.random.default_rng(5).choice(V, 31, replace=False)]))
+_sample_many = jax.jit(sample)
+
+
+def _big_logits() -> np.ndarray:
+    """Tokens of LIKELY (at the vocabulary's ends and on block edges among them)
+    around 0, every other token around -3: the tail holds about half the mass."""
+    rng = np.random.default_rng(6)
+    logits = rng.normal(-3.0, 0.5, V).astype(np.float32)
+    logits[LIKELY] = rng.normal(0.0, 1.0, LIKELY.size)
+    return logits
+
+
+def _draw_big(logits: np.ndarray, n: int = 10000, **kw) -> np.ndarray:
+    rows = jnp.broadcast_to(jnp.asarray(logits), (n, V))
+    return np.asarray(_sample_many(rows, _arrays(n, seeds=np.arange(n) + 10**6, **kw)))
+
+
+def _chi2_binned(draws: np.ndarray, probs: np.ndarray, bins: np.ndarray) -> tuple[float, int]:
+    """Chi-square of the draws against probs, tokens grouped into bins (token -> bin);
+    (statistic, degrees of freedom).  Fails on any draw of a probability-0 token."""
+    assert np.all(probs[draws] > 0), "drew a token of probability 0"
+    counts = np.bincount(bins[draws], minlength=bins.max() + 1)
+    expected = np.bincount(bins, weights=probs, minlength=bins.max() + 1) * draws.size
+    keep = expected > 0
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 0, 1.0), (1.0, len(LIKELY), 1.0),
+                                                     (1.3, 25, 1.0), (0.8, 0, 0.9), (1.0, 30, 0.8)])
+def test_sampler_draws_softmax_of_processed_logits(temperature, top_k, top_p):
+    """10000 seeded draws over 1000 tokens against softmax(logits / T) with top-k /
+    top-p applied in numpy: each likely token is its own bin, the tail one bin
+    (its tokens are never drawn when filtered).  The seeds are fixed, so the test
+    cannot flake; the bound is the chi-square's 1e-6 tail, and a wrong temperature
+    (1.15 T) exceeds it by far."""
+    from scipy.stats import chi2
+
+    logits = _big_logits()
+    draws = _draw_big(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def target(t: float) -> np.ndarray:
+        p = _softmax(logits.astype(np.float64) / t)
+        order = np.argsort(-p, kind="stable")
+        keep = np.zeros(V, bool)
+        kept = order[:top_k] if top_k > 0 else order
+        q = p[kept] / p[kept].sum()
+        kept = kept[np.cumsum(q) - q < top_p]  # the smallest prefix whose mass reaches top_p
+        keep[kept] = True
+        p = np.where(keep, p, 0.0)
+        return p / p.sum()
+
+    bins = np.full(V, LIKELY.size)  # the tail's bin
+    bins[LIKELY] = np.arange(LIKELY.size)
+    stat, dof = _chi2_binned(draws, target(temperature), bins)
+    assert dof >= 10 and stat < chi2.isf(1e-6, dof), (stat, dof)
+    wrong, dof = _chi2_binned(draws, target(1.15 * temperature), bins)  # power: a nearby temperature fails
+    assert wrong > chi2.isf(1e-6, dof), wrong
+
+
+@pytest.mark.parametrize("u", [1.0, 1e-30, 0.0])
+def test_inverse_cdf_edges_draw_positive_probability_tokens(monkeypatch, u):
+    """u at the ends of its range (1.0 is reachable; 0 is excluded by construction,
+    checked anyway): the draw is the last / first token of positive probability,
+    never a filtered token before or after it, whatever the rounding of the sums."""
+    import jpaged.sampling as sampling
+
+    monkeypatch.setattr(sampling, "_uniform", lambda seed, step: jnp.float32(u))
+    logits = _big_logits()
+    logits[[0, V - 1]] = -10.0  # filtered out by top-k 20: zeros at both ends of the CDF
+    kept = np.sort(np.argsort(-logits)[:20])
+    rows = jnp.asarray(np.stack([logits, logits]))
+    arrays = SamplingArrays(temperature=jnp.ones(2), seed=jnp.zeros(2, jnp.uint32), step=jnp.zeros(2, jnp.int32),
+                            top_k=jnp.array([20, 0], jnp.int32), top_p=jnp.ones(2))
+    drawn = np.asarray(sampling.sample(rows, arrays))
+    assert drawn[0] == (kept[-1] if u == 1.0 else kept[0])
+    assert drawn[1] == (V - 1 if u == 1.0 else 0)  # unfiltered: every token has weight > 0

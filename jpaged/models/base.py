@@ -173,15 +173,18 @@ class Decoder(nnx.Module):
         return (h @ head).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
-                 *, attention_impl: str = "reference", logits: str = "last"
+                 *, attention_impl: str | Backend = "reference", logits: str = "last"
                  ) -> tuple[jax.Array, jax.Array]:
         """Runs the decoder on tokens[T] and returns (logits, new kv_pool).
 
         `logits="last"` returns [S, vocab], one row per sequence from its token
         at meta.logits_indices (the only ones a step samples from: the LM head
         never runs on the other tokens); `"all"` returns [T, vocab].
+        `attention_impl` names a pallas_kernels backend, or is a `Backend`
+        itself (decode.score's dense one, which keeps no pool).
         """
-        cfg, backend = self.cfg, get_backend(attention_impl)
+        cfg = self.cfg
+        backend = attention_impl if isinstance(attention_impl, Backend) else get_backend(attention_impl)
         h = self.embed_tokens(tokens)
         rope = rope_angles(meta.positions, self.inv_freq[...])
         local_rope = rope if self.inv_freq_local is None else rope_angles(meta.positions,
@@ -215,7 +218,7 @@ def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
-            meta: StepMetadata, kv_pool: jax.Array, *, attention_impl: str = "reference",
+            meta: StepMetadata, kv_pool: jax.Array, *, attention_impl: str | Backend = "reference",
             logits: str = "last") -> tuple[jax.Array, jax.Array]:
     """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool)."""
     model = nnx.merge(graphdef, params)
