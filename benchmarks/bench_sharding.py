@@ -146,9 +146,9 @@ def variant_collectives(llm, prompts: list) -> list[dict]:
     runner, out = llm.runner, []
     smallest = runner.token_buckets[0]
     for variant, kw in VARIANTS.items():
-        before = set(runner._compiled)  # noqa: SLF001 - keyed by (tokens, seqs, sampling, variant)
+        before = set(runner.programs)  # keyed by (tokens, seqs, sampling, variant)
         llm.generate(prompts, SamplingParams(max_tokens=2, seed=1, **kw))
-        new = [(k, e) for k, e in runner._compiled.items() if k not in before and k[0] == smallest]  # noqa: SLF001
+        new = [(k, e) for k, e in runner.programs.items() if k not in before and k[0] == smallest]
         if len(new) != 1:
             out.append(dict(variant=variant, note=f"{len(new)} new decode-bucket programs"))
             continue

@@ -131,6 +131,12 @@ class ModelRunner:
         """The compiled step programs (for memory analysis)."""
         return list(self._compiled.values())
 
+    @property
+    def programs(self) -> dict[tuple, jax.stages.Compiled]:
+        """Each compiled step program by its key (tokens, sequences, sampling
+        structure, variant): what benchmarks inspect (HLO, memory)."""
+        return dict(self._compiled)
+
     def token_bucket(self, num_tokens: int) -> int:
         for b in self.token_buckets:
             if b >= num_tokens:
