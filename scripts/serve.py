@@ -51,6 +51,9 @@ def run(config_file: Any) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
     config = apply_overrides(default_config(), config_file)
     validate_config(config)
+    if config.data_parallel_size > 1:  # before the port binds and the weights load
+        raise ConfigError("data_parallel_size", f"{config.data_parallel_size}: the HTTP server runs one engine",
+                          "1 (tensor_parallel_size may be more; run one server per replica behind a router)")
     import uvicorn
 
     from jpaged.server import DrainingServer, create_app
