@@ -27,7 +27,7 @@ class SamplingArrays:
     """Per-row sampling controls, [B] each.
 
     top_k / top_p are None when no row of the batch filters: that step samples
-    from the full softmax and skips the vocabulary sort (a different pytree
+    from the full softmax and skips the top-k / top-p threshold search (a different pytree
     structure, so a separate compiled variant).
     """
 
@@ -48,18 +48,65 @@ def _uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return 1.0 - jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())
 
 
-def _filter_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """scaled with the tokens outside top-k / top-p set to -inf."""
-    vocab = scaled.shape[-1]
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    # Keep the smallest prefix whose mass reaches top_p (the first token always;
-    # every token when top_p >= 1, whatever the rounding of the cumulative sum).
-    keep &= ((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1)
-    keep = jnp.zeros(vocab, bool).at[order].set(keep)
-    return jnp.where(keep, scaled, -jnp.inf)
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values x (-0.0 counts as +0.0):
+    a >= b exactly when key(a) >= key(b), for every non-NaN a, b."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_where(pred, batch: int) -> jax.Array:
+    """Per row, the largest uint32 t with pred(t) true, for pred -> [B] monotone
+    (true up to some key, false above) and true at 0: built bit by bit from the top,
+    32 steps of one pass over the vocabulary each.  pred gets t[B, 1]."""
+    def body(i, t):
+        cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(pred(cand[:, None]), cand, t)
+
+    return jax.lax.fori_loop(0, 32, body, jnp.zeros(batch, jnp.uint32))
+
+
+@jax.jit  # one compilation per shape, also when called eagerly (its loops and conds close over arrays)
+def _filter_rows(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """scaled[B, vocab] with the tokens outside top-k / top-p set to -inf, row by row.
+
+    No sort: each row keeps the tokens at or above a threshold value, found by
+    bisection over the order-preserving integer keys of the fp32 values.
+    top-k: the threshold is the k-th largest value (top_k <= 0 or >= vocab: none).
+    top-p: among the top-k-kept tokens, with probabilities renormalised over
+    them, the threshold is the largest value v such that the tokens >= v hold at
+    least top_p of the mass, i.e. the smallest prefix in descending order whose
+    mass reaches top_p; the largest value at least (the first token is always
+    kept), and no filtering at all when top_p >= 1.
+    Ties: a threshold keeps every token equal to it, so when several tokens tie
+    at the k-th value (or at the top-p cut) all of them are kept, possibly more
+    than k tokens; without ties this is exactly the sort-based definition.
+    A row that filters nothing comes out unchanged.
+    """
+    B, vocab = scaled.shape
+    keys = _order_keys(scaled)
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+
+    def kth_largest():  # largest t with #{keys >= t} >= k: the k-th largest key
+        def pred(t):
+            return (keys >= t).sum(axis=-1, dtype=jnp.int32) >= k
+        return _largest_key_where(pred, B)
+
+    no_k = jnp.all(k >= vocab)
+    t_k = jax.lax.cond(no_k, lambda: jnp.zeros(B, jnp.uint32), kth_largest)
+
+    def nucleus():  # largest t with mass(keys >= t) >= top_p * mass(top-k set)
+        weights = jnp.where(keys >= t_k[:, None], jnp.exp(scaled - scaled.max(axis=-1, keepdims=True)), 0.0)
+        target = jnp.minimum(top_p, 1.0) * weights.sum(axis=-1)
+
+        def pred(t):
+            return jnp.where(keys >= t, weights, 0.0).sum(axis=-1) >= target
+        t_p = jnp.minimum(_largest_key_where(pred, B), keys.max(axis=-1))  # the first token at least
+        return jnp.where(top_p >= 1, t_k, jnp.maximum(t_p, t_k))
+
+    t = jax.lax.cond(jnp.all(top_p >= 1), lambda: t_k, nucleus)
+    return jnp.where(keys >= t[:, None], scaled, -jnp.inf)
 
 
 def processed_logits(logits: jax.Array, params: SamplingArrays | None) -> jax.Array:
@@ -69,7 +116,7 @@ def processed_logits(logits: jax.Array, params: SamplingArrays | None) -> jax.Ar
         return logits
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
     if params.top_k is not None:
-        scaled = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
+        scaled = _filter_rows(scaled, params.top_k, params.top_p)
     return jnp.where(params.temperature[:, None] > 0, scaled, logits)
 
 

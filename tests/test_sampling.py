@@ -9,7 +9,7 @@ import pytest
 
 from helpers import random_prompts
 from jpaged.decode import sample as decode_sample
-from jpaged.sampling import SamplingArrays, sample
+from jpaged.sampling import SamplingArrays, _filter_rows, sample
 from jpaged.sequence import SamplingParams
 
 PROMPTS = random_prompts([7, 20, 33, 4, 50, 12], seed=31)
@@ -240,3 +240,109 @@ def test_inverse_cdf_edges_draw_positive_probability_tokens(monkeypatch, u):
     drawn = np.asarray(sampling.sample(rows, arrays))
     assert drawn[0] == (kept[-1] if u == 1.0 else kept[0])
     assert drawn[1] == (V - 1 if u == 1.0 else 0)  # unfiltered: every token has weight > 0
+
+
+# ------------------------------------------- top-k / top-p threshold filter vs a sort
+def _reference_keep(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The sort-based definition, in float64: the top_k highest (top_k <= 0: all),
+    then the smallest prefix in descending order whose mass (softmax over the top-k
+    set) reaches top_p, the first token always; top_p >= 1 filters nothing."""
+    order = np.argsort(-row, kind="stable")
+    kept = order[:top_k] if top_k > 0 else order
+    if top_p < 1:
+        q = np.exp(row[kept].astype(np.float64) - row[kept].max())
+        q /= q.sum()
+        kept = kept[np.cumsum(q) - q < top_p]
+    keep = np.zeros(row.size, bool)
+    keep[kept] = True
+    return keep
+
+
+def _near_top_p_cut(row: np.ndarray, top_k: int, top_p: float) -> bool:
+    """Whether some cumulative mass lies within float32 rounding of top_p (there the
+    two summation orders may disagree by one token)."""
+    order = np.argsort(-row, kind="stable")
+    kept = order[:top_k] if top_k > 0 else order
+    q = np.exp(row[kept].astype(np.float64) - row[kept].max())
+    return top_p < 1 and bool(np.any(np.abs(np.cumsum(q / q.sum()) - top_p) < 1e-5))
+
+
+_filter = _filter_rows  # jitted
+
+
+def test_threshold_filter_matches_sort_reference():
+    """Random logits without ties (checked), about 650 rows over a 1000-token vocabulary
+    at scales from 1e-30 to 1e30, every combination of edge and ordinary top_k / top_p: the
+    filter keeps exactly the sort-based set and leaves kept logits untouched."""
+    rng = np.random.default_rng(11)
+    ks = [-5, 0, 1, 2, 3, 17, 200, 999, 1000, 10**6]
+    ps = [1e-9, 1e-3, 0.2, 0.5, 0.8, 0.95, 0.999, 1.0, 1.7]
+    rows, kk, pp = [], [], []
+    for scale in (0.01, 0.3, 1.0, 3.0, 10.0, 100.0, 1e-30, 1e30):
+        for k in ks:
+            for p in ps:
+                if scale == 1e-30 and p < 1:  # all probabilities 1 / V: the top-p cuts are exact boundaries
+                    continue
+                row = np.zeros(2)
+                while np.unique(row).size < row.size:  # fp32 rounding makes the odd tie: draw again
+                    row = (rng.normal(size=V) * scale).astype(np.float32)
+                if scale == 1.0:  # both signs, zero and subnormals, -inf (an already masked token)
+                    row[:4] = [0.0, 1e-40, -1e-40, -np.inf]
+                rows.append(row), kk.append(k), pp.append(p)
+    rows = np.stack(rows)
+    finite = [r[np.isfinite(r)] for r in rows]
+    assert all(np.unique(r).size == r.size for r in finite), "the test wants no ties"
+    got = np.asarray(_filter(jnp.asarray(rows), jnp.asarray(kk, jnp.int32), jnp.asarray(pp, jnp.float32)))
+    skipped = 0
+    for row, k, p, out in zip(rows, kk, pp, got):
+        if _near_top_p_cut(row, k, p):
+            skipped += 1
+            continue
+        keep = _reference_keep(row, k, p)
+        np.testing.assert_array_equal(np.isfinite(out) | (out == row), keep | (row == -np.inf), err_msg=f"{k} {p}")
+        np.testing.assert_array_equal(out[keep], row[keep])
+        assert np.all(out[~keep] == -np.inf)
+    assert skipped < len(rows) // 50, skipped
+
+
+def test_threshold_filter_rows_are_independent_and_unfiltered_rows_unchanged():
+    """A row's result does not depend on its neighbours (the batch-level shortcuts
+    taken when no row uses top-k or top-p give the same answer), and rows with
+    filters off come out bit for bit unchanged."""
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(6, V)).astype(np.float32) * 2
+    k = np.array([0, 5, 0, 40, 0, -1], np.int32)
+    p = np.array([1.0, 1.0, 0.7, 0.9, 1.0, 1.0], np.float32)
+    together = np.asarray(_filter(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p)))
+    for i in range(6):
+        alone = np.asarray(_filter(jnp.asarray(x[i:i + 1]), jnp.asarray(k[i:i + 1]), jnp.asarray(p[i:i + 1])))
+        np.testing.assert_array_equal(alone[0], together[i])
+        np.testing.assert_array_equal(np.isfinite(alone[0]), _reference_keep(x[i], int(k[i]), float(p[i])))
+    np.testing.assert_array_equal(together[[0, 4, 5]], x[[0, 4, 5]])
+
+
+def test_threshold_filter_keeps_every_tied_token():
+    """The tie rule: the filter keeps every token whose value equals the threshold, so
+    tokens tied at the k-th value (or at the top-p cut) are all kept, possibly more
+    than top_k of them (a sort would keep exactly k, tied ones in arbitrary order).
+    -0.0 and +0.0 are one value."""
+    row = np.array([3.0, 2.0, 1.0, 2.0, 0.0, 2.0, -0.0, -1.0], np.float32)
+    cases = [  # (top_k, top_p, kept tokens)
+        (1, 1.0, {0}),
+        (2, 1.0, {0, 1, 3, 5}),        # three tokens tie at the 2nd value: 4 kept
+        (4, 1.0, {0, 1, 3, 5}),        # k lands on the last of the tie: exactly k
+        (5, 1.0, {0, 1, 2, 3, 5}),
+        (6, 1.0, {0, 1, 2, 3, 4, 5, 6}),  # 0.0 and -0.0 tie at the 6th value
+        (0, 0.5, {0, 1, 3, 5}),        # p(3.0) ~ 0.42 < 0.5: the cut falls inside the tie at 2.0
+        (0, 0.4, {0}),
+    ]
+    p3 = np.exp(3.0) / np.exp(row.astype(np.float64)).sum()
+    assert 0.4 < p3 < 0.5 < p3 + np.exp(2.0) / np.exp(row.astype(np.float64)).sum()
+    got = np.asarray(_filter(jnp.asarray(np.tile(row, (len(cases), 1))),
+                             jnp.array([c[0] for c in cases], jnp.int32), jnp.array([c[1] for c in cases], jnp.float32)))
+    for (k, p, want), out in zip(cases, got):
+        assert set(np.flatnonzero(np.isfinite(out))) == want, (k, p)
+    # Every token tied at the top: top_k 1 and a tiny top_p keep them all.
+    flat = np.full((2, 10), 0.5, np.float32)
+    got = np.asarray(_filter(jnp.asarray(flat), jnp.array([1, 0], jnp.int32), jnp.array([1.0, 1e-6], jnp.float32)))
+    np.testing.assert_array_equal(got, flat)
