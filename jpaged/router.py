@@ -83,10 +83,11 @@ class DataParallelLLM:
         return i, replica.add_request(ids, params, prompt=prompt, error=error)
 
     def step(self) -> list[tuple[int, Sequence]]:
-        """One step of every replica with work, launched together: (replica, finished sequence)."""
-        busy = [i for i, r in enumerate(self.replicas) if r.has_unfinished_requests()]
-        started = [(i, self.replicas[i].start_step()) for i in busy]
-        return [(i, seq) for i, s in started for seq in self.replicas[i].finish_step(s)]
+        """One step of every replica, launched together: (replica, finished sequence).
+        An idle replica's step schedules nothing and costs no device work, but it
+        still returns requests that failed at admission."""
+        started = [r.start_step() for r in self.replicas]
+        return [(i, seq) for i, (r, s) in enumerate(zip(self.replicas, started)) for seq in r.finish_step(s)]
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

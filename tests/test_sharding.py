@@ -130,6 +130,9 @@ def test_data_parallel_replicas(tiny_llama_dir, expected):
     assert_same(dp.generate(PROMPTS, GREEDY), expected)
     loads = dp.replica_summary()
     assert all(r["requests"] >= 2 for r in loads)  # the batch was spread
+    bad, good = dp.generate([[], PROMPTS[0]], GREEDY)  # a bad request fails alone
+    assert bad.finish_reason == "error" and "empty prompt" in bad.error
+    assert good.token_ids == expected[0].token_ids
     # A request sharing a cached prefix goes where the prefix is, whatever the order.
     shared = random_prompts([40], seed=5)[0]
     dp.generate([shared + [7]], GREEDY)
