@@ -164,6 +164,16 @@ class StartedStep:
     start: float
 
 
+def sampling_per_prompt(prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None,
+                        default: SamplingParams) -> list[SamplingParams]:
+    """generate()'s sampling argument as one SamplingParams per prompt."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or default] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError("one SamplingParams per prompt, or a single one for all")
+    return list(sampling_params)
+
+
 class EngineStalled(RuntimeError):
     """A step could schedule nothing while requests waited (they were failed)."""
 
@@ -644,10 +654,7 @@ class LLM:
         iterator early, or setting `stop` (checked before every step, so a
         signal handler may set it), aborts the requests that have not finished."""
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        sampling_params = sampling_per_prompt(prompts, sampling_params, self.default_sampling_params())
         self.begin_generate()
         index = {self._add_prompt(p, sp): i for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
         pending = {rid: len(self._active[rid].group) for rid in index}

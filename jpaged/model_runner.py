@@ -204,7 +204,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         host = self._host_inputs(out.scheduled) if out.scheduled else None
         self.timing.build = time.perf_counter() - t0
-        if self.followers and (host is not None or out.block_copies):
+        if self.leads_followers and (host is not None or out.block_copies):
             broadcast_step(("step", out.block_copies, host))
         return self._run(out.block_copies, host, len(out.scheduled))
 
@@ -237,7 +237,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------- multi-host
     @property
-    def followers(self) -> bool:
+    def leads_followers(self) -> bool:
         """Whether this is process 0 of a multi-process run (others run `follow`)."""
         return jax.process_count() > 1 and jax.process_index() == 0
 
@@ -252,7 +252,7 @@ class ModelRunner:
             self.collect(self._run(block_copies, host, num_seqs))
 
     def stop_followers(self) -> None:
-        if self.followers:
+        if self.leads_followers:
             broadcast_step(("stop", [], None))
 
     def collect(self, pending: PendingStep) -> StepResult:

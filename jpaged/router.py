@@ -24,7 +24,7 @@ import ml_collections
 import tqdm
 
 from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.engine import LLM, RequestOutput
+from jpaged.engine import LLM, RequestOutput, sampling_per_prompt
 from jpaged.sequence import SamplingParams, Sequence
 from jpaged.sharding import make_mesh, replica_meshes
 from jpaged.stats import EngineStats
@@ -63,24 +63,24 @@ class DataParallelLLM:
         self.attention_impl, self.attention_note = first.attention_impl, first.attention_note
 
     # -------------------------------------------------------------- routing
-    def route(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """The replica a request goes to (see the module docstring)."""
-        n = len(prompt_token_ids)
-        costs = [r.outstanding_tokens() + n - r.cached_prefix_tokens(prompt_token_ids, params)
-                 for r in self.replicas]
-        return costs.index(min(costs))
+    def route(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int, int]:
+        """(the replica a request goes to, its prefix-cache hit there in tokens): see
+        the module docstring."""
+        hits = [r.cached_prefix_tokens(prompt_token_ids, params) for r in self.replicas]
+        costs = [r.outstanding_tokens() + len(prompt_token_ids) - hit for r, hit in zip(self.replicas, hits)]
+        i = costs.index(min(costs))
+        return i, hits[i]
 
     def add_request(self, prompt_token_ids: list[int] | None, params: SamplingParams,
                     prompt: str | None = None, error: str | None = None) -> tuple[int, int]:
         """Routes and queues one request: (replica, its request id there)."""
         ids = list(prompt_token_ids or [])
-        i = self.route(ids, params) if ids and error is None else 0
-        replica, load = self.replicas[i], self.loads[i]
+        i, hit = self.route(ids, params) if ids and error is None else (0, 0)
+        load = self.loads[i]
         load.requests += 1
         load.prompt_tokens += len(ids)
-        if ids and error is None:
-            load.cached_prompt_tokens += replica.cached_prefix_tokens(ids, params)
-        return i, replica.add_request(ids, params, prompt=prompt, error=error)
+        load.cached_prompt_tokens += hit
+        return i, self.replicas[i].add_request(ids, params, prompt=prompt, error=error)
 
     def step(self) -> list[tuple[int, Sequence]]:
         """One step of every replica, launched together: (replica, finished sequence).
@@ -104,10 +104,7 @@ class DataParallelLLM:
                       ) -> Iterator[RequestOutput]:
         """LLM.generate_iter over the replicas: outputs as requests finish."""
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        sampling_params = sampling_per_prompt(prompts, sampling_params, self.default_sampling_params())
         for r in self.replicas:
             r.begin_generate()
         self.loads = [ReplicaLoad() for _ in self.replicas]

@@ -73,23 +73,22 @@ def tensor_parallel_size(mesh: Mesh | None) -> int:
 
 def check_heads(cfg: ModelConfig, tp: int) -> None:
     """ConfigError (raised at start-up) when `cfg` cannot be split over tp devices."""
-    if heads_split(cfg, tp):
+    problems = split_problems(cfg, tp)
+    if not problems:
         return
-    problems = [f"{n} {what}" for n, what, ok in (
-        (cfg.num_heads, "query heads", cfg.num_heads % tp == 0),
-        (cfg.num_kv_heads, "KV heads", cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0),
-        (cfg.intermediate_size, "MLP units", cfg.intermediate_size % tp == 0)) if not ok]
-    sizes = [d for d in range(1, cfg.num_heads + 1) if heads_split(cfg, d)]
+    sizes = [d for d in range(1, cfg.num_heads + 1) if not split_problems(cfg, d)]
     raise ConfigError("tensor_parallel_size",
                       f"{tp} does not divide {cfg.architecture}'s {' and '.join(problems)}",
                       f"one of {sizes} for this model (query heads, and KV heads or their "
                       "multiple, split evenly)")
 
 
-def heads_split(cfg: ModelConfig, tp: int) -> bool:
-    """Whether tp devices can each take an equal share of the heads and MLP units."""
-    return (cfg.num_heads % tp == 0 and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
-            and cfg.intermediate_size % tp == 0)
+def split_problems(cfg: ModelConfig, tp: int) -> list[str]:
+    """What keeps tp devices from each taking an equal share of the heads and MLP units."""
+    return [f"{n} {what}" for n, what, ok in (
+        (cfg.num_heads, "query heads", cfg.num_heads % tp == 0),
+        (cfg.num_kv_heads, "KV heads", cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0),
+        (cfg.intermediate_size, "MLP units", cfg.intermediate_size % tp == 0)) if not ok]
 
 
 def replicate_kv_heads(cfg: ModelConfig, arrays: dict[str, Any], tp: int
