@@ -14,7 +14,7 @@ import math
 from absl import app, flags
 
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
-from jpaged.metrics import summarize
+from jpaged.entrypoints.metrics import summarize
 
 _SIZES = flags.DEFINE_list("block_sizes", ["1", "2", "4", "8", "16", "32", "64", "128", "256"], "Block sizes.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Max new tokens per request.")

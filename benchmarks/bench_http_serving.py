@@ -106,7 +106,7 @@ def start_jpaged(log_dir: pathlib.Path) -> Server:
 
 def write_hf_checkpoint(path: pathlib.Path) -> None:
     """jpaged's weights and tokenizer as a transformers checkpoint directory."""
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     llm = LLM(num_blocks=4, max_num_seqs=1, max_model_len=64)  # only its weights and tokenizer are used
     model = B.hf_model(llm)
     model.generation_config = B.hf_generation_config(model, llm, _MAX_TOKENS.value)

@@ -6,7 +6,7 @@ fit a fixed KV budget, contiguous vs paged.
 
 Sequence lengths (prompt + answer) are real: the 8 demo prompts are run through
 jpaged first; concurrency c takes the first c of them, cycling.  Bytes come
-from jpaged.kv_pool.bytes_per_block.  `contiguous` reserves max_model_len slots
+from jpaged.runtime.kv_pool.bytes_per_block.  `contiguous` reserves max_model_len slots
 per sequence (HF StaticCache); `dynamic` holds exactly the tokens (HF
 DynamicCache, before its grow-by-copy transients); `paged` holds ceil(len /
 block_size) blocks.  wasted % = reserved slots not holding a token.
@@ -20,7 +20,7 @@ import math
 from absl import app, flags
 
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
-from jpaged.kv_pool import bytes_per_block
+from jpaged.runtime.kv_pool import bytes_per_block
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Max new tokens of the real answers.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 2048, "Contiguous reservation per sequence.")

@@ -26,9 +26,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jpaged.engine import LLM
-from jpaged.metrics import summarize
-from jpaged.sequence import SamplingParams
+from jpaged.engine.llm import LLM
+from jpaged.entrypoints.metrics import summarize
+from jpaged.core.sequence import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (default: the embedded SmolLM2-135M).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Weights / KV dtype.")

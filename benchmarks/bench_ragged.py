@@ -286,8 +286,8 @@ def shared_requests(llm: Any, n: int, system_tokens: int, max_tokens: int, seed:
 
 # ------------------------------------------------------------------ helpers
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """key=value strings, typed by jpaged.config.default_config()."""
-    from jpaged.config import default_config
+    """key=value strings, typed by jpaged.core.config.default_config()."""
+    from jpaged.core.config import default_config
     defaults, out = default_config(), {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -532,7 +532,7 @@ def parse_shapes() -> tuple[list[tuple[int, int]], int]:
 
 
 def part_prefill(llm: Any, rep: Report) -> None:
-    from jpaged.sequence import SamplingParams
+    from jpaged.core.sequence import SamplingParams
     shapes, T = parse_shapes()
     print(f"\n[prefill] one step of {T} prompt tokens; attention {llm.attention_impl}", flush=True)
     floor = B.time_matmuls(llm, T, _FLOOR_ITERS.value, head=False)
@@ -616,7 +616,7 @@ def part_decode(rep: Report, overrides: dict[str, Any], prompt_len: int) -> None
 def part_layer_loop(rep: Report, overrides: dict[str, Any]) -> None:
     """Unrolled layers vs lax.scan over stacked layers: compile time (no persistent
     cache) and step time, on one engine each, back to back."""
-    from jpaged.sequence import SamplingParams
+    from jpaged.core.sequence import SamplingParams
     print("\n[layer_loop] unroll vs scan", flush=True)
     rows = []
     rng = np.random.default_rng(_SEED.value)

@@ -40,7 +40,7 @@ import harness as B  # benchmarks/harness.py (the script's own directory is on s
 sys.path.insert(0, str(B.REPO / "scripts"))
 import rl_example as rl  # noqa: E402  (defines the flags used here)
 
-from jpaged.sequence import SamplingParams  # noqa: E402
+from jpaged.core.sequence import SamplingParams  # noqa: E402
 
 FLAGS = flags.FLAGS
 PHASES = ("rollout", "scoring", "update", "update_params")

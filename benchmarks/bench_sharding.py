@@ -56,9 +56,9 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import harness as B  # noqa: E402  (benchmarks/harness.py)
-from jpaged.config import ConfigError  # noqa: E402
-from jpaged.router import DataParallelLLM, create_engine  # noqa: E402
-from jpaged.sharding import collectives  # noqa: E402
+from jpaged.core.config import ConfigError  # noqa: E402
+from jpaged.engine.router import DataParallelLLM, create_engine  # noqa: E402
+from jpaged.runtime.sharding import collectives  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["smollm2", "dummy8"], "Models to run (smollm2, dummy8).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts in the greedy batch.")
@@ -142,7 +142,7 @@ VARIANTS = {
 def variant_collectives(llm, prompts: list) -> list[dict]:
     """All-gathers of the decode-bucket program of each variant in VARIANTS (it
     compiles on first use)."""
-    from jpaged.sequence import SamplingParams
+    from jpaged.core.sequence import SamplingParams
     runner, out = llm.runner, []
     smallest = runner.token_buckets[0]
     for variant, kw in VARIANTS.items():

@@ -13,8 +13,8 @@ from __future__ import annotations
 from absl import app, flags
 
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
-from jpaged.kv_pool import bytes_per_block
-from jpaged.metrics import summarize
+from jpaged.runtime.kv_pool import bytes_per_block
+from jpaged.entrypoints.metrics import summarize
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32", "64"], "Batch sizes.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "New tokens per sequence.")

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jpaged.rounding import cdiv
+from jpaged.core.rounding import cdiv
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -224,12 +224,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 # --------------------------------------------------------------- engine helpers
 def make_llm(**overrides: Any):
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     return LLM(None, **overrides)
 
 
 def greedy(max_tokens: int, ignore_eos: bool = False):
-    from jpaged.sequence import SamplingParams
+    from jpaged.core.sequence import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
 
 
@@ -345,7 +345,7 @@ def hf_model(llm: Any, threads: int | None = None):
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from jpaged.weights import load_weights
+    from jpaged.loading.weights import load_weights
     if threads:
         torch.set_num_threads(threads)
     c = llm.config

@@ -1,6 +1,6 @@
 """The embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized) on the default engine."""
 
-from jpaged.config import default_config
+from jpaged.core.config import default_config
 
 
 def get_config():

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.block_manager import NULL_BLOCK
-from jpaged.kv_pool import create_kv_pool
+from jpaged.core.block_manager import NULL_BLOCK
+from jpaged.runtime.kv_pool import create_kv_pool
 from jpaged.models.base import StepMetadata, forward
-from jpaged.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
+from jpaged.runtime.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
                              token_logprobs)
-from jpaged.sampling import sample as _sample
+from jpaged.runtime.sampling import sample as _sample
 from pallas_kernels import Backend
 from pallas_kernels.reference import MASK_VALUE, attention_options, token_layout
 

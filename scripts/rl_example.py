@@ -40,8 +40,8 @@ import optax
 from absl import app, flags, logging
 
 from jpaged import decode
-from jpaged.engine import LLM
-from jpaged.sequence import SamplingParams
+from jpaged.engine.llm import LLM
+from jpaged.core.sequence import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Embedded model name or HF checkpoint dir (chat model).")
 _TINY = flags.DEFINE_bool("tiny", False, "A tiny random Llama built on the fly (token-id prompts, token reward).")

@@ -1,4 +1,4 @@
-"""Serves a model over an OpenAI-compatible HTTP API (jpaged.server).
+"""Serves a model over an OpenAI-compatible HTTP API (jpaged.entrypoints.server).
 
     python scripts/serve.py --config configs/smollm2_135m.py [--host 127.0.0.1] [--port 8000] \
         [--config.max_num_seqs=16 --config.max_queued_requests=64 ...] [--precompile]
@@ -22,8 +22,8 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from jpaged import cli
-from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
+from jpaged.entrypoints import cli
+from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
 
 _CONFIG = cli.define_config_flag()
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
@@ -37,7 +37,7 @@ _ACCESS_LOG = flags.DEFINE_bool("access_log", True, "Log one line per HTTP reque
 
 def build_engine(config: Any, precompile: bool) -> Any:
     """The engine (in the server's loader thread: jax loads here)."""
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     t0 = time.perf_counter()
     llm = LLM(config)
     if precompile:
@@ -56,7 +56,7 @@ def run(config_file: Any) -> int:
                           "1 (tensor_parallel_size may be more; run one server per replica behind a router)")
     import uvicorn
 
-    from jpaged.server import DrainingServer, create_app
+    from jpaged.entrypoints.server import DrainingServer, create_app
 
     server: uvicorn.Server | None = None
 

@@ -36,10 +36,10 @@ from typing import Any, TextIO
 
 from absl import app, flags, logging
 
-from jpaged import cli
-from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
-from jpaged.tokenizer import printable
+from jpaged.entrypoints import cli
+from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
+from jpaged.core.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
+from jpaged.tokenizer.tokenizer import printable
 
 
 
@@ -119,7 +119,7 @@ def write_result(f: TextIO | None, record: dict[str, Any]) -> None:
 
 
 def error_record(request: ParsedRequest) -> dict[str, Any]:
-    from jpaged.engine import RequestOutput
+    from jpaged.engine.llm import RequestOutput
     record = {f.name: None for f in dataclasses.fields(RequestOutput)}
     record.update(index=request.index, text="", token_ids=[], prompt_token_ids=[], samples=[],
                   finish_reason="error", error=request.error, num_cached_tokens=0,
@@ -201,8 +201,8 @@ def run(config_file: Any) -> int:
         print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {_OUTPUT.value}")
 
     t0 = time.perf_counter()
-    from jpaged.metrics import format_memory  # jax loads here: every check above ran without it
-    from jpaged.router import create_engine
+    from jpaged.entrypoints.metrics import format_memory  # jax loads here: every check above ran without it
+    from jpaged.engine.router import create_engine
     try:
         start_distributed()
         llm = create_engine(config)
@@ -231,8 +231,8 @@ def run(config_file: Any) -> int:
 
 def run_batch(llm: Any, config: Any, good: list[ParsedRequest], out_file: TextIO | None,
               summary_file: TextIO | None, stopper: StopOnSignal, num_todo: int, t_start: float) -> int:
-    from jpaged.engine import EngineStalled
-    from jpaged.metrics import format_summary, summarize
+    from jpaged.engine.llm import EngineStalled
+    from jpaged.entrypoints.metrics import format_summary, summarize
     outputs = []
     t0 = time.perf_counter()
     stream = llm.generate_iter([r.prompt for r in good], [r.params for r in good],
@@ -274,13 +274,13 @@ def process_id() -> int:
 
 def start_distributed() -> None:
     """Joins a multi-process run when flags or environment ask for one."""
-    from jpaged import distributed
+    from jpaged.runtime import distributed
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
 
 
 def follow(config: Any) -> int:
     """A process other than 0: the same engine, running the steps process 0 schedules."""
-    from jpaged.router import create_engine
+    from jpaged.engine.router import create_engine
     start_distributed()
     create_engine(config).follow()
     return 0

@@ -19,7 +19,7 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 4)
 
 from helpers import SMOLLM_ENGINE, TINY_ENGINE, import_torch
-from jpaged.weight_cache import default_cache_dir
+from jpaged.loading.weight_cache import default_cache_dir
 
 # The suite is an entry point, like the CLI: engines of the same shapes in
 # different modules (and later runs) reuse compiled steps.
@@ -112,14 +112,14 @@ def tiny_llama_dir(tiny_llama):
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama_dir):
     """A shared engine on the tiny Llama (greedy default, 24 new tokens)."""
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     return LLM(model=tiny_llama_dir, **TINY_ENGINE)
 
 
 @pytest.fixture(scope="session")
 def make_tiny_llm(tiny_llama_dir):
     """Factory for engines on the tiny Llama with overrides of TINY_ENGINE."""
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
 
     def make(**overrides):
         return LLM(model=tiny_llama_dir, **{**TINY_ENGINE, **overrides})
@@ -128,5 +128,5 @@ def make_tiny_llm(tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def smollm_llm():
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     return LLM(**SMOLLM_ENGINE)

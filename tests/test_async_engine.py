@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.async_engine import AsyncEngine, QueueFull
-from jpaged.sequence import SamplingParams
+from jpaged.engine.async_engine import AsyncEngine, QueueFull
+from jpaged.core.sequence import SamplingParams
 
 PROMPTS = random_prompts([5, 40, 17, 70], seed=7)
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

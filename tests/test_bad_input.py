@@ -7,7 +7,7 @@ import math
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.sequence import SamplingParams
+from jpaged.core.sequence import SamplingParams
 
 GOOD = random_prompts([9, 30], seed=21)
 OK = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -76,13 +76,13 @@ def test_mismatched_params_list_raises(tiny_llm):
 
 
 def test_non_integer_token_ids_are_rejected_not_truncated(tiny_llm):
-    from jpaged.sequence import SamplingParams
+    from jpaged.core.sequence import SamplingParams
     outs = tiny_llm.generate([[5, 3.7, 9], [5, 6, 7]], SamplingParams(max_tokens=3))
     assert outs[0].finish_reason == "error" and "integers" in outs[0].error
     assert outs[1].finish_reason in ("stop", "length") and len(outs[1].token_ids) > 0
 
 
 def test_misspelt_config_field_is_an_error():
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     with pytest.raises(ValueError, match=r"blok_size: unknown field; did you mean block_size\?"):
         LLM(model="unused", blok_size=32)

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.block_manager import BlockManager
-from jpaged.block_manager import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
-from jpaged.sequence import SamplingParams
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.block_manager import NULL_BLOCK, BlockAllocator, BlockTable, NoFreeBlocksError
+from jpaged.core.sequence import SamplingParams
 
 
 # ------------------------------------------------------------------ allocator

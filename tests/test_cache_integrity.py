@@ -1,6 +1,6 @@
 """Nothing lost to damaged caches: damage is detected, rebuilt and reported, never loaded.
 
-* Converted-weights cache (`jpaged.weights`): a flipped byte in any file of an
+* Converted-weights cache (`jpaged.loading.weights`): a flipped byte in any file of an
   entry (orbax's data and metadata files, config.json, tokenizer.json,
   meta.json) or an edit of config.json makes the next load warn, rebuild and
   return exactly the arrays of a fresh conversion, with `from_cache` False and
@@ -37,10 +37,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged import weight_cache, weights
-from jpaged.gguf import read_gguf
-from jpaged.weight_cache import CacheEntryDamaged, read_cache, remove_stale_tmp_dirs
-from jpaged.weights import load_gguf, load_hf_dir, load_weights
+from jpaged.loading import weight_cache
+
+from jpaged.loading import weights
+from jpaged.loading.gguf import read_gguf
+from jpaged.loading.weight_cache import CacheEntryDamaged, read_cache, remove_stale_tmp_dirs
+from jpaged.loading.weights import load_gguf, load_hf_dir, load_weights
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -136,7 +138,7 @@ def test_every_file_flipped_is_rebuilt(hf_dir, pristine, reference, tmp_path, ca
         entry = _entry(cache)
         _flip(entry / rel, (entry / rel).stat().st_size // 2, bit=3)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="jpaged.weights"):
+        with caplog.at_level(logging.WARNING, logger="jpaged.loading.weights"):
             note = _assert_rebuilt(hf_dir, cache, reference, rel)
         warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
         assert len(warned) == 1 and str(entry) in warned[0], (rel, warned)
@@ -235,7 +237,7 @@ def test_interrupted_write_is_cleaned_up_on_next_load(hf_dir, tmp_path):
     """A process that died mid-write (here: exits with its temp folder in place) leaves
     a folder that the next load_weights removes before touching the cache."""
     cache = tmp_path / "cache"
-    script = ("import pathlib, sys; from jpaged.weight_cache import _tmp_name; "
+    script = ("import pathlib, sys; from jpaged.loading.weight_cache import _tmp_name; "
               "p = pathlib.Path(sys.argv[1]) / _tmp_name('hf-0123abcd'); (p / 'arrays').mkdir(parents=True); "
               "(p / 'arrays' / 'data').write_bytes(bytes(4096)); print(p)")
     out = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True,

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY_ENGINE, assert_all_blocks_free, random_prompts
-from jpaged import config as config_module
-from jpaged.config import FIELDS, ConfigError, apply_overrides, default_config, validate_config
-from jpaged.sequence import SamplingParams
+from jpaged.core import config as config_module
+from jpaged.core.config import FIELDS, ConfigError, apply_overrides, default_config, validate_config
+from jpaged.core.sequence import SamplingParams
 
 GiB = 2**30
 
@@ -70,8 +70,9 @@ def test_embedded_model_default_passes_when_its_package_is_installed():
 
 
 def test_choices_and_names_match_the_modules_that_use_them():
-    from jpaged import engine, weights
-    from jpaged.prefix_cache import make_index
+    from jpaged.engine import llm as engine
+    from jpaged.loading import weights
+    from jpaged.core.prefix_cache import make_index
     assert set(config_module.ATTENTION_IMPLS) == set(engine.ATTENTION_IMPLS) | {"auto"}
     assert config_module.KV_CACHE_DTYPES == engine.KV_CACHE_DTYPES
     assert config_module.LAYER_LOOPS == engine.LAYER_LOOPS
@@ -385,9 +386,9 @@ def test_parallel_samples_never_take_more_than_max_num_seqs_seats():
     """An n=2 request and an n=1 request with max_num_seqs=2: the second must wait
     for a seat.  Admitted together, 3 sequences run after the fork, more than the
     step's sequence slots (the engine's step then fails with an IndexError)."""
-    from jpaged.block_manager import BlockManager
-    from jpaged.scheduler import Scheduler
-    from jpaged.sequence import Sequence, Status
+    from jpaged.core.block_manager import BlockManager
+    from jpaged.core.scheduler import Scheduler
+    from jpaged.core.sequence import Sequence, Status
 
     sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), policy="continuous",
                       max_num_seqs=2, max_num_batched_tokens=32)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import random_prompts
 from jpaged.decode import SamplingArrays, generate
-from jpaged.sequence import SamplingParams
+from jpaged.core.sequence import SamplingParams
 
 N = 16      # new tokens: with prompts up to 40, the sequences span 4 blocks of 16
 P = 40      # padded prompt width (one static shape for every call in this file)

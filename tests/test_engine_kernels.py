@@ -3,8 +3,8 @@
 import pytest
 
 from helpers import random_prompts
-from jpaged.engine import resolve_attention_impl
-from jpaged.sequence import SamplingParams
+from jpaged.engine.llm import resolve_attention_impl
+from jpaged.core.sequence import SamplingParams
 
 
 @pytest.mark.parametrize("impl", ["cpu", "pallas_gpu", "pallas_tpu"])
@@ -64,7 +64,7 @@ def test_kv_cache_dtype_is_checked(make_tiny_llm):
 def test_bf16_kv_cache_keeps_smollm_answers(smollm_llm):
     """The embedded model answers the same short chat prompts with a bf16 pool."""
     from helpers import SMOLLM_ENGINE
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     prompts = [{"prompt": "What is the capital of France?"}, {"prompt": "Name one fruit."},
                {"prompt": "What is 2 + 2?"}]
     params = SamplingParams(max_tokens=16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jpaged.engine import LLM
-from jpaged.sequence import SamplingParams
+from jpaged.engine.llm import LLM
+from jpaged.core.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")

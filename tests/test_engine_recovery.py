@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.engine import EngineStalled
-from jpaged.sequence import SamplingParams, Status
+from jpaged.engine.llm import EngineStalled
+from jpaged.core.sequence import SamplingParams, Status
 
 PROMPTS = random_prompts([5, 40, 17, 70], seed=31)
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -77,7 +77,7 @@ def test_failure_after_the_step_is_pinned_to_one_request(llm, expected, monkeypa
 
 
 def test_stall_raises_instead_of_spinning(llm, expected, monkeypatch):
-    from jpaged.scheduler import SchedulerOutput
+    from jpaged.core.scheduler import SchedulerOutput
     monkeypatch.setattr(llm.scheduler, "schedule", lambda: SchedulerOutput([], [], [], []))
     with pytest.raises(EngineStalled, match="stalled"):
         llm.generate(PROMPTS, GREEDY)

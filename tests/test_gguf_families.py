@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from helpers import import_torch
-from jpaged.model_config import FULL, SLIDING
+from jpaged.core.model_config import FULL, SLIDING
 from jpaged.models import gemma
-from jpaged.weights import load_gguf, load_hf_dir
+from jpaged.loading.weights import load_gguf, load_hf_dir
 
 KINDS = ("qwen3", "gemma2", "gemma3")
 GEMMA = ("gemma2", "gemma3")

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import import_torch, random_prompts
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata, score
-from jpaged.sequence import SamplingParams
+from jpaged.core.sequence import SamplingParams
 
 torch = import_torch()
 
@@ -44,7 +44,7 @@ def tiny_pair(request):
     untied), Qwen2 (bias, tied), Qwen3 (q/k norms), Gemma 2 (window 8 alternating
     with global layers, soft caps), Gemma 3 (q/k norms, 2 sliding : 1 global, local RoPE)."""
     from helpers import TINY_ENGINE
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     path, hf = request.getfixturevalue(f"tiny_{request.param}")
     if request.param == "llama":
         return request.getfixturevalue("tiny_llm"), hf
@@ -198,7 +198,7 @@ def hf_smollm():
     """transformers' own load of the SAME GGUF (dequantised to fp32) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jpaged.weights import embedded_gguf_path
+    from jpaged.loading.weights import embedded_gguf_path
     path = embedded_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -232,7 +232,7 @@ def test_sliding_window_cpu_kernel_matches_hf(kind, request):
     """The C++ kernel's window skipping and soft cap, through the engine with
     4-token blocks (the window of 8 spans 2-3 blocks), give HF's greedy tokens."""
     from helpers import TINY_ENGINE
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     path, hf = request.getfixturevalue(f"tiny_{kind}")
     llm = LLM(model=str(path), **{**TINY_ENGINE, "attention_impl": "cpu", "block_size": 4})
     if llm.attention_impl != "cpu":

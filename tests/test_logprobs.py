@@ -14,7 +14,7 @@ import pytest
 
 from helpers import random_prompts
 from jpaged import decode
-from jpaged.sequence import MAX_LOGPROBS, SamplingParams
+from jpaged.core.sequence import MAX_LOGPROBS, SamplingParams
 
 ATOL = 1e-5
 
@@ -125,7 +125,7 @@ def perturbed(params, scale: float = 0.05, seed: int = 0):
 
 
 def test_update_params_no_recompile_no_stale_cache(make_tiny_llm, tiny_llama_dir):
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     from helpers import TINY_ENGINE
     llm = make_tiny_llm(enable_prefix_caching=True, max_num_seqs=4)
     prompts = random_prompts([20, 33], seed=8)

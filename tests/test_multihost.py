@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from helpers import TINY_ENGINE
-from jpaged.engine import LLM
-from jpaged.sequence import SamplingParams
+from jpaged.engine.llm import LLM
+from jpaged.core.sequence import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = ["hello there", "paged attention splits the cache into blocks", "a", "four devices, two hosts"]
@@ -81,7 +81,7 @@ def test_two_processes_tp4_match_one_device(tiny_llama_dir, tmp_path):
 
 
 def test_initialize_needs_a_coordinator_for_several_processes():
-    from jpaged.distributed import initialize
+    from jpaged.runtime.distributed import initialize
     assert initialize(None, 1, 0) is False  # one process: nothing to join
     with pytest.raises(ValueError, match="coordinator address"):
         initialize(None, 2, 0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.sequence import SamplingParams
+from jpaged.core.sequence import SamplingParams
 
 # Prompt lengths straddle the 16- and 64-token block boundaries; answers cross more.
 LENGTHS = [3, 15, 16, 17, 63, 64, 65]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.kv_pool import _gather_blocks, _scatter_blocks, gather_blocks, scatter_blocks
-from jpaged.metrics import format_summary, summarize
-from jpaged.sequence import SamplingParams
-from jpaged.swap_space import HostSwapSpace
+from jpaged.runtime.kv_pool import _gather_blocks, _scatter_blocks, gather_blocks, scatter_blocks
+from jpaged.entrypoints.metrics import format_summary, summarize
+from jpaged.core.sequence import SamplingParams
+from jpaged.core.swap_space import HostSwapSpace
 
 BS = 8
 SMALL = dict(block_size=BS, num_blocks=21, max_num_seqs=8, max_num_batched_tokens=64)  # 20 usable blocks
@@ -145,9 +145,9 @@ def test_static_scheduler_with_swap(make_tiny_llm, want_greedy):
 
 def test_admission_oversubscribes():
     """Admission needs blocks for the first chunk only, not max_model_len per sequence."""
-    from jpaged.block_manager import BlockManager
-    from jpaged.scheduler import Scheduler
-    from jpaged.sequence import Sequence
+    from jpaged.core.block_manager import BlockManager
+    from jpaged.core.scheduler import Scheduler
+    from jpaged.core.sequence import Sequence
 
     sched = Scheduler(BlockManager(9, 4, enable_prefix_caching=False), policy="continuous",
                       max_num_seqs=8, max_num_batched_tokens=64)

@@ -13,12 +13,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jpaged.block_manager import BlockManager
-from jpaged.engine import LLM
-from jpaged.block_manager import NoFreeBlocksError
-from jpaged.metrics import format_summary, summarize
-from jpaged.prefix_cache import block_hash
-from jpaged.sequence import SamplingParams, Sequence
+from jpaged.core.block_manager import BlockManager
+from jpaged.engine.llm import LLM
+from jpaged.core.block_manager import NoFreeBlocksError
+from jpaged.entrypoints.metrics import format_summary, summarize
+from jpaged.core.prefix_cache import block_hash
+from jpaged.core.sequence import SamplingParams, Sequence
 
 BS = 4
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

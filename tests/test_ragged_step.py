@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from helpers import random_prompts
 
-from jpaged.block_manager import BlockManager
-from jpaged.scheduler import Scheduler
-from jpaged.sequence import SamplingParams, Sequence, Status
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import SamplingParams, Sequence, Status
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=16, max_num_seqs=8, caching=False, buckets=()):

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged.request_parsing import REQUEST_FIELDS, parse_line, parse_request, read_request_file
-from jpaged.sequence import SamplingParams
+from jpaged.core.request_parsing import REQUEST_FIELDS, parse_line, parse_request, read_request_file
+from jpaged.core.sequence import SamplingParams
 
 DEFAULT = SamplingParams(max_tokens=4)
 

@@ -9,8 +9,8 @@ import pytest
 
 from helpers import random_prompts
 from jpaged.decode import sample as decode_sample
-from jpaged.sampling import SamplingArrays, _filter_rows, sample
-from jpaged.sequence import SamplingParams
+from jpaged.runtime.sampling import SamplingArrays, _filter_rows, sample
+from jpaged.core.sequence import SamplingParams
 
 PROMPTS = random_prompts([7, 20, 33, 4, 50, 12], seed=31)
 N = 16
@@ -228,7 +228,7 @@ def test_inverse_cdf_edges_draw_positive_probability_tokens(monkeypatch, u):
     """u at the ends of its range (1.0 is reachable; 0 is excluded by construction,
     checked anyway): the draw is the last / first token of positive probability,
     never a filtered token before or after it, whatever the rounding of the sums."""
-    import jpaged.sampling as sampling
+    import jpaged.runtime.sampling as sampling
 
     monkeypatch.setattr(sampling, "_uniform", lambda seed, step: jnp.float32(u))
     logits = _big_logits()

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.sampling import SamplingArrays, sample
+from jpaged.runtime.sampling import SamplingArrays, sample
 
 
 def test_unfiltered_row_draws_the_same_token_in_either_variant():

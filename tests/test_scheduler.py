@@ -28,11 +28,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.block_manager import NULL_BLOCK, BlockManager
-from jpaged.rounding import cdiv
-from jpaged.scheduler import Scheduler, SchedulerOutput
-from jpaged.sequence import SamplingParams, Sequence, Status
-from jpaged.swap_space import HostSwapSpace
+from jpaged.core.block_manager import NULL_BLOCK, BlockManager
+from jpaged.core.rounding import cdiv
+from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.core.sequence import SamplingParams, Sequence, Status
+from jpaged.core.swap_space import HostSwapSpace
 
 EMPTY = -1  # a fake pool slot no token was written to
 MAX_STEPS = 20_000

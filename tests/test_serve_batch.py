@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jpaged.sequence import SamplingParams
+from jpaged.core.sequence import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REQUESTS = [
@@ -105,7 +105,7 @@ def test_summary_table_printed(served):
 def test_serve_never_imports_torch(served):
     proc, _, _ = served
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "jpaged.engine" in imported  # importtime really listed the imports
+    assert "jpaged.engine.llm" in imported  # importtime really listed the imports
     assert not {m for m in imported if m.split(".")[0] in HEAVY or m in ("harness", "jpaged.bench")}
 
 
@@ -117,8 +117,8 @@ def test_runtime_never_imports_torch():
     no benchmark harness: that lives in benchmarks/harness.py, outside the package."""
     code = (
         "import sys\n"
-        "from jpaged.engine import LLM\n"
-        "from jpaged.sequence import SamplingParams\n"
+        "from jpaged.engine.llm import LLM\n"
+        "from jpaged.core.sequence import SamplingParams\n"
         "llm = LLM(max_model_len=64, num_blocks=12, max_num_seqs=2, attention_impl='reference')\n"
         "out = llm.generate([{'prompt': 'Hi'}, [1, 2, 3]], SamplingParams(max_tokens=3))\n"
         "assert all(o.token_ids and o.error is None for o in out), out\n"

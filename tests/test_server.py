@@ -24,7 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from jpaged.sequence import SamplingParams  # noqa: E402
+from jpaged.core.sequence import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(server):
     """The same engine in this process (built while the server starts): the oracle."""
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
     return LLM(model=MODEL, compilation_cache=True, **{k: v for k, v in ENGINE.items() if k != "max_queued_requests"})
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jpaged.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
-from jpaged.openai_protocol import (LOGPROB_FLOOR, RequestError, chat_logprobs, completion_logprobs, parse_chat,
+from jpaged.tokenizer.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
+from jpaged.entrypoints.openai_protocol import (LOGPROB_FLOOR, RequestError, chat_logprobs, completion_logprobs, parse_chat,
                                     parse_completion, parse_generate)
-from jpaged.sequence import SamplingParams, TokenLogprob
+from jpaged.core.sequence import SamplingParams, TokenLogprob
 
 # A byte-level "tokenizer": token t is the byte t; decode is UTF-8 with replacement,
 # so a multi-byte character spans several tokens.

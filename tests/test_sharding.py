@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from helpers import SMOLLM_ENGINE, TINY_ENGINE, random_prompts
-from jpaged.config import ConfigError
-from jpaged.engine import LLM
-from jpaged.router import DataParallelLLM, create_engine
-from jpaged.sequence import SamplingParams
-from jpaged.sharding import POOL_SPEC, collectives, weight_spec
+from jpaged.core.config import ConfigError
+from jpaged.engine.llm import LLM
+from jpaged.engine.router import DataParallelLLM, create_engine
+from jpaged.core.sequence import SamplingParams
+from jpaged.runtime.sharding import POOL_SPEC, collectives, weight_spec
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
 PROMPTS = random_prompts([5, 17, 40, 3, 29], seed=11)

@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jpaged.gguf import gguf_metadata, read_gguf
+from jpaged.loading.gguf import gguf_metadata, read_gguf
 from jpaged.models import config_from_hf, weight_shapes
 from jpaged.models.llama import HF_LAYER_NAMES, Llama
-from jpaged.tokenizer import Tokenizer
-from jpaged.weights import dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir, load_weights
+from jpaged.tokenizer.tokenizer import Tokenizer
+from jpaged.loading.weights import dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir, load_weights
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

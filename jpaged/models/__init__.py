@@ -19,7 +19,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from jpaged.model_config import ModelConfig
+from jpaged.core.model_config import ModelConfig
 
 # family -> (HF model_types, GGUF architectures) it runs
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

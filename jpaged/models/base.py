@@ -16,7 +16,7 @@ saves in compile time (measured for SmolLM2: 1.5-2x slower decode steps, about
 the same compile time; see benchmarks/README.md, "Layer loop").  The KV pool
 is threaded through the layers: each writes its new K/V into the pool and
 attention reads them back through the block tables; with the pool donated, XLA
-updates it in place and never copies it (pool layout: see `jpaged.kv_pool`).
+updates it in place and never copies it (pool layout: see `jpaged.runtime.kv_pool`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jpaged.model_config import ModelConfig, rope_inv_freq
+from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
-from jpaged.sharding import POOL_SPEC
+from jpaged.runtime.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
 
 

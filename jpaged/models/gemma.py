@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.gguf import gguf_base_config
-from jpaged.model_config import FULL, SLIDING, ModelConfig, hf_rope
+from jpaged.loading.gguf import gguf_base_config
+from jpaged.core.model_config import FULL, SLIDING, ModelConfig, hf_rope
 from jpaged.models import llama
 from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention, rms_norm
 from pallas_kernels import Backend

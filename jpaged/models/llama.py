@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpaged.gguf import gguf_base_config, unpermute_qk
-from jpaged.model_config import ModelConfig, hf_rope
+from jpaged.loading.gguf import gguf_base_config, unpermute_qk
+from jpaged.core.model_config import ModelConfig, hf_rope
 from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention, rms_norm
 from pallas_kernels import Backend
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpaged.model_config import ModelConfig
+from jpaged.core.model_config import ModelConfig
 from jpaged.models import llama
 from jpaged.models.base import rms_norm
 

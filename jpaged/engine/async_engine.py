@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from jpaged.sequence import SamplingParams, Sequence, Status, TokenLogprob
+from jpaged.core.sequence import SamplingParams, Sequence, Status, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Submission:
 
 
 class EngineMetrics:
-    """What the engine thread reports as it goes (jpaged.server_metrics implements it)."""
+    """What the engine thread reports as it goes (jpaged.entrypoints.server_metrics implements it)."""
 
     def on_admitted(self, request: EngineRequest) -> None: ...
     def on_tokens(self, request: EngineRequest, num_tokens: int, gap: float | None, first: bool) -> None: ...

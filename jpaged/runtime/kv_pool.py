@@ -1,6 +1,6 @@
 """The paged KV pool on the device: its layout, its size, and the jitted block
 moves on it (copy-on-write, swap).  Which block holds what is host bookkeeping,
-in jpaged.block_manager.
+in jpaged.core.block_manager.
 
 Pool layout, chosen block-major so that one block (all layers, K and V) is one
 contiguous slab: copy-on-write and swap move a block with one slice.
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.model_config import ModelConfig
-from jpaged.rounding import cdiv, next_pow2
+from jpaged.core.model_config import ModelConfig
+from jpaged.core.rounding import cdiv, next_pow2
 
 
 def block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:

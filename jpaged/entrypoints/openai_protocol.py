@@ -1,6 +1,6 @@
 """OpenAI-style request bodies in, checked requests out; response bodies back.
 
-The sampling fields are checked by jpaged.request_parsing (the same checks as
+The sampling fields are checked by jpaged.core.request_parsing (the same checks as
 the batch CLI's request lines); this module adds what only the HTTP API has:
 the model name, prompt forms, stop strings, stream / echo / stream_options,
 the logprobs fields (whose meaning differs between the routes), and the OpenAI
@@ -16,9 +16,9 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from jpaged.config import is_int
-from jpaged.request_parsing import REQUEST_FIELDS, SAMPLING_FIELDS, parse_messages, parse_sampling_params
-from jpaged.sequence import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from jpaged.core.config import is_int
+from jpaged.core.request_parsing import REQUEST_FIELDS, SAMPLING_FIELDS, parse_messages, parse_sampling_params
+from jpaged.core.sequence import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 MAX_STOP_STRINGS = 16
 LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON has no infinities (as vLLM)

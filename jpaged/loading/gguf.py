@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jpaged.model_config import ModelConfig, rope_inv_freq
-from jpaged.rounding import cdiv
+from jpaged.core.model_config import ModelConfig, rope_inv_freq
+from jpaged.core.rounding import cdiv
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:

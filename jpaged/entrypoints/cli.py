@@ -12,7 +12,7 @@ from typing import NoReturn
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from jpaged.config import ConfigError, apply_overrides, default_config
+from jpaged.core.config import ConfigError, apply_overrides, default_config
 
 CONFIG_DEFAULT = "configs/smollm2_135m.py"
 

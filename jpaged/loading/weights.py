@@ -8,10 +8,10 @@ RoPE layout.
 
 Converting a quantised GGUF (dequantising Q4_1 etc., undoing llama.cpp's Q/K row
 permutation) costs seconds to minutes, so `load_weights` keeps the converted
-arrays in `jpaged.weight_cache`; a damaged entry is reported
+arrays in `jpaged.loading.weight_cache`; a damaged entry is reported
 (`LoadedWeights.cache_note`), removed and rebuilt.
 
-This module (and `jpaged.tokenizer`) never imports torch.
+This module (and `jpaged.tokenizer.tokenizer`) never imports torch.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import ml_dtypes
 import numpy as np
 
 from jpaged import models
-from jpaged.gguf import dequantize, read_gguf, tensor_target
-from jpaged.model_config import ModelConfig
-from jpaged.tokenizer import Tokenizer
-from jpaged.weight_cache import clean_tmp_dirs, default_cache_dir, entry_key, gist, read_cache, save_cache
+from jpaged.loading.gguf import dequantize, read_gguf, tensor_target
+from jpaged.core.model_config import ModelConfig
+from jpaged.tokenizer.tokenizer import Tokenizer
+from jpaged.loading.weight_cache import clean_tmp_dirs, default_cache_dir, entry_key, gist, read_cache, save_cache
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import enum
 import numbers
 import time
 
-from jpaged.block_manager import BlockTable
-from jpaged.config import FLOAT32_MAX, INT32_MAX, is_finite, is_int
+from jpaged.core.block_manager import BlockTable
+from jpaged.core.config import FLOAT32_MAX, INT32_MAX, is_finite, is_int
 
 
 class Status(enum.Enum):

@@ -1,6 +1,6 @@
 """The converted-weights cache: entries written atomically with orbax, checked on load.
 
-Converting a quantised GGUF costs seconds to minutes, so `jpaged.weights.load_weights`
+Converting a quantised GGUF costs seconds to minutes, so `jpaged.loading.weights.load_weights`
 stores the converted arrays here and reads them back on the next load.  Each entry
 records crc32 checksums of its arrays and files in meta.json; an entry that fails
 them raises `CacheEntryDamaged` (the loader then removes and rebuilds it), so a
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from jpaged.model_config import ModelConfig
+from jpaged.core.model_config import ModelConfig
 from jpaged.models import weight_shapes
-from jpaged.tokenizer import Tokenizer
+from jpaged.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

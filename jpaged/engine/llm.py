@@ -23,23 +23,23 @@ import tqdm
 from flax import nnx
 
 import pallas_kernels
-from jpaged.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, ConfigError, apply_overrides,
+from jpaged.core.config import (KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES, ConfigError, apply_overrides,
                            default_config, validate_config)
-from jpaged.block_manager import BlockManager
-from jpaged.distributed import broadcast_step
-from jpaged.kv_pool import block_shape, bytes_per_block, num_blocks_for
+from jpaged.core.block_manager import BlockManager
+from jpaged.runtime.distributed import broadcast_step
+from jpaged.runtime.kv_pool import block_shape, bytes_per_block, num_blocks_for
 from jpaged.models import build_model
 from jpaged.models.base import split_model
-from jpaged.model_runner import ModelRunner, PendingStep, StepResult
-from jpaged.scheduler import Scheduler, SchedulerOutput
-from jpaged.sharding import (Mesh, bytes_per_device, check_heads, make_mesh, replicate_kv_heads,
+from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
+from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.runtime.sharding import (Mesh, bytes_per_device, check_heads, make_mesh, replicate_kv_heads,
                              shard_params, tensor_parallel_size)
-from jpaged.stats import EngineStats
-from jpaged.request_parsing import default_sampling_params
-from jpaged.sampling import TokenLogprobs
-from jpaged.sequence import SamplingParams, Sequence, Status, TokenLogprob
-from jpaged.swap_space import HostSwapSpace, swap_capacity_blocks
-from jpaged.weights import default_cache_dir, load_weights
+from jpaged.core.stats import EngineStats
+from jpaged.core.request_parsing import default_sampling_params
+from jpaged.runtime.sampling import TokenLogprobs
+from jpaged.core.sequence import SamplingParams, Sequence, Status, TokenLogprob
+from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
+from jpaged.loading.weights import default_cache_dir, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class LLM:
                  **overrides: Any):
         """`mesh`: the (1, tensor_parallel_size) devices of this engine; by default the
         first tensor_parallel_size devices (none: one device, unsharded).  A
-        data-parallel router (jpaged.router) gives each replica its own."""
+        data-parallel router (jpaged.engine.router) gives each replica its own."""
         cfg = apply_overrides(default_config(), config, **overrides)
         validate_config(cfg)  # one line per problem, before anything loads
         self.mesh = self._mesh(cfg, mesh)
@@ -254,11 +254,11 @@ class LLM:
             return mesh
         if cfg.data_parallel_size > 1:
             raise ConfigError("data_parallel_size", f"{cfg.data_parallel_size} replicas need a router",
-                              "build the engine with jpaged.router.create_engine (one LLM is one replica)")
+                              "build the engine with jpaged.engine.router.create_engine (one LLM is one replica)")
         return make_mesh(cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
 
     def follow(self) -> None:
-        """Processes other than 0 of a multi-process run (jpaged.distributed): run
+        """Processes other than 0 of a multi-process run (jpaged.runtime.distributed): run
         the steps process 0 schedules until it calls close()."""
         if jax.process_index() == 0:
             raise RuntimeError("process 0 schedules; follow() is for the other processes")

@@ -23,16 +23,16 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import generate_step, generate_step_with_logprobs
-from jpaged.distributed import broadcast_step
-from jpaged.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
-from jpaged.model_config import ModelConfig
+from jpaged.runtime.distributed import broadcast_step
+from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
+from jpaged.core.model_config import ModelConfig
 from jpaged.models.base import StepMetadata
-from jpaged.rounding import cdiv, next_pow2
-from jpaged.sampling import SamplingArrays, TokenLogprobs
-from jpaged.scheduler import ScheduledSeq, SchedulerOutput
-from jpaged.sequence import MAX_LOGPROBS
-from jpaged.sharding import Mesh, pool_sharding, put, replicated
-from jpaged.swap_space import HostSwapSpace
+from jpaged.core.rounding import cdiv, next_pow2
+from jpaged.runtime.sampling import SamplingArrays, TokenLogprobs
+from jpaged.core.scheduler import ScheduledSeq, SchedulerOutput
+from jpaged.core.sequence import MAX_LOGPROBS
+from jpaged.runtime.sharding import Mesh, pool_sharding, put, replicated
+from jpaged.core.swap_space import HostSwapSpace
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
@@ -75,7 +75,7 @@ class StepTiming:
 
 class ModelRunner:
     """`mesh` (a (1, tp) jax.sharding.Mesh, or None for one device): params must
-    already be sharded on it (jpaged.sharding.shard_params); the pool is split on
+    already be sharded on it (jpaged.runtime.sharding.shard_params); the pool is split on
     its kv-head axis and every step's inputs and outputs have fixed shardings."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,

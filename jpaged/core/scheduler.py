@@ -38,10 +38,10 @@ import collections
 import dataclasses
 import time
 
-from jpaged.block_manager import BlockManager
-from jpaged.sequence import Sequence, Status
-from jpaged.stats import EngineStats
-from jpaged.swap_space import HostSwapSpace
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.sequence import Sequence, Status
+from jpaged.core.stats import EngineStats
+from jpaged.core.swap_space import HostSwapSpace
 
 
 @dataclasses.dataclass

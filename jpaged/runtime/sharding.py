@@ -33,8 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jpaged.config import ConfigError
-from jpaged.model_config import ModelConfig
+from jpaged.core.config import ConfigError
+from jpaged.core.model_config import ModelConfig
 
 MESH_AXES = ("data", "model")
 

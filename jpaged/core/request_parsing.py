@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from jpaged.sequence import SamplingParams
+from jpaged.core.sequence import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n",
                    "cache_salt", "ignore_eos", "logprobs", "prompt_logprobs")

@@ -1,6 +1,6 @@
 """Block manager: reference-counted physical blocks, automatic prefix caching, copy-on-write,
 over a free list (BlockAllocator) and per-sequence block tables (BlockTable).
-Host bookkeeping only: the device pool these block ids index is jpaged.kv_pool's.
+Host bookkeeping only: the device pool these block ids index is jpaged.runtime.kv_pool's.
 
 API (the scheduler is its only writer):
 
@@ -33,9 +33,9 @@ import collections
 import dataclasses
 from typing import Any
 
-from jpaged.prefix_cache import ROOT, make_index
-from jpaged.rounding import cdiv
-from jpaged.stats import EngineStats
+from jpaged.core.prefix_cache import ROOT, make_index
+from jpaged.core.rounding import cdiv
+from jpaged.core.stats import EngineStats
 
 NULL_BLOCK = 0  # padding in block tables and step arrays; never handed out
 

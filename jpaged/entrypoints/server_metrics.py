@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from jpaged.async_engine import EngineMetrics, EngineRequest, EngineSnapshot
+from jpaged.engine.async_engine import EngineMetrics, EngineRequest, EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -23,11 +23,11 @@ import jax
 import ml_collections
 import tqdm
 
-from jpaged.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.engine import LLM, RequestOutput, sampling_per_prompt
-from jpaged.sequence import SamplingParams, Sequence
-from jpaged.sharding import make_mesh, replica_meshes
-from jpaged.stats import EngineStats
+from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
+from jpaged.engine.llm import LLM, RequestOutput, sampling_per_prompt
+from jpaged.core.sequence import SamplingParams, Sequence
+from jpaged.runtime.sharding import make_mesh, replica_meshes
+from jpaged.core.stats import EngineStats
 
 
 def create_engine(config: ml_collections.ConfigDict | None = None, **overrides: Any) -> LLM | DataParallelLLM:

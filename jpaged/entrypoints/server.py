@@ -5,9 +5,9 @@ Routes: GET /health, GET /v1/models, POST /v1/completions, POST
 names).  Streaming responses are server-sent events, `data: {json}` per chunk
 and `data: [DONE]` at the end.
 
-The engine runs in one background thread (jpaged.async_engine); each HTTP
+The engine runs in one background thread (jpaged.engine.async_engine); each HTTP
 request turns into engine requests, reads their per-step deltas, detokenizes
-them (jpaged.detokenizer, which also applies stop strings) and answers.  A
+them (jpaged.tokenizer.detokenizer, which also applies stop strings) and answers.  A
 sample whose text hits a stop string is ended in the engine at once; a client
 that goes away, mid-stream or while waiting for a whole answer, has its
 requests aborted; both free their KV blocks.  Bad input is a 400 with an
@@ -32,18 +32,18 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jpaged.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
-from jpaged.detokenizer import SampleText
-from jpaged.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
+from jpaged.engine.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
+from jpaged.tokenizer.detokenizer import SampleText
+from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
                                     chat_logprobs, completion_choice, completion_logprobs, envelope,
                                     error_body, new_id, parse_chat, parse_completion, parse_generate,
                                     token_logprob_json, usage)
-from jpaged.request_parsing import default_sampling_params
-from jpaged.sequence import TokenLogprob
-from jpaged.server_metrics import CONTENT_TYPE, ServerMetrics
+from jpaged.core.request_parsing import default_sampling_params
+from jpaged.core.sequence import TokenLogprob
+from jpaged.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 
 if TYPE_CHECKING:  # the engine (and jax) load when the server builds it, not on import
-    from jpaged.engine import LLM
+    from jpaged.engine.llm import LLM
 
 log = logging.getLogger(__name__)
 

