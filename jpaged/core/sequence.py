@@ -33,6 +33,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Strings that end a sample where its text first contains one; the text
+    # returned stops before it (OpenAI semantics).
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1                      # parallel samples of this prompt (share its prefill)
     cache_salt: str | None = None   # prefix-cache namespace: no reuse across salts
@@ -56,6 +59,9 @@ class SamplingParams:
                        allowed="null or an integer in [0, 2**32 - n]")
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(is_int, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if (not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) for s in self.stop)
+                or len(self.stop) > MAX_STOP_STRINGS):
+            raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -68,6 +74,7 @@ class SamplingParams:
 
 
 UINT32_MAX = 2**32 - 1  # per-sample seeds are uint32 on the device
+MAX_STOP_STRINGS = 16  # per request (the OpenAI API allows 4; vLLM any number)
 MAX_LOGPROBS = 20  # alternatives a step computes per token (vLLM's default max_logprobs)
 
 
