@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from jpaged.tokenizer.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
-from jpaged.entrypoints.openai_protocol import (LOGPROB_FLOOR, RequestError, chat_logprobs, completion_logprobs, parse_chat,
-                                    parse_completion, parse_generate)
-from jpaged.core.sequence import SamplingParams, TokenLogprob
+from jpaged.core.request_parsing import SAMPLING_FIELDS
+from jpaged.core.sequence import MAX_STOP_STRINGS, SamplingParams, TokenLogprob
+from jpaged.entrypoints.openai_protocol import (LOGPROB_FLOOR, UNSUPPORTED_FIELDS, ChatCompletionRequest,
+                                                CompletionRequest, GenerateRequest, RequestError, chat_logprobs,
+                                                completion_logprobs, parse_chat, parse_completion, parse_generate)
 
 # A byte-level "tokenizer": token t is the byte t; decode is UTF-8 with replacement,
 # so a multi-byte character spans several tokens.
@@ -169,3 +171,90 @@ def test_logprobs_shapes():
     content = chat_logprobs(entries[1:2], text)["content"]
     e_acute = {"token": "\u00e9", "logprob": -0.5, "bytes": [0xC3, 0xA9]}
     assert content == [{**e_acute, "top_logprobs": [e_acute, {"token": "a", "logprob": -1.0, "bytes": [97]}]}]
+
+
+MESSAGES = [{"role": "user", "content": "a"}]
+
+
+def refusal(parse, body) -> dict:
+    """The OpenAI error body of a refused request (a 400)."""
+    with pytest.raises(RequestError) as e:
+        parse(body, DEFAULT, "m")
+    assert e.value.status == 400
+    body = e.value.body()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest, GenerateRequest])
+def test_every_route_reads_every_sampling_field_and_refuses_the_unsupported(model):
+    """A sampling field request_parsing knows but a route model lacked would be ignored silently."""
+    assert set(SAMPLING_FIELDS) | {"stop"} | set(UNSUPPORTED_FIELDS) <= set(model.model_fields)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"seed": "x"}, "seed", ["seed", "integer", '"x"']),               # pydantic's type check, named
+    ({"temperature": True}, "temperature", ["temperature", "number"]),  # strict: no bool -> number
+    ({"max_tokens": 5.0}, "max_tokens", ["max_tokens", "integer"]),      # strict: no float -> int
+    ({"stop_token_ids": [1, "a"]}, "stop_token_ids", ["stop_token_ids[1]"]),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
+     ["stream_options.include_usage", "boolean"]),
+    ({"stream": True, "stream_options": "x"}, "stream_options", ["stream_options", "object"]),
+    ({"top_k": 2**40}, "top_k", ["top_k"]),                              # SamplingParams.validate's range
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop", [str(MAX_STOP_STRINGS), str(MAX_STOP_STRINGS + 1)]),
+    ({"stop": "x", "logit_bias": {"1": 5}}, "logit_bias", ["logit_bias", "not supported"]),
+])
+def test_validation_errors_are_openai_400s_naming_the_field(body, param, words):
+    error = refusal(parse_completion, {"prompt": "a", **body})
+    assert error["param"] == param
+    for w in words:
+        assert w in error["message"], error
+    assert refusal(parse_completion, [1])["message"] == "the body must be a JSON object, got an array"
+
+
+def test_error_codes():
+    assert refusal(parse_completion, {"prompt": "a", "model": "x"})["code"] == "model_not_found"
+    assert refusal(parse_completion, {"prompt": "a", "frequency_penalty": 1})["code"] == "unsupported"
+    assert refusal(parse_completion, {"prompt": "a", "best_of": 2})["code"] == "unsupported"
+    assert refusal(parse_chat, {"messages": MESSAGES, "prompt_logprobs": 0})["code"] == "unsupported"
+    assert refusal(parse_completion, {"prompt": "a", "seed": "x"})["code"] is None
+
+
+def test_unsupported_fields_with_their_neutral_values_and_unknown_fields_pass():
+    neutral = {name: values[-1] for name, values in UNSUPPORTED_FIELDS.items()}
+    extras = {"user": "u", "metadata": {"k": "v"}, "service_tier": "auto", "best_of": 2, "n": 2}
+    assert parse_completion({"prompt": "a", **neutral, **extras}, DEFAULT, "m").params.n == 2
+    assert parse_chat({"messages": MESSAGES, **neutral, **extras}, DEFAULT, "m").params.n == 2
+    assert parse_generate({"prompt": "a", **neutral, **extras, "model": "any"}, DEFAULT, "m").params.n == 2
+
+
+def test_chat_message_errors_name_where():
+    for content, words in [(None, ["messages[1].content", "string"]), ([{"type": "image_url"}], ["text parts"])]:
+        error = refusal(parse_chat, {"messages": [*MESSAGES, {"role": "user", "content": content}]})
+        assert error["param"] == "messages" and all(w in error["message"] for w in words), error
+    assert "messages[1].content is required" == refusal(parse_chat, {"messages": [*MESSAGES, {"role": "x"}]})[
+        "message"]
+    assert refusal(parse_chat, {"messages": MESSAGES, "max_completion_tokens": 0})["param"] == "max_completion_tokens"
+    # Other message fields reach the chat template as they came.
+    req = parse_chat({"messages": [{"role": "user", "content": "a", "name": "bob"}]}, DEFAULT, "m")
+    assert req.prompts == [{"messages": [{"role": "user", "content": "a", "name": "bob"}]}]
+
+
+def test_stop_strings_go_into_sampling_params():
+    for parse, body in [(parse_completion, {"prompt": "a"}), (parse_chat, {"messages": MESSAGES}),
+                        (parse_generate, {"prompt": "a"})]:
+        req = parse({**body, "stop": ["x", "", "yz"]}, DEFAULT, "m")
+        assert req.params.stop == ("x", "yz") and req.stop == ["x", "yz"]  # empty strings stop nothing
+        assert parse({**body, "stop": "x"}, DEFAULT, "m").params.stop == ("x",)
+        assert parse(body, DEFAULT, "m").params.stop == () and parse(body, DEFAULT, "m").stop == []
+    assert parse_completion({"prompt": "a", "stop": ["x"] * MAX_STOP_STRINGS}, DEFAULT, "m").params.stop
+
+
+def test_generate_errors():
+    assert refusal(parse_generate, {})["param"] == "prompt"
+    assert refusal(parse_generate, {"prompt": "a", "messages": MESSAGES})["param"] == "prompt"
+    assert refusal(parse_generate, {"prompt": ["a"]})["param"] == "prompt"
+    assert refusal(parse_generate, {"prompt": "a", "stream": True})["param"] == "stream"
+    assert refusal(parse_generate, {"prompt": "a", "prompt_logprobs": 21})["param"] == "prompt_logprobs"
+    assert parse_generate({"messages": MESSAGES, "stream": False}, DEFAULT, "m").prompts == [{"messages": MESSAGES}]

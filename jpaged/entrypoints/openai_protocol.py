@@ -1,26 +1,35 @@
 """OpenAI-style request bodies in, checked requests out; response bodies back.
 
-The sampling fields are checked by jpaged.core.request_parsing (the same checks as
-the batch CLI's request lines); this module adds what only the HTTP API has:
-the model name, prompt forms, stop strings, stream / echo / stream_options,
-the logprobs fields (whose meaning differs between the routes), and the OpenAI
-fields jpaged does not implement (a 400 naming the field rather than an answer
-that silently ignores it).  Host code: no jax.
+Each route's body is a pydantic model (CompletionRequest, ChatCompletionRequest,
+GenerateRequest), strict: a field of the wrong JSON type is a 400 naming it
+(`param`), never coerced; fields not listed are ignored (clients send `user`,
+`metadata` and the like), except the OpenAI fields jpaged does not implement
+(UNSUPPORTED_FIELDS), which would change the answer: a 400 naming the field
+rather than an answer that silently ignores it.
+
+The models check the types and shape of a body; the values of the sampling
+fields are checked by SamplingParams.validate through jpaged.core.request_parsing
+(the same checks as the batch CLI's request lines).  What only the HTTP API has
+is checked here: the model name, prompt forms, stop strings, stream / echo /
+stream_options, and the logprobs fields (whose meaning differs between the
+routes).  Host code: no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
-from jpaged.core.config import is_int
-from jpaged.core.request_parsing import REQUEST_FIELDS, SAMPLING_FIELDS, parse_messages, parse_sampling_params
-from jpaged.core.sequence import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from pydantic import (AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-MAX_STOP_STRINGS = 16
+from jpaged.core.request_parsing import REQUEST_FIELDS, SAMPLING_FIELDS, parse_sampling_params
+from jpaged.core.sequence import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, TokenLogprob
+
 LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON has no infinities (as vLLM)
 
 # Sampling fields whose body form depends on the route: /v1/completions takes
@@ -29,8 +38,7 @@ LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON ha
 ROUTE_FIELDS = ("logprobs", "prompt_logprobs")
 
 # OpenAI fields that would change the answer, and the values that leave it as
-# jpaged computes it.  Anything else in a body is ignored (clients send `user`,
-# `metadata` and the like).
+# jpaged computes it.  Anything else in a body that no model lists is ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -67,190 +75,390 @@ class GenerationRequest:
     """A checked request: prompts as LLM.tokenize takes them, and how to answer."""
 
     prompts: list[Any]          # raw strings, token-id lists, or {"messages": [...]} (chat)
-    params: SamplingParams
-    stop: list[str]
+    params: SamplingParams      # params.stop: the request's stop strings
+    stop: list[str]             # the same, as a list
     stream: bool = False
     echo: bool = False
     include_usage: bool = False
     model: str = ""
 
 
-# ------------------------------------------------------------------ parsing
-def parse_completion(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
-    """POST /v1/completions: `prompt` is a string, a token-id list, or a list of
-    either; `logprobs`: how many alternatives per token (with `echo`, the
-    prompt's tokens get them too)."""
-    obj = _object(body)
-    _check_model(obj, model)
-    _reject_unsupported(obj)
-    _reject_prompt_logprobs(obj)
-    echo, logprobs = _flag(obj, "echo"), obj.get("logprobs")
-    params = _sampling(obj, default, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
-    return GenerationRequest(prompts=_completion_prompts(obj.get("prompt")), params=params,
-                             stop=_stop(obj), stream=_flag(obj, "stream"), echo=echo,
-                             include_usage=_include_usage(obj), model=model)
+# ------------------------------------------------------- validation errors
+class Invalid(ValueError):
+    """A check of ours failing inside model validation.  Pydantic carries it in
+    the ValidationError (ctx["error"]); request_error takes back its message and,
+    where the error's location does not say it (a check of several fields), its
+    param and code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
-def parse_chat(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
-    """POST /v1/chat/completions: `messages`, rendered with the model's chat
-    template; `logprobs: true` with `top_logprobs` alternatives per token."""
-    obj = _object(body)
-    _check_model(obj, model)
-    _reject_unsupported(obj)
-    _reject_prompt_logprobs(obj)
-    if obj.get("max_completion_tokens") is not None:  # the newer name of max_tokens
-        obj = {**obj, "max_tokens": obj["max_completion_tokens"]}
-    messages = _messages(obj.get("messages"))
-    return GenerationRequest(prompts=[{"messages": messages}],
-                             params=_sampling(obj, default, logprobs=_chat_logprobs(obj)),
-                             stop=_stop(obj), stream=_flag(obj, "stream"),
-                             include_usage=_include_usage(obj), model=model)
+def request_error(e: ValidationError) -> RequestError:
+    """The 400 of a body that failed validation: its first error, naming the
+    top-level field (`param`) and where inside it ("messages[0].content")."""
+    err = e.errors(include_url=False)[0]
+    loc = err["loc"]
+    path = _path(loc)
+    param = str(loc[0]) if loc else None
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, Invalid):
+        message = str(cause)
+        if path and not message.startswith(path):
+            message = f"{path}: {message}"
+        return RequestError(message, cause.param or param, code=cause.code)
+    if isinstance(cause, Exception):  # a plain ValueError / AssertionError of a validator
+        message = f"{path}: {cause}" if path else str(cause)
+    elif err["type"] == "missing":
+        message = f"{path} is required"
+    elif err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        message = f"{path or 'the body'} must be a JSON object, got {_json_type(err['input'])}"
+    else:
+        message = f"{path}: {err['msg']}, got {_json_type(err['input'])}"
+    return RequestError(message, param)
 
 
-def parse_generate(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
-    """POST /generate: {"prompt": text or token ids} or {"messages": [...]}, plus
-    sampling fields and `stop`; no streaming."""
-    obj = _object(body)
-    _reject_unsupported(obj)
-    if ("prompt" in obj) == ("messages" in obj):
-        raise RequestError('a request needs exactly one of "prompt" or "messages"', "prompt")
-    prompt = {"messages": _messages(obj["messages"])} if "messages" in obj else _one_prompt(obj["prompt"], "prompt")
-    if _flag(obj, "stream"):
-        raise RequestError("/generate does not stream; use /v1/completions with stream: true", "stream")
-    # logprobs and prompt_logprobs are counts, as in the batch CLI's request lines.
-    params = _sampling(obj, default, **{k: obj.get(k) for k in ROUTE_FIELDS})
-    return GenerationRequest(prompts=[prompt], params=params, stop=_stop(obj), model=model)
+def _path(loc: tuple[Any, ...]) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _check_model(obj: dict[str, Any], model: str) -> None:
-    name = obj.get("model")
-    if name is not None and name != model:  # omitted: the one model served
-        raise RequestError(f"model {name!r} is not served here; this server serves {model!r}",
-                           "model", code="model_not_found")
-
-
-def _reject_unsupported(obj: dict[str, Any]) -> None:
-    for name, neutral in UNSUPPORTED_FIELDS.items():
-        if name in obj and obj[name] not in neutral:
-            raise RequestError(f"{name} is not supported yet (got {obj[name]!r})", name, code="unsupported")
-    best_of = obj.get("best_of")
-    if best_of is not None and best_of != obj.get("n", 1):
-        raise RequestError("best_of is not supported yet (only best_of == n)", "best_of", code="unsupported")
-
-
-def _reject_prompt_logprobs(obj: dict[str, Any]) -> None:
-    if obj.get("prompt_logprobs") is not None:
-        raise RequestError("prompt_logprobs is not supported here; /v1/completions returns the prompt's "
-                           "logprobs with echo: true and logprobs, /generate with prompt_logprobs",
-                           "prompt_logprobs", code="unsupported")
-
-
-def _chat_logprobs(obj: dict[str, Any]) -> int | None:
-    """SamplingParams.logprobs of a chat request: `top_logprobs` (default 0)
-    alternatives when `logprobs` is true, none otherwise."""
-    top = obj.get("top_logprobs")
-    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
-        raise RequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
-                           "top_logprobs")
-    if not _flag(obj, "logprobs"):
-        if top is not None:
-            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        return None
-    return top or 0
-
-
-def _sampling(obj: dict[str, Any], default: SamplingParams, **route_fields: Any) -> SamplingParams:
-    """The body's sampling fields (null: the default) over `default`; the route
-    gives the ROUTE_FIELDS it read in its own way."""
-    fields = {k: v for k, v in obj.items()
-              if k in SAMPLING_FIELDS and k not in UNSUPPORTED_FIELDS and k not in ROUTE_FIELDS}
-    fields.update(route_fields)
-    fields = {k: v for k, v in fields.items() if v is not None}
+def _json_type(x: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    kind = names.get(type(x), type(x).__name__)
+    if kind in ("an object", "an array", "null"):
+        return kind
     try:
-        return parse_sampling_params(fields, default)
-    except ValueError as e:
-        raise RequestError(str(e), _field_named(str(e))) from None
+        text = json.dumps(x, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(x)
+    return f"{kind} {text if len(text) <= 80 else text[:80] + '...'}"
+
+
+# ---------------------------------------------------------------- messages
+class TextPart(BaseModel):
+    """A part of a message's content; only text parts are supported."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message: `content` a string or a list of text parts (joined).
+    Other fields (`name`...) go to the chat template as they came."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: Union[str, list[TextPart]]
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            if isinstance(value, list):
+                raise Invalid("only text parts are supported "
+                              '([{"type": "text", "text": ...}, ...])') from None
+            raise Invalid(f"must be a string or a list of text parts, got {_json_type(value)}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it: content one string."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {**self.model_dump(), "content": content}
+
+
+def _non_empty_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
+    if not messages:
+        raise Invalid("messages must be a non-empty list")
+    return messages
+
+
+Messages = Annotated[list[ChatMessage], AfterValidator(_non_empty_messages)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: Optional[bool] = None
+
+
+# ---------------------------------------------------------------- requests
+_PROMPT_FORMS = "a non-empty string, a non-empty list of token ids, or a list of those"
+
+
+class _Request(BaseModel):
+    """What every route reads: the sampling fields (their types; their values
+    are SamplingParams.validate's to check), stop strings, and the OpenAI fields
+    jpaged refuses.  A null field is the server's default."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    n: Optional[int] = None
+    cache_salt: Optional[str] = None
+    ignore_eos: Optional[bool] = None
+    stop: Union[str, list[str], None] = None
+    # UNSUPPORTED_FIELDS (any type: any value but a neutral one is refused), and best_of.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    suffix: Any = None
+    tools: Any = None
+    functions: Any = None
+    response_format: Any = None
+    min_tokens: Any = None
+    best_of: Any = None
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            stop = handler(value)
+        except ValidationError:
+            raise Invalid(f"stop must be a string or a list of strings, got {_json_type(value)}") from None
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise Invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        return stop
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in UNSUPPORTED_FIELDS[info.field_name]:
+            raise Invalid(f"{info.field_name} is not supported yet (got {value!r})", code="unsupported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value != (info.data.get("n") or 1):
+            raise Invalid("best_of is not supported yet (only best_of == n)", code="unsupported")
+        return value
+
+    @property
+    def stop_strings(self) -> tuple[str, ...] | None:
+        """The request's stop strings, empty ones dropped; None: not given."""
+        if self.stop is None:
+            return None
+        return tuple(s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s)
+
+    def sampling_params(self, default: SamplingParams, aliases: dict[str, str] | None = None,
+                        **route_fields: Any) -> SamplingParams:
+        """The body's sampling fields and stop strings over `default`; the route
+        gives the ROUTE_FIELDS it read in its own way.  A value SamplingParams
+        refuses is a 400 naming its field (or its alias in this body)."""
+        fields = {k: getattr(self, k) for k in _COMMON_SAMPLING_FIELDS}
+        fields.update(route_fields)
+        fields = {k: v for k, v in fields.items() if v is not None}
+        stops = self.stop_strings
+        base = default if stops is None else dataclasses.replace(default, stop=stops)
+        try:
+            return parse_sampling_params(fields, base)
+        except ValueError as e:
+            message, param = str(e), _field_named(str(e))
+            if param in (aliases or {}):  # named as this body names it
+                message, param = aliases[param] + message[len(param):], aliases[param]
+            raise RequestError(message, param) from None
+
+
+# request_parsing's sampling fields the route models all read alike.
+_COMMON_SAMPLING_FIELDS = tuple(k for k in SAMPLING_FIELDS if k not in ROUTE_FIELDS and k != "stop")
+_PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(REQUEST_FIELDS)
 
 
 def _field_named(message: str) -> str | None:
-    """The request field a request_parsing message starts with ("top_p must be ...")."""
+    """The field a SamplingParams.validate message starts with ("top_p must be ...")."""
     m = re.match(r"[a-z_]+", message)
-    return m.group(0) if m and m.group(0) in REQUEST_FIELDS else None
+    return m.group(0) if m and m.group(0) in _PARAMS_FIELDS else None
 
 
-def _completion_prompts(prompt: Any) -> list[Any]:
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_one_prompt(prompt, "prompt")]
+class _OpenAIRequest(_Request):
+    """The fields the two OpenAI routes share: the model's name and streaming."""
+
+    model: Optional[str] = None         # omitted: the one model served
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    prompt_logprobs: Any = None         # not an OpenAI field; refused here (see the message)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, name: str | None, info: ValidationInfo) -> str | None:
+        served = (info.context or {}).get("model")
+        if name is not None and served is not None and name != served:
+            raise Invalid(f"model {name!r} is not served here; this server serves {served!r}",
+                          code="model_not_found")
+        return name
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise Invalid("stream_options is only allowed with stream: true")
+        return options
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: Any) -> Any:
+        if value is not None:
+            raise Invalid("prompt_logprobs is not supported here; /v1/completions returns the prompt's "
+                          "logprobs with echo: true and logprobs, /generate with prompt_logprobs",
+                          code="unsupported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
 
 
-def _one_prompt(prompt: Any, where: str) -> str | list[int]:
-    if isinstance(prompt, str):
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions: `prompt` is a string, a token-id list, or a list of
+    either; `logprobs`: how many alternatives per token (with `echo`, the
+    prompt's tokens get them too)."""
+
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    echo: Optional[bool] = None
+    logprobs: Optional[int] = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise Invalid(f"prompt must be {_PROMPT_FORMS}; got {_json_type(value)}") from None
         if not prompt:
-            raise RequestError(f"{where} must not be empty", "prompt")
+            raise Invalid("prompt must not be empty")
+        if isinstance(prompt, list) and not _is_token_ids(prompt):
+            for i, p in enumerate(prompt):
+                if not p:
+                    raise Invalid(f"prompt[{i}] must not be empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt
-    raise RequestError(f"{where} must be a non-empty string, a non-empty list of token ids, or a list "
-                       f"of those; got {type(prompt).__name__}", "prompt")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        one = isinstance(self.prompt, str) or _is_token_ids(self.prompt)
+        return [self.prompt] if one else list(self.prompt)
+
+    def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
+        echo = bool(self.echo)
+        params = self.sampling_params(default, logprobs=self.logprobs,
+                                      prompt_logprobs=self.logprobs if echo else None)
+        return GenerationRequest(prompts=self.prompts, params=params, stop=list(params.stop),
+                                 stream=bool(self.stream), echo=echo, include_usage=self.include_usage,
+                                 model=model)
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages with text-part contents ([{"type": "text", "text": ...}]) joined."""
-    if isinstance(messages, list):
-        messages = [_text_content(m, i) if isinstance(m, dict) else m for i, m in enumerate(messages)]
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions: `messages`, rendered with the model's chat
+    template; `logprobs: true` with `top_logprobs` alternatives per token."""
+
+    messages: Messages
+    max_completion_tokens: Optional[int] = None   # the newer name of max_tokens (wins over it)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise Invalid(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+        if top is not None and not info.data.get("logprobs"):
+            raise Invalid("top_logprobs needs logprobs: true")
+        return top
+
+    def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
+        renamed = self.max_completion_tokens is not None
+        req = self.model_copy(update={"max_tokens": self.max_completion_tokens}) if renamed else self
+        params = req.sampling_params(default, aliases={"max_tokens": "max_completion_tokens"} if renamed else None,
+                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        return GenerationRequest(prompts=[{"messages": [m.as_dict() for m in self.messages]}], params=params,
+                                 stop=list(params.stop), stream=bool(self.stream),
+                                 include_usage=self.include_usage, model=model)
+
+
+class GenerateRequest(_Request):
+    """POST /generate: {"prompt": text or token ids} or {"messages": [...]}, plus
+    the sampling fields, `stop`, and `logprobs` / `prompt_logprobs` as counts (as
+    in the batch CLI's request lines); no streaming, any `model`."""
+
+    prompt: Union[str, list[int]] = None  # type: ignore[assignment]  # exactly one of the two
+    messages: Messages = None  # type: ignore[assignment]
+    stream: Optional[bool] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise Invalid(f"prompt must be a non-empty string or a non-empty list of token ids; "
+                          f"got {_json_type(value)}") from None
+        if not prompt:
+            raise Invalid("prompt must not be empty")
+        return prompt
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, stream: bool | None) -> bool | None:
+        if stream:
+            raise Invalid("stream is not supported by /generate; use /v1/completions with stream: true")
+        return stream
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "GenerateRequest":
+        if ("prompt" in self.model_fields_set) == ("messages" in self.model_fields_set):
+            raise Invalid('a request needs exactly one of "prompt" or "messages"', "prompt")
+        return self
+
+    def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
+        prompt = self.prompt if self.messages is None else {"messages": [m.as_dict() for m in self.messages]}
+        params = self.sampling_params(default, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model)
+
+
+def _is_token_ids(prompt: list[Any]) -> bool:
+    return all(type(t) is int for t in prompt)
+
+
+# ------------------------------------------------------------------ parsing
+def parse_request(request_type: type[CompletionRequest | ChatCompletionRequest | GenerateRequest], body: Any,
+                  default: SamplingParams, model: str) -> GenerationRequest:
+    """A decoded JSON body checked against `request_type`; RequestError (400) if it fails."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {_json_type(body)}")
     try:
-        return parse_messages(messages)
-    except ValueError as e:
-        raise RequestError(str(e), "messages") from None
+        request = request_type.model_validate(body, context={"model": model})
+    except ValidationError as e:
+        raise request_error(e) from None
+    return request.generation(default, model)
 
 
-def _text_content(message: dict[str, Any], i: int) -> dict[str, Any]:
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-               for p in content):
-        raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-    return {**message, "content": "".join(p["text"] for p in content)}
+def parse_completion(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+    """POST /v1/completions (CompletionRequest)."""
+    return parse_request(CompletionRequest, body, default, model)
 
 
-def _stop(obj: dict[str, Any]) -> list[str]:
-    stop = obj.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise RequestError("stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-    return [s for s in stops if s]
+def parse_chat(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+    """POST /v1/chat/completions (ChatCompletionRequest)."""
+    return parse_request(ChatCompletionRequest, body, default, model)
 
 
-def _flag(obj: dict[str, Any], name: str) -> bool:
-    value = obj.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}", name)
-    return value
-
-
-def _include_usage(obj: dict[str, Any]) -> bool:
-    options = obj.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
-    if not _flag(obj, "stream"):
-        raise RequestError("stream_options is only allowed with stream: true", "stream_options")
-    return _flag(options, "include_usage")
+def parse_generate(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+    """POST /generate (GenerateRequest)."""
+    return parse_request(GenerateRequest, body, default, model)
 
 
 # ---------------------------------------------------------------- responses
