@@ -4,6 +4,10 @@
 transformers on the serving path) and adds what generation needs on top: the ids
 that end a sequence, whether to prepend BOS, and the Jinja chat template, rendered
 the same way `transformers` renders it.
+
+GGUF vocabularies: byte-level BPE ("gpt2") is built here; SentencePiece ("llama":
+Llama 2, Mistral 7B v0.1, Gemma 1-3) goes through transformers' GGUF tokenizer
+converter (`jpaged.tokenizer.sentencepiece`), imported only when such a file is loaded.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ _SPLIT_REGEXES = {
 
 
 class Tokenizer:
-    """A byte-level BPE (or any `tokenizers`) tokenizer plus generation metadata.
+    """A `tokenizers` tokenizer (byte-level BPE, SentencePiece BPE, ...) plus generation metadata.
 
     Attributes:
         bos_token_id: id of the beginning-of-sequence token, or None.
@@ -236,15 +240,21 @@ class Tokenizer:
         """
         meta = _as_metadata(source)
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"]) if kind in ("gpt2", "llama") else []
+        if kind == "gpt2":
+            types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+            backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre"))
+            _add_gguf_added_tokens(backend, tokens, types)
+            add_bos_default = False
+        elif kind == "llama":
+            from jpaged.tokenizer.sentencepiece import sentencepiece_backend  # imports transformers
+            backend = sentencepiece_backend(meta)
+            add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say
+        else:
             raise NotImplementedError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "use a Hugging Face checkpoint directory with a tokenizer.json instead")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre"))
-        _add_gguf_added_tokens(backend, tokens, types)
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2' and "
+                "SentencePiece 'llama'); use a Hugging Face checkpoint directory with a tokenizer.json instead")
 
         def tok_id(key: str) -> int | None:
             v = meta.get(f"tokenizer.ggml.{key}")
@@ -256,7 +266,7 @@ class Tokenizer:
         eos_ids = [i for i in (eos, tok_id("eot_token_id"), tok_id("eom_token_id")) if i is not None]
         name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731
         return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, pad_token_id=pad,
-                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
                    chat_template=meta.get("tokenizer.chat_template"),
                    special_tokens={"bos_token": name(bos), "eos_token": name(eos),
                                    "pad_token": name(pad), "unk_token": name(unk)})
