@@ -100,7 +100,7 @@ def start_jpaged(log_dir: pathlib.Path) -> Server:
     port = free_port()
     cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port", str(port),
            "--precompile", "--noaccess_log", f"--config.max_num_seqs={_MAX_RUNNING.value}",
-           f"--config.max_new_tokens={_MAX_TOKENS.value}", "--config.max_queued_requests=100000"]
+           f"--config.max_tokens={_MAX_TOKENS.value}", "--config.max_queued_requests=100000"]
     return Server("jpaged", cmd, port, "smollm2-135m", log_dir)
 
 

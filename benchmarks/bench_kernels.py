@@ -5,7 +5,7 @@ Each point is one ragged step of `batch` sequences, all with K/V of length
 prefill chunk over a cached prefix): q [batch * q_len, H, D], cu_q_lens =
 arange(batch + 1) * q_len, the contract of `pallas_kernels.paged_attention`.
   ours      pallas_kernels.paged_attention(impl=<--impl, default by backend>);
-            for "gpu", pallas_kernels.gpu.paged_attention_gpu with the
+            for "pallas_gpu", pallas_kernels.gpu.paged_attention_gpu with the
             tuning flags below
   jax_ops   jax.experimental.pallas.ops.gpu.paged_attention (decode only,
             its own layout: k/v_pages [KVH, pages, BS, D]; the pool is
@@ -64,7 +64,8 @@ flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
 flags.DEFINE_string("dtype", "bfloat16", "K/V and q dtype.")
 flags.DEFINE_integer("iters", 20, "n: unrolled attention calls per timed program (n and 2n are run).")
 flags.DEFINE_integer("reps", 10, "Timed repetitions (median is reported).")
-flags.DEFINE_string("impl", None, "Our impl: gpu / tpu / reference (default by backend).")
+flags.DEFINE_enum("impl", None, list(pallas_kernels.IMPLS), "Our impl (default by backend: "
+                  "pallas_kernels.default_impl()).")
 flags.DEFINE_integer("q_len", 1, "New tokens per sequence (1 = decode).")
 flags.DEFINE_integer("block_k", None, "gpu: keys per loop iteration (default: the kernel's).")
 flags.DEFINE_integer("block_m", None, "gpu: query rows per ragged tile (default: the kernel's).")
@@ -175,7 +176,7 @@ GPU_TUNING = ("block_k", "block_m", "decode_rows", "num_partitions", "num_warps"
 
 def ours(impl: str):
     """Our attention; the gpu kernels with any launch overrides from the flags."""
-    if impl != "gpu":
+    if impl != "pallas_gpu":
         return functools.partial(pallas_kernels.paged_attention, impl=impl)
     from pallas_kernels import gpu
     tuning = {name: getattr(FLAGS, name) for name in GPU_TUNING if getattr(FLAGS, name) is not None}
@@ -260,7 +261,7 @@ def main(argv):
         FLAGS.head_dim, FLAGS.num_kv_heads, FLAGS.gqa, FLAGS.block_size = 64, 2, 4, 16
         FLAGS.iters, FLAGS.reps = 2, 2
         FLAGS.copy_mb, FLAGS.rotate_mb, FLAGS.max_sets = 16.0, 1.0, 2
-    impl = FLAGS.impl or ("gpu" if FLAGS.smoke and jax.default_backend() == "cpu"
+    impl = FLAGS.impl or ("pallas_gpu" if FLAGS.smoke and jax.default_backend() == "cpu"
                           else pallas_kernels.default_impl())
     dev = device_name()
     backend = jax.default_backend()

@@ -137,7 +137,7 @@ def run_lines(llm: LLM, lines: list[bytes], waves: int) -> tuple[dict[int, dict]
 def make_llm(mode: str) -> LLM:
     return LLM(max_model_len=MAX_MODEL_LEN, num_blocks=_NUM_BLOCKS.value, max_num_seqs=_MAX_NUM_SEQS.value,
                max_num_batched_tokens=256, preemption_mode=mode, swap_space_gb=0.05,
-               max_new_tokens=_MAX_TOKENS.value)
+               max_tokens=_MAX_TOKENS.value)
 
 
 def soak(mode: str, lines: list[bytes], bad: set[int]) -> dict:

@@ -7,6 +7,6 @@ def get_config():
     config = default_config()
     config.model = "smollm2-135m"
     config.max_num_seqs = 8
-    config.max_new_tokens = 128
+    config.max_tokens = 128
     config.compilation_cache = True  # restarts reuse compiled steps (sets JAX's cache dir)
     return config

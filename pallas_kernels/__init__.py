@@ -6,8 +6,8 @@ flat ragged batch: `q[T, H, D]`, where sequence s owns tokens
 vLLM V1 and tpu-inference.  Every implementation takes that contract:
 
 * "reference": jnp gather + masked dense attention in fp32 (the oracle).
-* "gpu": Pallas/Triton kernels (`gpu.py`).
-* "tpu": Pallas/Mosaic TPU kernel (`tpu.py`): pool in HBM, pages DMA'd to VMEM.
+* "pallas_gpu": Pallas/Triton kernels (`gpu.py`).
+* "pallas_tpu": Pallas/Mosaic TPU kernel (`tpu.py`): pool in HBM, pages DMA'd to VMEM.
 * "cpu": C++ XLA FFI custom calls (`cpu.py`, built with g++ on first use) that
   read K/V through the block table for decode and prefill alike; when the
   kernel cannot be built (`cpu.available()` False, reason logged once) or for
@@ -21,13 +21,15 @@ attention, with the same program as before the options existed.
 Each backend owns both halves of a layer's cache traffic: `attention` (read)
 and `write_kv` (scatter the new tokens' K/V into the pool, in place when the
 pool is donated).  `get_backend(impl)` is resolved while tracing from the impl
-name alone; nothing consults a process-wide default inside a step.
+name alone; nothing consults a process-wide default inside a step.  These names
+(`IMPLS`) are also jpaged's config values of `attention_impl` (plus "auto", which
+the engine resolves with `default_impl()`).
 
 Off their backend the Pallas kernels run in interpret mode automatically
 (Triton kernels with `interpret=True`, TPU kernels in TPU interpret mode),
 which is how they are tested on CPU.  `default_impl()` picks by
-`jax.default_backend()` ("cpu" on the CPU backend when the CPU kernel builds,
-else "reference").
+`jax.default_backend()` ("pallas_gpu" on GPU, "pallas_tpu" on TPU, "cpu" on the
+CPU backend when the CPU kernel builds, else "reference")
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import jax
 
 from pallas_kernels.reference import paged_attention_reference, write_kv_reference
 
-IMPLS = ("reference", "gpu", "tpu", "cpu")
+# Every backend's name: what get_backend takes, default_impl returns and Backend.name holds.
+IMPLS = ("reference", "cpu", "pallas_gpu", "pallas_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +60,12 @@ def get_backend(impl: str) -> Backend:
     """The attention read and K/V write of `impl` (one of IMPLS)."""
     if impl == "reference":
         return Backend("reference", paged_attention_reference, write_kv_reference)
-    if impl == "gpu":
+    if impl == "pallas_gpu":
         from pallas_kernels import gpu
-        return Backend("gpu", gpu.paged_attention_gpu, write_kv_reference)
-    if impl == "tpu":
+        return Backend("pallas_gpu", gpu.paged_attention_gpu, write_kv_reference)
+    if impl == "pallas_tpu":
         from pallas_kernels import tpu
-        return Backend("tpu", tpu.paged_attention_tpu, write_kv_reference)
+        return Backend("pallas_tpu", tpu.paged_attention_tpu, write_kv_reference)
     if impl == "cpu":
         from pallas_kernels import cpu
         return Backend("cpu", cpu.paged_attention_or_reference, cpu.write_kv_or_reference)
@@ -70,10 +73,11 @@ def get_backend(impl: str) -> Backend:
 
 
 def default_impl() -> str:
-    """"gpu" on a GPU backend, "tpu" on TPU, "cpu" on CPU if its kernel builds, else "reference"."""
+    """"pallas_gpu" on a GPU backend, "pallas_tpu" on TPU, "cpu" on CPU if its kernel
+    builds, else "reference"."""
     backend = jax.default_backend()
     if backend in ("gpu", "tpu"):
-        return backend
+        return f"pallas_{backend}"
     if backend == "cpu":
         from pallas_kernels import cpu
         if cpu.available():

@@ -70,14 +70,15 @@ def test_embedded_model_default_passes_when_its_package_is_installed():
 
 
 def test_choices_and_names_match_the_modules_that_use_them():
-    from jpaged.engine import llm as engine
+    import pallas_kernels
     from jpaged.loading import weights
     from jpaged.core.prefix_cache import make_index
-    assert set(config_module.ATTENTION_IMPLS) == set(engine.ATTENTION_IMPLS) | {"auto"}
-    assert config_module.KV_CACHE_DTYPES == engine.KV_CACHE_DTYPES
-    assert config_module.LAYER_LOOPS == engine.LAYER_LOOPS
-    assert config_module.EMBEDDED_MODEL == weights.EMBEDDED_MODEL
-    assert config_module.EMBEDDED_PACKAGE == weights._EMBEDDED_PACKAGE
+    # The config's attention names are the kernel registry's, in its order, plus "auto".
+    assert config_module.ATTENTION_IMPLS == ("auto", *pallas_kernels.IMPLS)
+    for name in pallas_kernels.IMPLS:
+        assert pallas_kernels.get_backend(name).name == name
+    assert pallas_kernels.default_impl() in config_module.ATTENTION_IMPLS
+    assert weights.LOAD_FORMATS is config_module.LOAD_FORMATS
     for name in config_module.DTYPES:
         weights.to_numpy_dtype(name)
     for name in config_module.PREFIX_CACHE_INDEXES:
@@ -150,14 +151,14 @@ def assert_really_valid(cfg) -> None:
     for name in ("compilation_cache", "enable_prefix_caching"):
         assert isinstance(cfg[name], bool)
     for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "max_new_tokens", "top_k", "seed"):
+                 "max_tokens", "top_k", "seed"):
         assert is_int(cfg[name]), name
     for name in ("kv_memory_fraction", "swap_space_gb", "temperature", "top_p"):
         assert is_real(cfg[name]), name
     assert 1 <= cfg.block_size <= 256
     assert cfg.num_blocks == 0 or cfg.num_blocks >= 2
     assert 1 <= cfg.max_num_seqs <= cfg.max_num_batched_tokens
-    assert cfg.max_model_len >= 2 and cfg.max_new_tokens >= 1
+    assert cfg.max_model_len >= 2 and cfg.max_tokens >= 1
     assert 0 < cfg.kv_memory_fraction <= 1 and 0 < cfg.top_p <= 1
     assert cfg.temperature >= 0 and cfg.swap_space_gb >= 0
     assert 0 <= cfg.seed < 2**31
@@ -165,7 +166,7 @@ def assert_really_valid(cfg) -> None:
     assert cfg.model == config_module.EMBEDDED_MODEL or os.path.exists(cfg.model)
     # What the engine does with them at start-up must work.
     np.random.default_rng(cfg.seed)
-    SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+    SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                    top_k=cfg.top_k).validate()
 
 
@@ -184,8 +185,8 @@ def assert_really_valid(cfg) -> None:
     ("max_num_seqs", 0, "max_num_seqs: 0 is not allowed; an integer in [1, 2147483647]"),
     ("max_num_batched_tokens", -8, "max_num_batched_tokens: -8 is not allowed; "),
     ("max_model_len", 1, "max_model_len: 1 is not allowed; an integer in [2, 2147483647]"),
-    ("max_new_tokens", 0, "max_new_tokens: 0 is not allowed; an integer in [1, 2147483647]"),
-    ("max_new_tokens", None, "max_new_tokens: None (NoneType) is not an integer; "),
+    ("max_tokens", 0, "max_tokens: 0 is not allowed; an integer in [1, 2147483647]"),
+    ("max_tokens", None, "max_tokens: None (NoneType) is not an integer; "),
     ("temperature", math.nan, "temperature: nan is not allowed; a finite number >= 0 (0: greedy)"),
     ("temperature", math.inf, "temperature: inf is not allowed; "),
     ("temperature", -0.5, "temperature: -0.5 is not allowed; "),
@@ -248,6 +249,33 @@ def test_batched_tokens_below_max_num_seqs(base):
         "max_num_batched_tokens: 8 is less than max_num_seqs (16); at least max_num_seqs: every running "
         "sequence's decode token must fit in one step")
     check(base, max_num_seqs=8, max_num_batched_tokens=8)
+
+
+def test_sampling_defaults_are_sampling_params_defaults():
+    cfg, params = default_config(), SamplingParams()
+    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        assert cfg[name] == getattr(params, name), name
+    from jpaged.core.request_parsing import default_sampling_params
+    assert default_sampling_params(cfg) == params
+
+
+def test_max_new_tokens_is_a_deprecated_alias_of_max_tokens(base):
+    with pytest.warns(FutureWarning, match="max_new_tokens is deprecated: use max_tokens"):
+        cfg = apply_overrides(base, None, max_new_tokens=7)
+    assert cfg.max_tokens == 7 and "max_new_tokens" not in cfg
+    validate_config(cfg)
+    # In a config file (an old one sets it on top of default_config()).
+    old_file = default_config()
+    old_file.max_new_tokens = 9
+    with pytest.warns(FutureWarning):
+        assert apply_overrides(default_config(), old_file).max_tokens == 9
+    # The new name wins where the same source changes both (a --config.max_tokens
+    # override of an old file).
+    old_file.max_tokens = 5
+    with pytest.warns(FutureWarning):
+        assert apply_overrides(default_config(), old_file).max_tokens == 5
+    with pytest.warns(FutureWarning):
+        assert error(base, max_new_tokens=0) == "max_tokens: 0 is not allowed; an integer in [1, 2147483647]"
 
 
 def test_model_must_exist(base):

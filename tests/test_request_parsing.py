@@ -48,6 +48,10 @@ def line(obj) -> bytes:
     (b'{"prompt": "hi", "n": "2"}', ["n must"]),
     (b'{"prompt": "hi", "stop_token_ids": 5}', ["stop_token_ids"]),
     (b'{"prompt": "hi", "stop_token_ids": [1, "a"]}', ["stop_token_ids"]),
+    (b'{"prompt": "hi", "stop": 5}', ["stop must"]),
+    (b'{"prompt": "hi", "stop": [".", 3]}', ["stop must"]),
+    (b'{"prompt": "hi", "stop": {"a": 1}}', ["stop must"]),
+    (b'{"prompt": "hi", "stop": [' + b", ".join([b'"x"'] * 17) + b"]}", ["stop must", "at most 16"]),
     (b'{"prompt": "hi", "cache_salt": 7}', ["cache_salt", "string"]),
     (b'{"prompt": "hi", "cache_salt": ["a"]}', ["cache_salt", "string"]),
     (b'{"prompt": "hi", "ignore_eos": "yes"}', ["ignore_eos"]),
@@ -68,6 +72,16 @@ def test_good_line_merges_defaults():
     assert r.error is None and not r.warnings
     assert r.prompt == {"prompt": "hi"}
     assert r.params == SamplingParams(max_tokens=4, temperature=0.5, stop_token_ids=(3,), seed=2**32 - 2)
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["."], (".",)), ([".", "\n\n"], (".", "\n\n")), ("END", ("END",)), ([], ()), (None, ()),
+])
+def test_stop_is_a_string_or_a_list_of_strings_as_in_openai(stop, expected):
+    r = parse_line(line({"prompt": "hi", "stop": stop}), DEFAULT, 0)
+    assert r.error is None and not r.warnings
+    assert r.params == SamplingParams(max_tokens=4, stop=expected)
+    assert r.params.stop == expected and isinstance(r.params.stop, tuple)
 
 
 def test_unknown_fields_warn_with_the_nearest_name():

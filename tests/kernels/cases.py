@@ -11,7 +11,7 @@ them).
 
 `CASES` is the one table every implementation's test is driven by: each
 test file runs the cases that list its impl in `impls` ("reference": the
-oracle against a dense numpy implementation; "cpu", "gpu", "tpu": the
+oracle against a dense numpy implementation; "cpu", "pallas_gpu", "pallas_tpu": the
 kernels against the oracle), with the kernel's static tuning from `tuning`.
 Every case with a sliding window or a soft cap runs on the reference and the
 CPU kernel; the interpreted Pallas kernels (slow on CPU: each distinct shape
@@ -178,7 +178,7 @@ class Case:
     layer: int = 1
     pad_tokens: int = 3
     pad_seqs: int = 1
-    impls: tuple[str, ...] = ("cpu",)   # the tests that run it: "reference", "cpu", "gpu", "tpu"
+    impls: tuple[str, ...] = ("cpu",)   # the tests that run it: names of pallas_kernels.IMPLS
     tuning: dict = dataclasses.field(default_factory=dict)   # impl -> static kernel kwargs
     fp32_tol: float = 1.0     # x the fp32 tolerance (large soft-capped logits: fp32 rounding)
 
@@ -206,7 +206,7 @@ class Case:
                      **self.options)
 
 
-GPU, TPU = ("gpu",), ("tpu",)
+GPU, TPU = ("pallas_gpu",), ("pallas_tpu",)
 REF_CPU = ("reference", "cpu")       # every window / soft-cap case at least
 # Scores of +-60..90 under a cap of 50: the cap decides the softmax.  The scale is a power
 # of two, so the scaled q the GPU / TPU kernels round to bf16 loses nothing (a rounded
@@ -224,20 +224,20 @@ CASES = [
     Case("decode-long-1seq", [(1037, 1)], G=1, KVH=2, D=64, BS=8, pad_tokens=2, pad_seqs=2,
          impls=GPU),                                                     # split-KV P = 4
     Case("decode-partitions", decode(5, 300), G=3, KVH=2, D=128, BS=16, dtype=BF16,
-         pad_tokens=2, pad_seqs=2, impls=GPU, tuning=dict(gpu=dict(num_partitions=3))),
+         pad_tokens=2, pad_seqs=2, impls=GPU, tuning=dict(pallas_gpu=dict(num_partitions=3))),
     Case("decode-batch33", decode(33, 256), G=4, KVH=2, D=64, BS=32, pad_tokens=2, pad_seqs=2,
-         impls=GPU, tuning=dict(gpu=dict(block_k=64))),
+         impls=GPU, tuning=dict(pallas_gpu=dict(block_k=64))),
     Case("decode-bigpages", decode(2, 1100), G=8, KVH=2, D=128, BS=128, dtype=BF16,
          pad_tokens=2, pad_seqs=2, impls=GPU),                           # slices of 128-key pages
     Case("decode-tiny-tiles", decode(9, 64), G=4, KVH=2, D=128, BS=8, dtype=BF16, pad_tokens=2,
-         pad_seqs=2, impls=GPU, tuning=dict(gpu=dict(block_k=8))),       # [16, 8]: no-dot path
+         pad_seqs=2, impls=GPU, tuning=dict(pallas_gpu=dict(block_k=8))),       # [16, 8]: no-dot path
     Case("decode-mid-page-partitions", decode(3, 600), G=4, KVH=2, D=128, BS=128, pad_tokens=2,
-         pad_seqs=2, impls=GPU, tuning=dict(gpu=dict(num_partitions=3, block_k=16))),
+         pad_seqs=2, impls=GPU, tuning=dict(pallas_gpu=dict(num_partitions=3, block_k=16))),
     Case("decode-long-steps", decode(3, 1040, longest=True), G=4, KVH=1, D=128, BS=32,
          dtype=BF16, pad_tokens=2, pad_seqs=2, impls=TPU,
-         tuning=dict(tpu=dict(pages_per_compute_block=8))),              # many K/V steps
+         tuning=dict(pallas_tpu=dict(pages_per_compute_block=8))),              # many K/V steps
     Case("decode-g3", decode(6, 100, longest=True), G=3, KVH=2, D=64, BS=8, pad_tokens=2,
-         pad_seqs=2, impls=TPU, tuning=dict(tpu=dict(pages_per_compute_block=3))),
+         pad_seqs=2, impls=TPU, tuning=dict(pallas_tpu=dict(pages_per_compute_block=3))),
     # whole prompts: several token tiles and key chunks, boundaries +-1
     Case("prompts", [(n, n) for n in (1, 17, 48, 49, 130, 33)], G=3, KVH=3, D=64, BS=16,
          pad_tokens=5, pad_seqs=2),
@@ -261,7 +261,7 @@ CASES = [
     # a q_len-0 sequence with cached K/V
     Case("mixed-spec", [(1, 1), (24, 24), (70, 24), (100, 3), (40, 0), (50, 7), (17, 2),
                         (300, 1)], G=4, KVH=2, D=64, BS=16, impls=GPU,
-         tuning=dict(gpu=dict(num_partitions=3))),
+         tuning=dict(pallas_gpu=dict(num_partitions=3))),
     Case("mixed-g3-bf16", [(20, 20), (57, 13), (9, 1), (300, 1)], G=3, KVH=2, D=128, BS=8,
          dtype=BF16, impls=GPU),
     Case("mixed-g1", [(40, 40), (1030, 40), (64, 1), (96, 10)], G=1, KVH=2, D=64, BS=32,
@@ -271,22 +271,22 @@ CASES = [
     # several 16-row tiles per sequence; short sequences of up to 32 rows span two
     # tiles (only the first merges)
     Case("mixed-small-tiles", [(30, 30), (45, 5), (3, 1), (90, 17), (60, 9)], G=3, KVH=2, D=64,
-         BS=16, impls=GPU, tuning=dict(gpu=dict(block_m=16, block_k=16, decode_rows=32))),
+         BS=16, impls=GPU, tuning=dict(pallas_gpu=dict(block_m=16, block_k=16, decode_rows=32))),
     Case("mixed-no-split", [(64, 64), (33, 1), (200, 40), (70, 1)], G=4, KVH=2, D=128, BS=32,
-         dtype=BF16, impls=GPU, tuning=dict(gpu=dict(decode_rows=0))),
+         dtype=BF16, impls=GPU, tuning=dict(pallas_gpu=dict(decode_rows=0))),
     Case("ragged-3-tiles", mixed(7, 90, 40), G=4, KVH=2, D=64, BS=16, impls=TPU,
-         tuning=dict(tpu=dict(block_q=16, pages_per_compute_block=2))),
+         tuning=dict(pallas_tpu=dict(block_q=16, pages_per_compute_block=2))),
     Case("ragged-g8-bf16", mixed(5, 300, 24), G=8, KVH=1, D=128, BS=32, dtype=BF16, impls=TPU),
     Case("ragged-one-path", mixed(5, 70, 20), G=1, KVH=2, D=128, BS=16, dtype=BF16, impls=TPU,
-         tuning=dict(tpu=dict(block_q=8, pages_per_compute_block=1))),   # block_q == small
+         tuning=dict(pallas_tpu=dict(block_q=8, pages_per_compute_block=1))),   # block_q == small
 
     # --- Gemma's options: sliding window and logit soft cap ---
     # window 5 < block 16: a decode and a 40-token chunk far past several windows,
     # a whole prompt, short sequences inside one window; multi-tile chunks
     Case("window5-cap", [(300, 1), (150, 40), (37, 37), (9, 1), (64, 20), (5, 5)], G=2, KVH=2,
          D=64, BS=16, sliding_window=5, **BIG_LOGITS, impls=REF_CPU + GPU + TPU,
-         tuning=dict(gpu=dict(block_m=16, block_k=16, decode_rows=32),
-                     tpu=dict(block_q=16, pages_per_compute_block=2))),
+         tuning=dict(pallas_gpu=dict(block_m=16, block_k=16, decode_rows=32),
+                     pallas_tpu=dict(block_q=16, pages_per_compute_block=2))),
     # window 40 > block 16 (not a multiple), bf16, default tilings
     Case("window40-cap-bf16", mixed(6, 300, 48), G=4, KVH=1, D=128, BS=16, dtype=BF16,
          sliding_window=40, **BIG_LOGITS, impls=REF_CPU + GPU + TPU),
@@ -300,7 +300,7 @@ CASES = [
     # key tiles of half a page
     Case("window16-decode", decode(9, 600, longest=True), G=4, KVH=2, D=128, BS=16,
          dtype=BF16, sliding_window=16, pad_tokens=2, pad_seqs=2, impls=REF_CPU + GPU,
-         tuning=dict(gpu=dict(num_partitions=3, block_k=8))),
+         tuning=dict(pallas_gpu=dict(num_partitions=3, block_k=8))),
     # window 1: every token sees only itself
     Case("window1", [(30, 30), (17, 1), (8, 3), (70, 6)], G=2, KVH=1, D=64, BS=8,
          sliding_window=1, impls=REF_CPU),

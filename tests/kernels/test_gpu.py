@@ -1,7 +1,7 @@
 """GPU (Pallas Triton) ragged paged attention vs the jnp reference, on CPU.
 
 The kernels run with `interpret=True` (automatic off a GPU).  Interpret mode
-is slow, so the cases (`cases.CASES`, those listing "gpu") are a covering
+is slow, so the cases (`cases.CASES`, those listing "pallas_gpu") are a covering
 selection, not the product:
 
 * head_dim {64, 128} x GQA {1, 3, 4, 8} x block size {8, 16, 32, 128} x
@@ -59,12 +59,12 @@ def fast_jit(fn, **kw):
     return jax.jit(functools.partial(fn, **kw), compiler_options=FAST_COMPILE)
 
 
-@pytest.mark.parametrize("case", cases_for("gpu"), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", cases_for("pallas_gpu"), ids=lambda c: c.id)
 def test_matches_reference(case):
     seed = fresh_seed()
     seqs, args = case.make(seed)
-    out = fast_jit(kgpu.paged_attention_gpu, **case.options, **case.tuning.get("gpu", {}))(*args)
-    case.check(out, args, seed, seqs, f"gpu {case.tuning.get('gpu', {})}")
+    out = fast_jit(kgpu.paged_attention_gpu, **case.options, **case.tuning.get("pallas_gpu", {}))(*args)
+    case.check(out, args, seed, seqs, f"pallas_gpu {case.tuning.get('pallas_gpu', {})}")
 
 
 def test_fuzz_fixed_shapes():
@@ -100,7 +100,7 @@ def test_nan_isolation_and_layer():
     args = make_ragged_case(seed, seqs, G=2, KVH=2, D=64, BS=16, layer=2, width=8)
     pool = np.asarray(args[1])
     assert np.isnan(pool[0]).all() and np.isnan(pool[:, 0]).all() and np.isnan(pool[:, 1]).all()
-    out = fast_jit(pallas_kernels.paged_attention, impl="gpu")(*args)
+    out = fast_jit(pallas_kernels.paged_attention, impl="pallas_gpu")(*args)
     check_ragged(out, args, seed, "nan")
 
 
@@ -116,7 +116,7 @@ def test_traced_layer_in_scan():
         return attention_per_layer(impl, q, pool, bt, kv_lens, cu, compiler_options=FAST_COMPILE,
                                    **opts)
 
-    out, ref = run_impl("gpu"), run_impl("reference")
+    out, ref = run_impl("pallas_gpu"), run_impl("reference")
     assert out.shape == (NUM_LAYERS,) + q.shape
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL[np.dtype(F32)])
     plain = attention_per_layer("reference", q, pool, bt, kv_lens, cu, sm_scale=1.0)

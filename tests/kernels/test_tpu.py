@@ -3,7 +3,7 @@
 Every kernel run is in TPU interpret mode (CPU simulation of HBM, VMEM, SMEM,
 DMAs and semaphores) with the race detector on, and asserts that it found no
 race.  Interpret mode is slow (each distinct shape is a ~5 s compile), so the
-cases (`cases.CASES`, those listing "tpu", plus the tests below) are a
+cases (`cases.CASES`, those listing "pallas_tpu", plus the tests below) are a
 covering selection, not a product:
 
 * decode-only batches with long contexts (many K/V steps), whole prompts,
@@ -142,12 +142,12 @@ def test_tile_layout_covers_tokens_once():
 # over a cached prefix, prompts longer than one query tile, padding), windows
 # and soft caps.
 
-@pytest.mark.parametrize("case", cases_for("tpu"), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", cases_for("pallas_tpu"), ids=lambda c: c.id)
 def test_matches_reference(case):
     seed = fresh_seed()
     seqs, args = case.make(seed)
-    out = run_tpu(args, **case.options, **case.tuning.get("tpu", {}))
-    case.check(out, args, seed, seqs, "tpu")
+    out = run_tpu(args, **case.options, **case.tuning.get("pallas_tpu", {}))
+    case.check(out, args, seed, seqs, "pallas_tpu")
 
 
 # --------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_traced_layer_in_scan(monkeypatch):
     def run(impl, **kw):
         return np.asarray(attention_per_layer(impl, q, pool, bt, kv_lens, cu, **kw))
 
-    out = run("tpu", **opts)
+    out = run("pallas_tpu", **opts)
     assert_no_race()
     ref = run("reference", **opts)
     np.testing.assert_allclose(out, ref, **TOL[np.dtype(np.float32)], err_msg=f"seed={seed}")
