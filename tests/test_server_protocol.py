@@ -3,7 +3,11 @@ detokenization, stop strings, the OpenAI request checks and logprobs shapes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jpaged.tokenizer.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
 from jpaged.core.request_parsing import SAMPLING_FIELDS
@@ -233,9 +237,10 @@ def test_chat_message_errors_name_where():
     for content, words in [(None, ["messages[1].content", "string"]), ([{"type": "image_url"}], ["text parts"])]:
         error = refusal(parse_chat, {"messages": [*MESSAGES, {"role": "user", "content": content}]})
         assert error["param"] == "messages" and all(w in error["message"] for w in words), error
-    assert "messages[1].content is required" == refusal(parse_chat, {"messages": [*MESSAGES, {"role": "x"}]})[
-        "message"]
-    assert refusal(parse_chat, {"messages": MESSAGES, "max_completion_tokens": 0})["param"] == "max_completion_tokens"
+    error = refusal(parse_chat, {"messages": [*MESSAGES, {"role": "x"}]})
+    assert error["message"] == "messages[1].content is required"
+    error = refusal(parse_chat, {"messages": MESSAGES, "max_completion_tokens": 0})
+    assert error["param"] == "max_completion_tokens" and error["message"].startswith("max_completion_tokens must")
     # Other message fields reach the chat template as they came.
     req = parse_chat({"messages": [{"role": "user", "content": "a", "name": "bob"}]}, DEFAULT, "m")
     assert req.prompts == [{"messages": [{"role": "user", "content": "a", "name": "bob"}]}]
@@ -258,3 +263,31 @@ def test_generate_errors():
     assert refusal(parse_generate, {"prompt": "a", "stream": True})["param"] == "stream"
     assert refusal(parse_generate, {"prompt": "a", "prompt_logprobs": 21})["param"] == "prompt_logprobs"
     assert parse_generate({"messages": MESSAGES, "stream": False}, DEFAULT, "m").prompts == [{"messages": MESSAGES}]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([10**400, -10**400])
+    | st.floats(allow_nan=True) | st.text(max_size=8)
+    | st.sampled_from(["m", "text", "user", [{"type": "text", "text": "a"}], MESSAGES, [1, 2]]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["role", "content", "type", "text", "include_usage", "x"]) | st.text(max_size=4),
+        inner, max_size=3),
+    max_leaves=8)
+ROUTES = [(parse_completion, CompletionRequest), (parse_chat, ChatCompletionRequest),
+          (parse_generate, GenerateRequest)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(route=st.sampled_from(ROUTES), body=st.dictionaries(
+    st.sampled_from(sorted(set().union(*(m.model_fields for _, m in ROUTES))) + ["user"]), json_values, max_size=6))
+def test_random_bodies_get_a_request_or_a_400_naming_a_field_of_theirs(route, body):
+    parse, _ = route
+    try:
+        req = parse(body, DEFAULT, "m")
+    except RequestError as e:
+        error = e.body()["error"]
+        assert e.status == 400 and error["message"] and error["param"] in set(body) | {"prompt", "messages"}
+        json.dumps(e.body(), allow_nan=False)  # a valid JSON body
+        return
+    req.params.validate()
+    assert req.prompts and req.stop == list(req.params.stop)

@@ -236,7 +236,8 @@ class _Request(BaseModel):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value not in UNSUPPORTED_FIELDS[info.field_name]:
-            raise Invalid(f"{info.field_name} is not supported yet (got {value!r})", code="unsupported")
+            raise Invalid(f"{info.field_name} is not supported yet (got {_json_type(value)})",
+                          code="unsupported")
         return value
 
     @field_validator("best_of")
@@ -380,8 +381,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
         renamed = self.max_completion_tokens is not None
         req = self.model_copy(update={"max_tokens": self.max_completion_tokens}) if renamed else self
-        params = req.sampling_params(default, aliases={"max_tokens": "max_completion_tokens"} if renamed else None,
-                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        aliases = {"max_tokens": "max_completion_tokens"} if renamed else None
+        params = req.sampling_params(default, aliases, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
         return GenerationRequest(prompts=[{"messages": [m.as_dict() for m in self.messages]}], params=params,
                                  stop=list(params.stop), stream=bool(self.stream),
                                  include_usage=self.include_usage, model=model)
