@@ -271,3 +271,39 @@ def test_transformers_only_for_sentencepiece_files_and_never_torch(llama):
     spm = _imports_after(f"from jpaged.tokenizer.tokenizer import Tokenizer\n"
                          f"assert Tokenizer.from_gguf({str(path)!r}).encode('hello')")
     assert "transformers" in spm and "torch" not in spm
+
+
+# ---------------------------------------------------------------- streaming
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_streamed_text_concatenates_to_the_full_decode(which, request):
+    """The server's windowed detokenizer on SentencePiece vocabularies: the "▁" the
+    Llama decoder strips from the start, byte-fallback characters split over tokens
+    (U+FFFD never released mid-character) and skipped special tokens."""
+    from jpaged.tokenizer.detokenizer import SampleText
+
+    tok, _, _ = request.getfixturevalue(which)
+    eos = tok.eos_token_id
+    for s in STRINGS:
+        ids = tok.encode(s) + [eos] + tok.encode(" the end ☃", add_special_tokens=False)
+        sample = SampleText(lambda x: tok.decode(x, skip_special_tokens=True))
+        pieces = [sample.push([i]) for i in ids] + [sample.finish()]
+        assert "".join(pieces) == sample.text == tok.decode(ids), s
+        assert all("\ufffd" not in p for p in pieces), s
+
+
+def test_invalid_byte_fallback_sequences_stream_without_error(llama):
+    """A model may emit byte tokens that are not UTF-8 (a lone continuation byte, a cut
+    character), also right after a character that was itself spelled in bytes ("x" is
+    not in the vocabulary): the stream shows U+FFFD and goes on. tokenizers' DecodeStream
+    (tokenizers 0.23.3) raises "Invalid prefix encountered" on the latter, one reason
+    jpaged keeps its own detokenizer."""
+    from jpaged.tokenizer.detokenizer import SampleText
+
+    tok, _, _ = llama
+    byte = lambda b: tok.token_to_id(f"<0x{b:02X}>")  # noqa: E731
+    for head in ("the", "x"):
+        for bad in ([byte(0x98)], [byte(0xE2), byte(0x98)], [byte(0xFF), byte(0xFE)]):
+            ids = tok.encode(head, add_special_tokens=False) + bad + tok.encode(" world", add_special_tokens=False)
+            sample = SampleText(lambda x: tok.decode(x, skip_special_tokens=True))
+            text = "".join(sample.push([i]) for i in ids) + sample.finish()
+            assert text.endswith(" world") and "\ufffd" in text, (head, bad)

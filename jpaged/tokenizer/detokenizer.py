@@ -8,6 +8,14 @@ releases only the text that is final, so the pieces concatenate to the full
 decode of all tokens.  `StopStrings` holds back any tail that could be the
 start of a stop string, so a streamed response never shows text that a stop
 string later cuts.  Host code: no jax.
+
+Not `tokenizers.decoders.DecodeStream` (same windowed scheme, in Rust), because as of
+tokenizers 0.23: it needs a `tokenizers.Tokenizer` where this takes any `decode`
+callable (the server's, which also serves models without a tokenizer); it has no
+flush, so a character cut off by the end of generation is never shown where the
+full decode shows U+FFFD; and it raises "Invalid prefix encountered" when byte-
+fallback tokens (SentencePiece `<0xNN>`) that already decoded turn into an invalid
+UTF-8 sequence, which a model can emit (tests/test_gguf_tokenizers.py).
 """
 
 from __future__ import annotations
