@@ -217,6 +217,20 @@ def test_gemma_metadata(gemma):
     assert tok.encode("<think>", add_special_tokens=False) == [tok.token_to_id("<think>")]
 
 
+
+def test_no_ids_past_the_file_vocabulary(gemma):
+    """transformers' GemmaTokenizer adds a "<mask>" special token when the vocabulary has
+    none; its id would be past the embedding, so it is dropped."""
+    from jpaged.loading.gguf import read_gguf
+
+    _, hf, path = gemma
+    meta = read_gguf(path)[0]
+    tokens = ["<unused0>" if t == "<mask>" else t for t in meta["tokenizer.ggml.tokens"]]
+    tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.tokens": tokens})
+    assert tok.vocab_size == len(tokens) and tok.token_to_id("<mask>") is None
+    assert max(tok.encode("a <mask> b")) < len(tokens)
+    assert tok.encode("hello world") == hf.encode("hello world")
+
 def test_gemma_chat(gemma):
     """The chat template renders and tokenizes as transformers does; special-token
     strings in content stay text (tests/test_tokenizer_trust.py's rules)."""

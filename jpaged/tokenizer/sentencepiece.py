@@ -21,6 +21,7 @@ converter alone tokenizes " hi" as "▁hi" where SentencePiece and llama.cpp giv
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import tokenizers
@@ -46,7 +47,18 @@ def sentencepiece_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     if isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
         _llama_cpp_space_prefix(backend, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     backend.post_processor = None
-    return backend
+    return _within_vocabulary(backend, len(meta["tokenizer.ggml.tokens"]))
+
+
+def _within_vocabulary(backend: tokenizers.Tokenizer, size: int) -> tokenizers.Tokenizer:
+    """`backend` without the added tokens the converter invents past the file's vocabulary
+    (GemmaTokenizer adds a "<mask>" when the file has none): their ids have no embedding
+    row, yet a prompt naming them would encode to them."""
+    if backend.get_vocab_size(with_added_tokens=True) <= size:
+        return backend
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < size]
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
 
 
 def _converter() -> tuple[Any, dict[str, str]]:
