@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import random_prompts
-from jpaged.engine.llm import resolve_attention_impl
+from jpaged.engine.setup import resolve_attention_impl
 from jpaged.core.sequence import SamplingParams
 
 

@@ -63,10 +63,10 @@ def test_failed_step_fails_its_requests_and_engine_recovers(llm, expected, monke
 def test_failure_after_the_step_is_pinned_to_one_request(llm, expected, monkeypatch):
     real = llm._advance
 
-    def advance(seq, num_new, token, eos):
+    def advance(seq, num_new, token):
         if seq.seq_id == target[0] and seq.status is Status.DECODING and len(seq.output_token_ids) == 3:
             raise KeyError("bad stop rule")
-        return real(seq, num_new, token, eos)
+        return real(seq, num_new, token)
     target = [llm._next_id + 2]  # the third request of the next generate()
     monkeypatch.setattr(llm, "_advance", advance)
     outs = llm.generate(PROMPTS, GREEDY)

@@ -97,17 +97,23 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  index: str = "hash", allocator: BlockAllocator | None = None,
                  stats: EngineStats | None = None):
-        self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks)
-        self.num_blocks = self.allocator.num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.index = make_index(index)
+        self.index_kind = index
+        self.stats = stats if stats is not None else EngineStats()  # shared with the engine
+        self.reset(num_blocks, allocator=allocator)
+
+    def reset(self, num_blocks: int | None = None, *, allocator: BlockAllocator | None = None) -> None:
+        """Empties the manager in place (no sequence may hold blocks): a fresh free
+        list of num_blocks blocks (default: as many as now) and an empty prefix cache."""
+        self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks or self.num_blocks)
+        self.num_blocks = self.allocator.num_blocks
+        self.index = make_index(self.index_kind)
         self.refcount = [0] * self.num_blocks
         self._handle: dict[int, Any] = {}  # block -> its index handle, for cached blocks
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._copies: list[tuple[int, int]] = []
         self.num_shared_blocks = 0  # blocks with refcount > 1
-        self.stats = stats if stats is not None else EngineStats()  # shared with the engine
 
     # ------------------------------------------------------------- accounting
     @property

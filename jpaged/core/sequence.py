@@ -130,6 +130,9 @@ class Sequence:
         # prompt token (None for the first, which nothing predicts).
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
+        # Stop strings: the output's text as it grows (a SampleText, made by the
+        # engine's output processor on the first token of a sample with params.stop).
+        self.stop_text = None
         # Preemption.
         self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
         self.swap_status: Status | None = None  # status to resume with after swap-in

@@ -60,6 +60,12 @@ class EngineStats:
     def snapshot(self) -> EngineStats:
         return dataclasses.replace(self)
 
+    @staticmethod
+    def sum(parts: list[EngineStats]) -> EngineStats:
+        """Several engines' stats added field by field (one pool each: peaks add up too)."""
+        return EngineStats(**{f.name: sum(getattr(p, f.name) for p in parts)
+                              for f in dataclasses.fields(EngineStats)})
+
     def reset_peaks(self) -> None:
         for name in PEAK_FIELDS:
             setattr(self, name, 0)
@@ -76,3 +82,25 @@ class EngineStats:
     @property
     def kv_waste(self) -> float:
         return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
+
+
+@dataclasses.dataclass
+class EngineSnapshot:
+    """One look at an engine: gauges as they stand and counters since it started.
+    `LLM.snapshot()` takes it; the CLI summary, /metrics and the data-parallel
+    router all read it (a router's is the sum of its replicas')."""
+
+    running: int = 0             # requests with a sample prefilling or decoding
+    waiting: int = 0             # requests not started yet, or preempted by recompute
+    swapped: int = 0             # requests preempted to host memory
+    used_blocks: int = 0         # KV blocks held now
+    num_blocks: int = 0          # KV blocks in the pool (block 0, the null block, included)
+    outstanding_tokens: int = 0  # prompt tokens still to compute + the most still to generate
+    totals: EngineStats = dataclasses.field(default_factory=EngineStats)
+
+    @staticmethod
+    def combine(parts: list[EngineSnapshot]) -> EngineSnapshot:
+        """The sum of several engines' snapshots (one pool per engine: peaks add up too)."""
+        gauges = {f.name: sum(getattr(p, f.name) for p in parts)
+                  for f in dataclasses.fields(EngineSnapshot) if f.name != "totals"}
+        return EngineSnapshot(**gauges, totals=EngineStats.sum([p.totals for p in parts]))

@@ -18,9 +18,13 @@ class HostSwapSpace:
     """
 
     def __init__(self, capacity: int, block_shape: tuple[int, ...], dtype):
-        self.capacity = max(0, int(capacity))
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
+        self.reset(capacity)
+
+    def reset(self, capacity: int) -> None:
+        """Empty, with room for `capacity` blocks (nothing may be swapped out)."""
+        self.capacity = max(0, int(capacity))
         self._free: collections.deque[int] = collections.deque(range(self.capacity))
         self.data: np.ndarray | None = None
 

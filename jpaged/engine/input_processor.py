@@ -1,0 +1,116 @@
+"""Prompts in, checked token ids out: tokenizing (chat template included) and
+the checks a request must pass before it is queued.
+
+A bad prompt becomes an error for that request alone, never an exception
+that would take a batch down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jpaged.core.rounding import cdiv
+from jpaged.core.sequence import SamplingParams
+
+PROMPT_KEYS = {"prompt", "messages", "cache_salt"}  # of a chat prompt dict given to generate()
+
+
+@dataclasses.dataclass
+class PreparedPrompt:
+    """The arguments of LLM.add_request() for one prompt."""
+    token_ids: list[int] | None
+    params: SamplingParams
+    text: str | None
+    error: str | None
+
+
+class InputProcessor:
+    """Turns what generate() takes into token ids and says why a request cannot run."""
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 block_size: int, num_blocks: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def prepare(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
+        """A raw string, a list of token ids, or a chat request {"messages": [...]} /
+        {"prompt": "a user message"} (rendered with the model's chat template),
+        optionally with a "cache_salt"."""
+        text, token_ids, error = self._tokenize(prompt)
+        unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
+        if unknown:  # e.g. sampling fields, which would otherwise be silently ignored
+            error = (f"unknown prompt keys {unknown}: a prompt dict takes {sorted(PROMPT_KEYS)}; "
+                     "sampling settings go in SamplingParams")
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = prompt["cache_salt"]
+            if isinstance(salt, str):
+                params = dataclasses.replace(params, cache_salt=salt)
+            else:
+                error = f"cache_salt must be a string, got {type(salt).__name__} {salt!r}"
+        return PreparedPrompt(token_ids, params, text, error)
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """Prompt token ids exactly as prepare() builds them; ValueError for a prompt
+        that prepare() would fail."""
+        _, ids, error = self._tokenize(prompt)
+        if error:
+            raise ValueError(error)
+        return ids
+
+    def validate(self, ids: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run, or None.  Reads only the config and pool size."""
+        try:
+            params.validate()
+        except (ValueError, TypeError) as e:
+            return str(e)
+        if params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer, and this model has none: use stop_token_ids"
+        if not ids:
+            return "empty prompt: at least one token is required"
+        if len(ids) >= self.max_model_len:
+            return (f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                    "(room is needed for at least one generated token)")
+        error = _check_token_ids(ids)
+        if error:
+            return error
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
+        if params.n > self.max_num_seqs:
+            return f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}"
+        if cdiv(len(ids) + 1, self.block_size) > self.num_blocks - 1:
+            return f"prompt needs more KV blocks than the pool has ({self.num_blocks - 1})"
+        return None
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None, str | None]:
+        """(prompt text, token ids, error)."""
+        try:
+            if isinstance(prompt, dict):
+                messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+                # Special-token strings in message contents stay text: a user cannot forge turns.
+                text, ids = self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
+                return text, ids, None
+            if isinstance(prompt, str):
+                return prompt, self._require_tokenizer().encode(prompt), None
+            ids = list(prompt)
+            error = _check_token_ids(ids)
+            return (None, None, error) if error else (None, [int(t) for t in ids], None)
+        except Exception as e:  # one bad request must not take the batch down
+            return None, None, f"invalid prompt: {type(e).__name__}: {e}"
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return self.tokenizer
+
+
+def _check_token_ids(ids: list) -> str | None:
+    not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    return f"token ids must be integers, got {not_ints[:8]}" if not_ints else None

@@ -1,0 +1,127 @@
+"""What an engine is built from: the config's choices resolved, the weights
+loaded (and sharded over the engine's devices), the KV pool sized.
+
+`LLM.__init__` calls these once, in order; nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+import pallas_kernels
+from jpaged.core.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, ConfigError
+from jpaged.core.model_config import ModelConfig
+from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weights
+from jpaged.models import build_model
+from jpaged.models.base import split_model
+from jpaged.runtime.distributed import broadcast_step
+from jpaged.runtime.kv_pool import num_blocks_for
+from jpaged.runtime.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
+                                     tensor_parallel_size)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
+    """The KV pool's dtype: "auto" follows the model dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return dtype if name == "auto" else jnp.dtype(name)
+
+
+def resolve_attention_impl(name: str) -> tuple[str, str]:
+    """(the impl that will really run, why it differs from the one asked for or "")."""
+    if name == "auto":
+        return pallas_kernels.default_impl(), ""
+    if name not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {list(ATTENTION_IMPLS)}, got {name!r}")
+    if name == "cpu":
+        from pallas_kernels import cpu
+        if not cpu.available():  # the backend would fall back to the reference on every call
+            return "reference", f"cpu kernel unavailable: {cpu.unavailable_reason()}"
+    return name, ""
+
+
+def resolve_layer_loop(name: str) -> bool:
+    """True to scan over stacked layers.  "auto": unrolled on every backend for now
+    (see benchmarks/README.md, "Layer loop", for the measurements behind it)."""
+    if name not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {name!r}")
+    return name == "scan"
+
+
+def use_compilation_cache(directory: pathlib.Path) -> None:
+    """Points JAX's persistent compilation cache (a process-wide setting) at
+    `directory`, unless the program has already chosen one: only asked for
+    (config `compilation_cache`, on in the CLI's configs), never on import."""
+    current = jax.config.jax_compilation_cache_dir
+    if current and pathlib.Path(current) != directory:
+        log.info("keeping the program's compilation cache %s (not %s)", current, directory)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+
+
+def engine_mesh(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Mesh | None:
+    """The (1, tensor_parallel_size) devices of one engine: `mesh` as given (a
+    data-parallel router's replica), else the first devices (None: one device)."""
+    if mesh is not None:
+        if mesh.shape["model"] != cfg.tensor_parallel_size or mesh.shape["data"] != 1:
+            raise ValueError(f"mesh {dict(mesh.shape)} is not one replica of tensor_parallel_size="
+                             f"{cfg.tensor_parallel_size}")
+        return mesh
+    if cfg.data_parallel_size > 1:
+        raise ConfigError("data_parallel_size", f"{cfg.data_parallel_size} replicas need a router",
+                          "build the engine with jpaged.engine.router.create_engine (one LLM is one replica)")
+    return make_mesh(cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """The model an engine serves, its weights on the engine's devices."""
+    loaded: LoadedWeights      # where the weights came from (its arrays dropped: params hold them)
+    model_config: ModelConfig  # after KV heads are repeated for tensor parallelism
+    tokenizer: Any
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    weight_bytes: int          # per device
+
+
+def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: bool) -> LoadedModel:
+    """Loads cfg.model, builds its Flax module and places the weights on `mesh`."""
+    if cfg.compilation_cache:
+        use_compilation_cache(pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla")
+    loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
+                          cache_dir=cfg.cache_dir or None)
+    tp = tensor_parallel_size(mesh)
+    check_heads(loaded.config, tp)
+    model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
+    graphdef, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype),
+                                               scan_layers=scan_layers))
+    if mesh is not None:
+        params = shard_params(params, model_config, mesh)
+    weight_bytes = sum(a.nbytes for a in arrays.values()) // tp
+    loaded.arrays = {}  # the device copy in params is the one we keep
+    return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes)
+
+
+def size_pool(cfg: ml_collections.ConfigDict, model: LoadedModel, kv_dtype: jnp.dtype, num_shards: int) -> int:
+    """The KV pool's block count: cfg.num_blocks, or what kv_memory_fraction of the
+    free device memory holds; in a multi-process run, process 0's count for all."""
+    num_blocks = num_blocks_for(
+        model.model_config, block_size=cfg.block_size, dtype=kv_dtype, num_blocks=cfg.num_blocks,
+        kv_memory_fraction=cfg.kv_memory_fraction, weight_bytes=model.weight_bytes,
+        max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_shards=num_shards)
+    if jax.process_count() > 1:  # free memory differs by host
+        num_blocks = int(broadcast_step(num_blocks))
+        if cfg.preemption_mode == "swap":
+            raise ConfigError("preemption_mode", "swap keeps blocks in process 0's host memory, "
+                              "which the other processes cannot read", "recompute in a multi-process run")
+    return num_blocks

@@ -1,0 +1,59 @@
+"""Counts each engine step into the engine's `EngineStats`: step time split
+into device, compile and host seconds, padding, swap traffic and KV occupancy.
+
+The block manager and scheduler count their own events (prefix-cache hits,
+preemptions) into the same object; this adds what only the step loop sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.scheduler import SchedulerOutput
+from jpaged.core.sequence import Sequence
+from jpaged.core.stats import EngineStats
+from jpaged.core.swap_space import HostSwapSpace
+
+
+class StepStats:
+    """`totals` since the engine started, and the window one generate() reports."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.totals = EngineStats()
+        self._window_start = EngineStats()
+
+    def begin_window(self) -> None:
+        """Starts the window that `window` reports (generate() calls it)."""
+        self.totals.reset_peaks()
+        self._window_start = self.totals.snapshot()
+
+    @property
+    def window(self) -> EngineStats:
+        return self.totals.since(self._window_start)
+
+    def record(self, out: SchedulerOutput, *, prefill: bool, step_seconds: float, timing: Any,
+               token_slots: int, block_manager: BlockManager, running: list[Sequence],
+               swap_space: HostSwapSpace) -> None:
+        """One step: `timing` is the runner's StepTiming of it, `token_slots` the
+        bucket it ran in (0 when it computed nothing)."""
+        s = self.totals
+        s.steps += bool(out.scheduled)
+        s.prefill_steps += prefill
+        device_seconds = timing.swap + timing.copy + timing.forward
+        s.device_seconds += device_seconds
+        s.compile_seconds += timing.compile
+        s.host_seconds += step_seconds - device_seconds - timing.compile
+        s.swap_seconds += timing.swap
+        s.swapped_out_bytes += sum(len(r.block_ids) for r in out.swap_out) * swap_space.block_bytes
+        s.swapped_in_bytes += sum(len(r.block_ids) for r in out.swap_in) * swap_space.block_bytes
+        s.tokens_scheduled += out.num_tokens
+        s.token_slots += token_slots
+        used, bs = block_manager.num_used_blocks, self.block_size
+        s.peak_blocks_used = max(s.peak_blocks_used, used)
+        s.slots_allocated += used * bs
+        # Shared blocks hold tokens of several sequences: cap at the slots held.
+        s.slots_filled += min(used * bs, sum(min(q.num_computed_tokens, len(q.block_table.block_ids) * bs)
+                                             for q in running))
+        s.swap_blocks_peak = max(s.swap_blocks_peak, swap_space.num_used_blocks)
