@@ -17,12 +17,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(PY) scripts/serve_batch.py --config $(CONFIG) $(ARGS)
+	.venv/bin/jpaged batch --config $(CONFIG) $(ARGS)
 
 # The OpenAI-compatible HTTP server on 127.0.0.1:8000 (ARGS='--port 9000 --config.max_num_seqs=16 ...').
 .PHONY: serve-http
 serve-http: $(STAMP)
-	$(PY) scripts/serve.py --config $(CONFIG) $(ARGS)
+	.venv/bin/jpaged serve --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest tests

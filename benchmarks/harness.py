@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -24,15 +23,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from jpaged.core.rounding import cdiv
+from jpaged.entrypoints.batch import demo_prompts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 # --------------------------------------------------------------- workloads
-# The latency demo's queue, the one scripts/serve_batch.py runs without --prompts: short answers and long ones.
-DEFAULT_PROMPTS = [json.loads(line)["prompt"]
-                   for line in (REPO / "configs" / "demo_prompts.jsonl").read_text(encoding="utf-8").splitlines()
-                   if line.strip()]
+# The latency demo's queue, the one `jpaged batch` runs without --prompts: short answers and long ones.
+DEFAULT_PROMPTS = demo_prompts()
 WASTE_PROMPTS = [
     "What is the capital of France?",
     "Explain in detail how the attention mechanism works in a transformer.",

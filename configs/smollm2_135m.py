@@ -1,12 +1,8 @@
-"""The embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized) on the default engine."""
+"""The embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized) on the default engine.
 
-from jpaged.core.config import default_config
+The command line's default config (what `jpaged batch` / `jpaged serve` run
+without --config), as an experiment file: copy it, start from default_config()
+and set fields, e.g. `config.block_size = 32`.
+"""
 
-
-def get_config():
-    config = default_config()
-    config.model = "smollm2-135m"
-    config.max_num_seqs = 8
-    config.max_tokens = 128
-    config.compilation_cache = True  # restarts reuse compiled steps (sets JAX's cache dir)
-    return config
+from jpaged.entrypoints.cli_config import get_config  # noqa: F401  (the config is defined once, there)

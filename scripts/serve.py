@@ -1,91 +1,12 @@
-"""Serves a model over an OpenAI-compatible HTTP API (jpaged.entrypoints.server).
+"""Serves a model over an OpenAI-compatible HTTP API: `jpaged serve` from a checkout.
 
-    python scripts/serve.py --config configs/smollm2_135m.py [--host 127.0.0.1] [--port 8000] \
-        [--config.max_num_seqs=16 --config.max_queued_requests=64 ...] [--precompile]
+    python scripts/serve.py [--config configs/smollm2_135m.py] [--host 127.0.0.1] [--port 8000] \
+        [--config.max_num_seqs=16 ...] [--precompile]
 
-Every config field can be overridden as --config.field=value, as in
-serve_batch.py; the config is checked before jax loads (a bad one exits 2 with
-one line).  The server binds at once and builds the engine in the background:
-GET /health answers 503 until the engine is ready, then 200.  On SIGTERM (or
-SIGINT) it stops accepting connections, gives the requests in flight
-shutdown_grace_seconds to finish while GET /health and new requests get 503
-(it keeps listening meanwhile, so a load balancer sees the 503 and moves on),
-aborts what is left and exits 0.
+The command lives in jpaged/entrypoints/serve.py (its docstring lists every flag).
 """
 
-from __future__ import annotations
-
-import signal
-import sys
-import time
-from typing import Any
-
-from absl import app, flags, logging
-
-from jpaged.entrypoints import cli
-from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
-
-_CONFIG = cli.define_config_flag()
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_PRECOMPILE = flags.DEFINE_bool("precompile", False, "Compile every step bucket before /health turns 200 "
-                                "(default: each compiles the first time a step needs it).")
-_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "The model name clients send (default: "
-                                  "the config's model).")
-_ACCESS_LOG = flags.DEFINE_bool("access_log", True, "Log one line per HTTP request.")
-
-
-def build_engine(config: Any, precompile: bool) -> Any:
-    """The engine (in the server's loader thread: jax loads here)."""
-    from jpaged.engine.llm import LLM
-    t0 = time.perf_counter()
-    llm = LLM(config)
-    if precompile:
-        llm.precompile()
-    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {llm.loaded.source}, {llm.num_blocks} KV blocks "
-          f"x {config.block_size} tokens, attention {llm.attention_impl}", flush=True)
-    return llm
-
-
-def run(config_file: Any) -> int:
-    logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
-    config = apply_overrides(default_config(), config_file)
-    validate_config(config)
-    if config.data_parallel_size > 1:  # before the port binds and the weights load
-        raise ConfigError("data_parallel_size", f"{config.data_parallel_size}: the HTTP server runs one engine",
-                          "1 (tensor_parallel_size may be more; run one server per replica behind a router)")
-    import uvicorn
-
-    from jpaged.entrypoints.server import DrainingServer, create_app
-
-    server: uvicorn.Server | None = None
-
-    def stop(*_: Any) -> None:
-        if server is not None:
-            server.should_exit = True
-
-    application = create_app(lambda: build_engine(config, _PRECOMPILE.value), config,
-                             model_name=_MODEL_NAME.value, on_load_failure=stop)
-    server = DrainingServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value, lifespan="on",
-                                           timeout_graceful_shutdown=config.shutdown_grace_seconds,
-                                           access_log=_ACCESS_LOG.value),
-                            application.state.jpaged, config.shutdown_grace_seconds)
-    # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal it got
-    # into the handlers it found: these stop the server instead of killing the process.
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, stop)
-    server.run()
-    return 1 if application.state.jpaged.load_error else 0
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    try:
-        status = run(_CONFIG.value)
-    except ConfigError as e:
-        cli.exit_usage(str(e))
-    sys.exit(status)
-
+from jpaged.entrypoints import serve
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=lambda argv: cli.parse_flags(argv, _CONFIG))
+    serve.main()

@@ -89,3 +89,42 @@ def test_command_line_mistakes_are_one_line_errors():
     assert_one_line_error(run("--config.blok_size=3"), "blok_size: unknown field; did you mean block_size?")
     assert_one_line_error(run("--config.block_size=abc"), "flag --config.block_size=abc")
     assert_one_line_error(run("--config=configs/no_such_config.py"), "--config: cannot load")
+
+
+# ------------------------------------------------------------ the jpaged command
+def jpaged(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """`jpaged ...` as `pip install` makes it (the console script's function)."""
+    return subprocess.run([sys.executable, "-c", "from jpaged.entrypoints.main import main; main()", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_jpaged_command_runs_anywhere_with_the_package_default_config(tmp_path):
+    """Outside the repository (no configs/ there), `jpaged batch` and `jpaged serve` load
+    their default config from the package and check it before anything loads."""
+    for command in ("batch", "serve"):
+        proc = jpaged(command, "--config.block_size=0", cwd=tmp_path)
+        assert_one_line_error(proc, "block_size: 0 is not allowed")
+    proc = jpaged("batch", "--help", cwd=tmp_path)
+    assert "--prompts" in proc.stdout and "--config" in proc.stdout  # (absl exits 1 after --help)
+    assert jpaged("serve", "--help", cwd=tmp_path).stdout.count("--port") == 1
+    assert "usage: jpaged <command>" in jpaged(cwd=tmp_path).stdout
+    proc = jpaged("frobnicate", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
+
+
+def test_default_config_is_configs_smollm2_and_the_demo_prompts_ship_in_the_package():
+    import importlib.util
+
+    from jpaged.entrypoints import batch, cli, cli_config
+    spec = importlib.util.spec_from_file_location("smollm2_config", ROOT / "configs" / "smollm2_135m.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.get_config().to_dict() == cli_config.get_config().to_dict()
+    assert pathlib.Path(cli.CONFIG_DEFAULT).resolve() == pathlib.Path(cli_config.__file__).resolve()
+    assert len(batch.demo_prompts()) == 8
+
+
+def test_max_new_tokens_still_works_with_a_deprecation_warning():
+    proc = run("--config.max_new_tokens=0")
+    assert_one_line_error(proc, "max_tokens: 0 is not allowed")
+    assert "warning: --config.max_new_tokens is deprecated: use --config.max_tokens" in proc.stderr

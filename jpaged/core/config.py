@@ -81,7 +81,7 @@ def default_config() -> ml_collections.ConfigDict:
     # tensor_parallel_size devices with its own pool, take requests from a router.
     c.tensor_parallel_size = 1
     c.data_parallel_size = 1
-    # HTTP server (scripts/serve.py): requests waiting for a seat beyond this bound
+    # HTTP server (`jpaged serve`): requests waiting for a seat beyond this bound
     # get a 429 with Retry-After; on SIGTERM, in-flight requests get this long to
     # finish before they are aborted.
     c.max_queued_requests = 256

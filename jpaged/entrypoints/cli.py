@@ -1,20 +1,31 @@
-"""Command-line plumbing of the scripts (serve_batch.py, serve.py): a --config
-file flag whose every field can be overridden as --config.field=value, and
-every mistake on the command line reported as one line with exit status 2,
-before anything heavy loads.  No jax here."""
+"""Command-line plumbing of the commands (`jpaged batch`, `jpaged serve`, and
+scripts/serve_batch.py, scripts/serve.py): a --config file flag whose every
+field can be overridden as --config.field=value, and every mistake on the
+command line reported as one line with exit status 2, before anything heavy
+loads.  No jax here."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+import warnings
+from typing import Any, Callable, NoReturn, TypeVar
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from jpaged.core.config import ConfigError, apply_overrides, default_config
+from jpaged.core.config import DEPRECATED_FIELDS, ConfigError, apply_overrides, default_config
+from jpaged.entrypoints import cli_config
 
-CONFIG_DEFAULT = "configs/smollm2_135m.py"
+# The config without --config: a file of the package (so an installed `jpaged` finds it
+# anywhere); configs/smollm2_135m.py in a checkout is the same config.
+CONFIG_DEFAULT = cli_config.__file__
+
+T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
 
 
 def exit_usage(message: str) -> NoReturn:
@@ -35,6 +46,50 @@ def misspelt_override(argv: list[str]) -> str | None:
     return None
 
 
+def rename_deprecated_overrides(argv: list[str]) -> list[str]:
+    """argv with each --config.<old name> (DEPRECATED_FIELDS) renamed to its field,
+    with a FutureWarning: config_flags only overrides fields the config file has."""
+    out = []
+    for arg in argv:
+        for old, new in DEPRECATED_FIELDS.items():
+            for prefix in (f"--config.{old}", f"-config.{old}"):
+                if arg == prefix or arg.startswith(prefix + "="):
+                    warnings.warn(f"--config.{old} is deprecated: use --config.{new}", FutureWarning, stacklevel=2)
+                    arg = f"--config.{new}" + arg[len(prefix):]
+        out.append(arg)
+    return out
+
+
+def start(argv: list[str] | None, define_flags: Callable[[], T]) -> T:
+    """A command's first step: sets sys.argv to `argv` (config_flags reads its
+    --config.field overrides from sys.argv, when the flag is defined and again
+    when it parses) with deprecated field names renamed, then defines the
+    command's flags; what `define_flags` returns."""
+    _one_line_warnings()
+    sys.argv = rename_deprecated_overrides(list(sys.argv if argv is None else argv))
+    return define_flags()
+
+
+def _one_line_warnings() -> None:
+    """FutureWarnings (a deprecated config field) as one line, `warning: <message>`,
+    like the command's errors: they are for the user, not about jpaged's source."""
+    original = warnings.formatwarning
+
+    def formatwarning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        if issubclass(category, FutureWarning):
+            return f"warning: {message}\n"
+        return original(message, category, *args, **kwargs)
+
+    warnings.formatwarning = formatwarning
+
+
+def register_key_flags(holders: list[flags.FlagHolder]) -> None:
+    """Lists `holders` in --help (absl lists the main module's flags there, and a
+    command's flags are defined in its module, not in the script that runs it)."""
+    for holder in holders:
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[holder.name])
+
+
 def config_path(argv: list[str]) -> str:
     """The last --config file named on the command line."""
     path = CONFIG_DEFAULT
@@ -47,9 +102,13 @@ def config_path(argv: list[str]) -> str:
 
 
 def define_config_flag() -> flags.FlagHolder:
-    """--config (default configs/smollm2_135m.py), with --config.field=value overrides."""
+    """--config (default: jpaged.entrypoints.cli_config), with --config.field=value overrides."""
     try:
-        return config_flags.DEFINE_config_file("config", CONFIG_DEFAULT, "Engine config file.")
+        return config_flags.DEFINE_config_file(
+            "config", CONFIG_DEFAULT, "Engine config file: a Python file whose get_config() returns the "
+            "config (start from jpaged.core.config.default_config()). Default: the package's "
+            "jpaged/entrypoints/cli_config.py, the embedded SmolLM2-135M-Instruct. Every field can be "
+            "overridden as --config.<field>=<value>.")
     except (KeyError, AttributeError, TypeError, ValueError) as e:  # config_flags applies overrides here
         exit_usage(misspelt_override(sys.argv) or f"--config.* overrides: {str(e).splitlines()[0]}")
 

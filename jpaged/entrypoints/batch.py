@@ -1,0 +1,324 @@
+"""`jpaged batch`: runs a batch of prompts through jpaged and prints completions and a summary.
+
+    jpaged batch [--config my_config.py] [--config.block_size=32 --config.scheduler=static ...] \
+        [--prompts prompts.jsonl] [--output out.jsonl [--resume]]
+
+(also `python scripts/serve_batch.py ...` in a checkout).  Without --config the
+engine runs the package's default config (jpaged.entrypoints.cli_config: the
+embedded SmolLM2-135M-Instruct), on the 8 demo prompts without --prompts.
+
+A prompts line is {"prompt": "a user message"} or {"messages": [...]}, rendered
+with the model's chat template, with optional per-request max_tokens,
+temperature, top_p, top_k, seed, stop (a string or a list of strings),
+stop_token_ids, n (parallel samples), ignore_eos, cache_salt (prefix-cache
+namespace: no KV reuse across salts), logprobs and prompt_logprobs.
+
+Nothing is lost to bad input or an interruption: the config and every request
+line are checked before the model loads (a bad config exits 2 with one line; a
+bad request line becomes that line's error result), each result is written and
+flushed to --output as it finishes, SIGINT/SIGTERM stop the batch after the
+current step and keep what finished, and --resume skips the requests already in
+--output.
+
+Multi-host (JAX's distributed runtime): start the same command on every host with
+--num_processes, --process_id and --coordinator_address (host:port of process 0),
+or the JAX_NUM_PROCESSES / JAX_PROCESS_ID / JAX_COORDINATOR_ADDRESS variables;
+the mesh spans every process's devices, process 0 schedules and writes, the
+others run its steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+from absl import app, flags, logging
+
+from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
+from jpaged.core.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
+from jpaged.entrypoints import cli
+from jpaged.entrypoints.cli import UsageError
+from jpaged.tokenizer.tokenizer import printable
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """The command line besides --config (see define_flags)."""
+
+    prompts: str | None = None
+    output: str | None = None
+    resume: bool = False
+    summary_json: str | None = None
+    precompile: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
+    """Defines the command's absl flags (once per process): --config and those of Args."""
+    config = cli.define_config_flag()
+    holders = {
+        "prompts": flags.DEFINE_string("prompts", None, "JSONL file of requests (default: 8 demo prompts)."),
+        "output": flags.DEFINE_string("output", None, "Write one JSON line per request here, as each finishes."),
+        "resume": flags.DEFINE_bool("resume", False, "Skip the requests whose index is already in --output "
+                                    "and append the rest (after an interrupted run)."),
+        "summary_json": flags.DEFINE_string("summary_json", None, "Write the summary table as JSON here."),
+        "precompile": flags.DEFINE_bool("precompile", False,
+                                        "Compile every step bucket before the first request (default: "
+                                        "each bucket compiles the first time a step needs it)."),
+        "coordinator_address": flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of "
+                                                   "process 0 (default: $JAX_COORDINATOR_ADDRESS)."),
+        "num_processes": flags.DEFINE_integer("num_processes", None, "Multi-host: processes in the run "
+                                              "(default: $JAX_NUM_PROCESSES or 1)."),
+        "process_id": flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (default: "
+                                           "$JAX_PROCESS_ID or 0); only process 0 reads prompts and writes."),
+    }
+    cli.register_key_flags([config, *holders.values()])
+    return config, holders
+
+
+# ------------------------------------------------------------------ output
+def open_output(path: str | None, prompts: str | None, resume: bool) -> tuple[TextIO | None, set[int]]:
+    """Opens --output before anything loads (a bad path costs nothing) and, with
+    --resume, returns the indices already written there."""
+    if path is None:
+        if resume:
+            raise UsageError("--resume: needs --output")
+        return None, set()
+    if prompts is not None and os.path.exists(path) and os.path.exists(prompts) and os.path.samefile(path, prompts):
+        raise UsageError(f"--output: {path} is the prompts file; writing there would destroy the input")
+    done = _finished_indices(path) if resume else set()
+    try:
+        return open(path, "a" if resume else "w", encoding="utf-8"), done
+    except OSError as e:
+        raise UsageError(f"--output: cannot write {path}: {e.strerror}") from None
+
+
+def open_summary(path: str | None) -> TextIO | None:
+    try:
+        return open(path, "w") if path else None
+    except OSError as e:
+        raise UsageError(f"--summary_json: cannot write {path}: {e.strerror}") from None
+
+
+def _finished_indices(path: str) -> set[int]:
+    """Indices of the complete lines of an earlier run's output; a torn last
+    line (the process died mid-write) is cut off so appending starts clean."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    except OSError as e:
+        raise UsageError(f"--output: cannot read {path} to resume: {e.strerror}") from None
+    complete = data[:data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
+    done = set()
+    for line in complete.splitlines():
+        try:
+            done.add(int(json.loads(line)["index"]))
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"--output: {path} has a line that is not a jpaged result; "
+                             "refusing to append to it") from None
+    return done
+
+
+def write_result(f: TextIO | None, record: dict[str, Any]) -> None:
+    if f is not None:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()  # on disk (in the OS) now: a kill later loses nothing written
+
+
+def error_record(request: ParsedRequest) -> dict[str, Any]:
+    from jpaged.engine.llm import RequestOutput
+    record = {f.name: None for f in dataclasses.fields(RequestOutput)}
+    record.update(index=request.index, text="", token_ids=[], prompt_token_ids=[], samples=[],
+                  finish_reason="error", error=request.error, num_cached_tokens=0,
+                  warnings=request.warnings)
+    return record
+
+
+# ---------------------------------------------------------------- requests
+def demo_prompts() -> list[str]:
+    """The demo queue run when no --prompts file is given: 8 prompts (short answers
+    and long ones) shipped in the package; benchmarks/harness.py reads them too."""
+    text = importlib.resources.files("jpaged.entrypoints").joinpath("demo_prompts.jsonl").read_text("utf-8")
+    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+
+
+def read_requests(path: str | None, llm_defaults: Any) -> list[ParsedRequest]:
+    if path is None:
+        return [parse_request({"prompt": p}, llm_defaults, i) for i, p in enumerate(demo_prompts())]
+    try:
+        return read_request_file(path, llm_defaults)
+    except OSError as e:
+        raise UsageError(f"--prompts: cannot read {path}: {e.strerror}") from None
+
+
+def print_result(index: int, request: ParsedRequest, out: Any = None) -> None:
+    """Echoes a request and its answer with control characters escaped: neither
+    may move the cursor or recolour the terminal."""
+    if out is None:
+        print(f"\n--- line {index + 1} [error]\n>>> ERROR: {printable(request.error or '')}")
+        return
+    print(f"\n--- line {index + 1} [{out.finish_reason}, {len(out.token_ids)} tokens, "
+          f"TTFT {out.ttft_ms or 0:.0f} ms, latency {out.latency_ms or 0:.0f} ms]")
+    print(printable(request.text))
+    print(">>> " + printable(out.text if out.error is None else f"ERROR: {out.error}"))
+
+
+# -------------------------------------------------------------------- main
+class StopOnSignal:
+    """SIGINT/SIGTERM set an event the engine checks before each step; a second
+    SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+
+
+def run(config_file: Any, args: Args = Args()) -> int:
+    """The command: `config_file` (a ConfigDict or mapping of fields) over
+    default_config(); returns the exit status."""
+    t_start = time.perf_counter()
+    logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
+    config = apply_overrides(default_config(), config_file)  # a misspelt field names the right one
+    validate_config(config)
+    if process_id(args) != 0:
+        return follow(config, args)
+    requests = read_requests(args.prompts, default_sampling_params(config))
+    out_file, done = open_output(args.output, args.prompts, args.resume)
+    summary_file = open_summary(args.summary_json)
+    stopper = StopOnSignal()  # from here on a signal stops the batch cleanly, even mid-load
+    todo = [r for r in requests if r.index not in done]
+    for r in todo:
+        for w in r.warnings:
+            print(f"warning: {printable(w)}", file=sys.stderr)
+        if r.error:
+            print(f"error: {printable(r.error)}", file=sys.stderr)
+            write_result(out_file, error_record(r))
+    good = [r for r in todo if not r.error]
+    if done:
+        print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {args.output}")
+
+    t0 = time.perf_counter()
+    from jpaged.entrypoints.metrics import format_memory  # jax loads here: every check above ran without it
+    from jpaged.engine.router import create_engine
+    try:
+        start_distributed(args)
+        llm = create_engine(config)
+    except ConfigError:  # e.g. a tensor_parallel_size the model's heads do not divide
+        raise
+    except (ValueError, OSError) as e:  # a missing, truncated or unreadable model
+        raise UsageError(f"model: {e}") from None
+    loaded = llm.loaded
+    note = f"; {loaded.cache_note}" if loaded.cache_note else ""
+    print(f"model {loaded.source}: loaded in {loaded.load_seconds:.2f} s ({loaded.origin}{note}); "
+          f"engine ready in {time.perf_counter() - t0:.2f} s")
+    attention = llm.attention_impl + (f" ({llm.attention_note})" if llm.attention_note else "")
+    print(f"KV pool: {llm.num_blocks} blocks x {config.block_size} tokens "
+          f"({llm.kv_pool_bytes / 2**20:.0f} MiB), attention {attention}, scheduler {config.scheduler}")
+    print(format_memory(llm.memory_per_device()))
+    if args.precompile:
+        t0 = time.perf_counter()
+        n = llm.precompile()
+        print(f"precompiled {n} step buckets {llm.token_buckets} in {time.perf_counter() - t0:.1f} s")
+
+    try:
+        return run_batch(llm, config, good, out_file, summary_file, stopper, len(todo), t_start, args.output)
+    finally:
+        llm.close()  # a multi-process run: the other processes stop following
+
+
+def run_batch(llm: Any, config: Any, good: list[ParsedRequest], out_file: TextIO | None,
+              summary_file: TextIO | None, stopper: StopOnSignal, num_todo: int, t_start: float,
+              output: str | None = None) -> int:
+    from jpaged.engine.llm import EngineStalled
+    from jpaged.entrypoints.metrics import format_summary, summarize
+    outputs = []
+    t0 = time.perf_counter()
+    stream = llm.generate_iter([r.prompt for r in good], [r.params for r in good],
+                               use_tqdm=True, stop=stopper.event)
+    try:
+        for out in stream:
+            request = good[out.index]
+            outputs.append(out)
+            write_result(out_file, {**out.to_json(), "index": request.index, "warnings": request.warnings})
+            print_result(request.index, request, out)
+    except EngineStalled as e:  # every result that finished is already on disk
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stream.close()
+        if out_file is not None:
+            out_file.close()
+    wall = time.perf_counter() - t0
+    if stopper.signum is not None:
+        name = signal.Signals(stopper.signum).name
+        where = f" in {output} (rerun with --resume to finish the rest)" if output else ""
+        print(f"interrupted by {name}: {len(outputs)} of {len(good)} requests finished and were "
+              f"written{where}", file=sys.stderr)
+        return 128 + stopper.signum
+    summary = summarize(outputs, llm, wall)
+    summary["process_wall_s"] = time.perf_counter() - t_start
+    summary["requests"] += num_todo - len(good)  # the lines rejected before the model loaded
+    summary["errors"] += num_todo - len(good)
+    print("\n" + format_summary(summary))
+    if summary_file is not None:
+        with summary_file:
+            json.dump(summary, summary_file, indent=1)
+    return 0
+
+
+def process_id(args: Args) -> int:
+    return args.process_id if args.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "0"))
+
+
+def start_distributed(args: Args) -> None:
+    """Joins a multi-process run when flags or environment ask for one."""
+    from jpaged.runtime import distributed
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
+def follow(config: Any, args: Args) -> int:
+    """A process other than 0: the same engine, running the steps process 0 schedules."""
+    from jpaged.engine.router import create_engine
+    start_distributed(args)
+    create_engine(config).follow()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`jpaged batch`: parses `argv` (default sys.argv; argv[0] is the program) and exits."""
+    config, holders = cli.start(argv, define_flags)
+
+    def command(unused_argv: list[str]) -> None:
+        try:
+            status = run(config.value, Args(**{name: h.value for name, h in holders.items()}))
+        except (ConfigError, UsageError) as e:
+            cli.exit_usage(str(e))
+        sys.exit(status)
+
+    app.run(command, flags_parser=lambda a: cli.parse_flags(a, config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""`jpaged serve`: serves a model over an OpenAI-compatible HTTP API (jpaged.entrypoints.server).
+
+    jpaged serve [--config my_config.py] [--host 127.0.0.1] [--port 8000] \
+        [--config.max_num_seqs=16 --config.max_queued_requests=64 ...] [--precompile]
+
+(also `python scripts/serve.py ...` in a checkout).  Without --config it serves
+the package's default config (jpaged.entrypoints.cli_config: the embedded
+SmolLM2-135M-Instruct).  Every config field can be overridden as
+--config.field=value, as in `jpaged batch`; the config is checked before jax loads (a bad one exits 2 with
+one line).  The server binds at once and builds the engine in the background:
+GET /health answers 503 until the engine is ready, then 200.  On SIGTERM (or
+SIGINT) it stops accepting connections, gives the requests in flight
+shutdown_grace_seconds to finish while GET /health and new requests get 503
+(it keeps listening meanwhile, so a load balancer sees the 503 and moves on),
+aborts what is left and exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+from typing import Any
+
+from absl import app, flags, logging
+
+from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
+from jpaged.entrypoints import cli
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """The command line besides --config (see define_flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    precompile: bool = False
+    served_model_name: str | None = None
+    access_log: bool = True
+
+
+def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
+    """Defines the command's absl flags (once per process): --config and those of Args."""
+    config = cli.define_config_flag()
+    holders = {
+        "host": flags.DEFINE_string("host", Args.host, "Address to listen on (0.0.0.0: every interface)."),
+        "port": flags.DEFINE_integer("port", Args.port, "Port to listen on."),
+        "precompile": flags.DEFINE_bool("precompile", False, "Compile every step bucket before /health "
+                                        "turns 200 (default: each compiles the first time a step needs it)."),
+        "served_model_name": flags.DEFINE_string("served_model_name", None, "The model name clients send "
+                                                 "(default: the config's model)."),
+        "access_log": flags.DEFINE_bool("access_log", True, "Log one line per HTTP request."),
+    }
+    cli.register_key_flags([config, *holders.values()])
+    return config, holders
+
+
+def build_engine(config: Any, precompile: bool) -> Any:
+    """The engine (in the server's loader thread: jax loads here)."""
+    from jpaged.engine.llm import LLM
+    t0 = time.perf_counter()
+    llm = LLM(config)
+    if precompile:
+        llm.precompile()
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {llm.loaded.source}, {llm.num_blocks} KV blocks "
+          f"x {config.block_size} tokens, attention {llm.attention_impl}", flush=True)
+    return llm
+
+
+def run(config_file: Any, args: Args = Args()) -> int:
+    """The command: `config_file` (a ConfigDict or mapping of fields) over
+    default_config(); returns the exit status once the server has stopped."""
+    logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
+    config = apply_overrides(default_config(), config_file)
+    validate_config(config)
+    if config.data_parallel_size > 1:  # before the port binds and the weights load
+        raise ConfigError("data_parallel_size", f"{config.data_parallel_size}: the HTTP server runs one engine",
+                          "1 (tensor_parallel_size may be more; run one server per replica behind a router)")
+    import uvicorn
+
+    from jpaged.entrypoints.server import DrainingServer, create_app
+
+    server: uvicorn.Server | None = None
+
+    def stop(*_: Any) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    application = create_app(lambda: build_engine(config, args.precompile), config,
+                             model_name=args.served_model_name, on_load_failure=stop)
+    server = DrainingServer(uvicorn.Config(application, host=args.host, port=args.port, lifespan="on",
+                                           timeout_graceful_shutdown=config.shutdown_grace_seconds,
+                                           access_log=args.access_log),
+                            application.state.jpaged, config.shutdown_grace_seconds)
+    # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal it got
+    # into the handlers it found: these stop the server instead of killing the process.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop)
+    server.run()
+    return 1 if application.state.jpaged.load_error else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`jpaged serve`: parses `argv` (default sys.argv; argv[0] is the program) and exits."""
+    config, holders = cli.start(argv, define_flags)
+
+    def command(unused_argv: list[str]) -> None:
+        try:
+            status = run(config.value, Args(**{name: h.value for name, h in holders.items()}))
+        except ConfigError as e:
+            cli.exit_usage(str(e))
+        sys.exit(status)
+
+    app.run(command, flags_parser=lambda a: cli.parse_flags(a, config))
+
+
+if __name__ == "__main__":
+    main()
