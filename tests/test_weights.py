@@ -265,3 +265,21 @@ def test_dummy_weights(tmp_path):
     assert abs(float(w["layers.wq"].std()) - 0.02) < 2e-3 and np.all(w["layers.attn_norm"] == 1)
     assert not np.array_equal(w["layers.wq"][0], w["layers.wq"][1])
     Llama(cfg, lw.arrays)
+
+
+def test_loader_tells_the_model_and_its_format_as_the_config_check_does(tmp_path):
+    """load_weights asks jpaged.core.config (model_path, auto_load_format), as validate_config does."""
+    from jpaged.core.config import ConfigError
+    from jpaged.loading.weights import _resolve_format
+    with pytest.raises(ConfigError, match=r"^model: '/no/such/model' is neither 'smollm2-135m' nor an existing"):
+        load_weights("/no/such/model")
+    (tmp_path / "config.json").write_text("{}")
+    assert _resolve_format(str(tmp_path), "auto") == ("hf", tmp_path)
+    assert _resolve_format(str(tmp_path / "config.json"), "dummy") == ("dummy", tmp_path / "config.json")
+    odd = tmp_path / "m.bin"
+    odd.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="cannot tell the format of .*; pass load_format"):
+        _resolve_format(str(odd), "auto")
+    assert _resolve_format(str(odd), "gguf") == ("gguf", odd)
+    with pytest.raises(ValueError, match="load_format must be auto, gguf, hf or dummy"):
+        _resolve_format(str(odd), "safetensors")
