@@ -1,0 +1,59 @@
+"""Stop strings in the engine (SamplingParams.stop): the Python API cuts a sample
+where its text first holds one, ends it in that step and frees its blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_all_blocks_free
+from jpaged.core.sequence import SamplingParams
+
+PROMPT = {"prompt": "Write three short sentences about the sea."}
+
+
+@pytest.fixture(scope="module")
+def unstopped(smollm_llm):
+    return smollm_llm.generate([PROMPT], SamplingParams(max_tokens=48))[0]
+
+
+def test_a_stop_string_cuts_the_text_before_it(smollm_llm, unstopped):
+    assert "." in unstopped.text, unstopped.text  # the greedy answer has a period to stop at
+    out = smollm_llm.generate([PROMPT], SamplingParams(max_tokens=48, stop=(".",)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == unstopped.text[:unstopped.text.index(".")]
+    # Ended in the step that produced the period: no token past it was computed.
+    assert out.token_ids == unstopped.token_ids[:len(out.token_ids)]
+    assert "." in smollm_llm.outputs.decode(out.token_ids)
+    assert "." not in smollm_llm.outputs.decode(out.token_ids[:-1])
+    assert_all_blocks_free(smollm_llm)
+
+
+def test_the_earliest_of_several_stop_strings_wins(smollm_llm, unstopped):
+    words = unstopped.text.split()
+    late, early = words[-2], words[1]
+    out = smollm_llm.generate([PROMPT], SamplingParams(max_tokens=48, stop=(late, early)))[0]
+    assert out.text == unstopped.text[:unstopped.text.index(early)]
+
+
+def test_each_sample_stops_on_its_own(smollm_llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, stop=(" ",))
+    out = smollm_llm.generate([PROMPT], params)[0]
+    free = smollm_llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3))[0]
+    for stopped, whole in zip(out.samples, free.samples):
+        cut = whole["text"].find(" ")
+        assert stopped["text"] == (whole["text"] if cut < 0 else whole["text"][:cut])
+        assert stopped["finish_reason"] == ("stop" if cut >= 0 else whole["finish_reason"])
+    assert_all_blocks_free(smollm_llm)
+
+
+def test_a_stop_string_without_a_tokenizer_is_that_requests_error(tiny_llm):
+    ok, bad = tiny_llm.generate([[5, 6, 7], [5, 6, 7]], [SamplingParams(max_tokens=4),
+                                                          SamplingParams(max_tokens=4, stop=("x",))])
+    assert ok.finish_reason == "length"
+    assert bad.finish_reason == "error" and "tokenizer" in bad.error
+
+
+def test_bad_stop_values_are_refused():
+    for stop in ("abc", (1,), ("a",) * 17):
+        with pytest.raises(ValueError, match="stop"):
+            SamplingParams(stop=stop).validate()
