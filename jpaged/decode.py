@@ -13,7 +13,9 @@ the new tokens of S sequences packed back to back into tokens[T].
 
 See README "Using jpaged.decode" for a whole loop.  `generate` (a whole
 generation loop) and `score` (log-probabilities of given tokens, with dense
-attention and no pool) need no pool from the caller.
+attention and no pool) need no pool from the caller.  `run_step` is the
+engine's own step: the same forward + sample over one `StepInputs` pytree
+(jpaged.runtime.step_inputs), logprobs included when its structure asks.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.core.block_manager import NULL_BLOCK
+from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.runtime.kv_pool import create_kv_pool
 from jpaged.models.base import StepMetadata, forward
 from jpaged.runtime.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
                              token_logprobs)
 from jpaged.runtime.sampling import sample as _sample
+from jpaged.runtime.step_inputs import StepInputs, StepResult
 from pallas_kernels import Backend
 from pallas_kernels.reference import MASK_VALUE, attention_options, token_layout
 
@@ -108,6 +112,29 @@ def generate_step_with_logprobs(
     source = processed if logprobs_mode == "processed" else last
     prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
     return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool
+
+
+def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inputs: StepInputs, *,
+             attention_impl: str = "reference", num_logprobs: int = MAX_LOGPROBS,
+             logprobs_mode: str = "raw") -> tuple[StepResult, jax.Array]:
+    """The engine's step: one forward + sample over `inputs` (a `StepInputs`, see
+    jpaged.runtime.step_inputs), returning (StepResult, new kv_pool).
+
+    What it computes follows the structure of `inputs` (static under jit, so
+    each structure is a program of its own): `generate_step` when no row wants
+    logprobs, else `generate_step_with_logprobs` (top `num_logprobs`, in
+    `logprobs_mode`), over every token's logits when `inputs.prompt_targets` is
+    given.  A feature that adds a field to StepInputs consumes it here.
+    """
+    if inputs.logprobs or inputs.prompt_targets is not None:
+        tokens, logprobs, prompt, kv_pool = generate_step_with_logprobs(
+            graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
+            inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
+            attention_impl=attention_impl)
+        return StepResult(tokens, logprobs, prompt), kv_pool
+    tokens, kv_pool = generate_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
+                                    inputs.sampling, attention_impl=attention_impl)
+    return StepResult(tokens), kv_pool
 
 
 def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array
@@ -279,5 +306,5 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prom
 
 
 __all__ = ["create_kv_pool", "ragged_metadata", "forward_step", "sample", "generate_step",
-           "generate_step_with_logprobs", "score", "generate", "SamplingArrays", "StepMetadata",
-           "TokenLogprobs"]
+           "generate_step_with_logprobs", "run_step", "score", "generate", "SamplingArrays",
+           "StepInputs", "StepMetadata", "StepResult", "TokenLogprobs"]

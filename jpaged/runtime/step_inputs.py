@@ -1,0 +1,188 @@
+"""The step-input seam: everything the jitted step consumes, built in one place.
+
+One step's inputs are one pytree, `StepInputs`, built by one host function,
+`build_step_inputs(scheduled, ...)`, from the scheduler's sequences (numpy
+only: no jax work happens here).  The jitted step (`jpaged.decode.run_step`)
+takes `(params, kv_pool, inputs)` and returns `(StepResult, kv_pool)`; every
+per-request control flows in through `inputs` and every per-request result out
+through the `StepResult`.  Nothing else between the scheduler and the device
+knows the fields: `ModelRunner` keys its compiled programs on the pytree's
+structure, replicates it whole on a mesh (one sharding, a pytree prefix),
+broadcasts it whole to the other processes of a multi-process run (it pickles:
+numpy arrays in registered dataclasses) and hands it whole to the step.
+
+Variants: an optional field left as None is absent from the pytree, so its
+structure (`jax.tree.structure(inputs)`) differs and picks a compiled variant
+of its own; static fields (`logprobs`) are part of the structure too.  Today:
+
+    sampling=None         every row greedy: the step skips sampling entirely
+    sampling.top_k=None   no row filters: no top-k / top-p threshold search
+    logprobs=True         a row wants logprobs: the step also returns them
+    prompt_targets        a prefilling row owes prompt logprobs: the LM head runs
+                          on every token (implies logprobs=True)
+
+Programs are keyed (T, S, structure), so every field's shape must be a function
+of the bucket: T tokens, S sequences (or fixed, like the block tables' width).
+
+Adding a feature adds a field.  A structured-output logit mask, say:
+
+  1. here: `logit_mask: np.ndarray | None = None` on StepInputs, a [S, vocab/32]
+     uint32 bitmask (bit j of word w allows token 32 * w + j), in
+     `build_step_inputs` filled from the rows that carry a grammar and left None
+     when no scheduled row does (so the other steps keep their programs);
+  2. in `jpaged.decode.run_step`: `if inputs.logit_mask is not None:` unpack it and
+     set the disallowed logits to -inf before sampling (and before logprobs);
+  3. nothing else: the runner's jit, program keys, shardings, the broadcast and
+     `follow` take the new field as they take the others.
+LoRA adapter ids ([S] int32, None when no row uses an adapter) and speculative
+draft tokens ([S, k] int32 with k static, None when nothing is drafted) are the
+same three steps; a new result (the number of draft tokens accepted) is a field
+of StepResult.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jpaged.core.scheduler import ScheduledSeq
+from jpaged.models.base import StepMetadata
+from jpaged.runtime.sampling import SamplingArrays, TokenLogprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Everything one step consumes besides the weights and the pool.
+
+    tokens[T]          int32, the flat ragged tokens (prefill chunks and decode
+                       tokens back to back, then padding)
+    meta               where each token goes and which token of each sequence samples
+    sampling           per-sequence [S] controls; None: every row is greedy
+    prompt_targets[T]  int32, the token after each flat token, when a prefilling
+                       row owes prompt logprobs; else None
+    logprobs           static: the step also returns the sampled tokens' logprobs
+    """
+
+    tokens: np.ndarray | jax.Array
+    meta: StepMetadata
+    sampling: SamplingArrays | None = None
+    prompt_targets: np.ndarray | jax.Array | None = None
+    logprobs: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.meta.kv_lens.shape[0]
+
+
+jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets"],
+                                 meta_fields=["logprobs"])
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step computed: a row per scheduled sequence, and for prompt logprobs
+    a row per flat token (None when no sequence asked).  Device arrays out of the
+    step, numpy after `ModelRunner.collect`."""
+
+    tokens: np.ndarray | jax.Array
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+
+
+jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs"],
+                                 meta_fields=[])
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seqs: int,
+                      block_size: int, table_width: int) -> StepInputs:
+    """The step's inputs (numpy) for the scheduled sequences, padded to the bucket:
+    num_tokens (T) flat tokens, num_seqs (S) sequences, block tables
+    table_width wide."""
+    tokens, meta = _tokens_and_metadata(scheduled, num_tokens, num_seqs, block_size, table_width)
+    logprobs = any(s.seq.params.logprobs is not None or s.seq.params.prompt_logprobs is not None
+                   for s in scheduled)
+    return StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
+                      prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
+                      logprobs=logprobs)
+
+
+def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int) -> StepInputs:
+    """A greedy step of nothing but padding (all zeros): what precompile traces."""
+    def zeros(*shape):
+        return np.zeros(shape, np.int32)
+    meta = StepMetadata(positions=zeros(num_tokens), write_blocks=zeros(num_tokens),
+                        write_offsets=zeros(num_tokens), block_tables=zeros(num_seqs, table_width),
+                        kv_lens=zeros(num_seqs), cu_q_lens=zeros(num_seqs + 1),
+                        logits_indices=zeros(num_seqs))
+    return StepInputs(tokens=zeros(num_tokens), meta=meta)
+
+
+def _tokens_and_metadata(scheduled: list[ScheduledSeq], T: int, S: int, block_size: int,
+                         table_width: int) -> tuple[np.ndarray, StepMetadata]:
+    """The step's flat host arrays: each token's id, position and (block, offset)."""
+    n = sum(s.num_new for s in scheduled)
+    if n > T or len(scheduled) > S:
+        raise ValueError(f"{len(scheduled)} sequences of {n} tokens exceed the bucket ({S}, {T})")
+    bs = block_size
+    tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
+    write_blocks, write_offsets = np.zeros(T, np.int32), np.zeros(T, np.int32)
+    block_tables = np.zeros((S, table_width), np.int32)
+    kv_lens, cu_q_lens = np.zeros(S, np.int32), np.full(S + 1, n, np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    end = 0
+    for i, s in enumerate(scheduled):
+        seq, start, k = s.seq, s.seq.num_computed_tokens, s.num_new
+        ids = seq.block_table.block_ids
+        block_tables[i, :len(ids)] = ids
+        pos = np.arange(start, start + k, dtype=np.int32)
+        tokens[end:end + k] = seq.token_slice(start, start + k)
+        positions[end:end + k] = pos
+        write_blocks[end:end + k] = block_tables[i, pos // bs]
+        write_offsets[end:end + k] = pos % bs
+        cu_q_lens[i] = end
+        end += k
+        kv_lens[i] = start + k
+        logits_indices[i] = end - 1
+    meta = StepMetadata(positions=positions, write_blocks=write_blocks,
+                        write_offsets=write_offsets, block_tables=block_tables,
+                        kv_lens=kv_lens, cu_q_lens=cu_q_lens, logits_indices=logits_indices)
+    return tokens, meta
+
+
+def _sampling_arrays(scheduled: list[ScheduledSeq], S: int) -> SamplingArrays | None:
+    """None when every sequence is greedy: that step skips sampling entirely."""
+    params = [s.seq.params for s in scheduled]
+    if all(p.temperature == 0 for p in params):
+        return None
+
+    def column(values, dtype):
+        out = np.zeros(S, dtype)
+        out[:len(values)] = values
+        return out
+    filtered = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
+    return SamplingArrays(
+        temperature=column([p.temperature for p in params], np.float32),
+        seed=column([s.seq.seed & 0xFFFFFFFF for s in scheduled], np.uint32),
+        step=column([len(s.seq.output_token_ids) for s in scheduled], np.int32),
+        top_k=column([p.top_k for p in params], np.int32) if filtered else None,
+        top_p=column([p.top_p for p in params], np.float32) if filtered else None)
+
+
+def _prompt_targets(scheduled: list[ScheduledSeq], T: int) -> np.ndarray | None:
+    """The token after each flat token, when a prefilling sequence owes prompt
+    logprobs (else None: the LM head runs only on the last tokens)."""
+    if not any(s.seq.needs_prompt_logprobs for s in scheduled):
+        return None
+    targets, end = np.zeros(T, np.int32), 0
+    for s in scheduled:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        nxt = seq.token_slice(start + 1, start + s.num_new + 1)
+        targets[end:end + len(nxt)] = nxt
+        end += s.num_new
+    return targets
