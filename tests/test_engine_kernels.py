@@ -25,8 +25,8 @@ def test_attention_impl_names():
     # CPU backend: the C++ kernel when it builds here, else the reference.
     assert resolve_attention_impl("auto") == ("cpu" if cpu.available() else "reference", "")
     assert resolve_attention_impl("cpu") == ("cpu", "")
-    assert resolve_attention_impl("pallas_gpu") == ("gpu", "")
-    assert resolve_attention_impl("pallas_tpu") == ("tpu", "")
+    assert resolve_attention_impl("pallas_gpu") == ("pallas_gpu", "")
+    assert resolve_attention_impl("pallas_tpu") == ("pallas_tpu", "")
 
 
 def test_an_unavailable_cpu_kernel_is_reported_not_hidden(monkeypatch):
