@@ -1,7 +1,8 @@
 """AsyncEngine, the HTTP server's engine loop, on the tiny Llama: deltas add up
-to generate()'s tokens (and logprobs), aborts free blocks, finish_sample ends
-one sample early, a failure pinned to one request fails it alone, the queue
-bound holds, and close() aborts what is left."""
+to generate()'s tokens (and logprobs), aborts free blocks, a stop string ends
+a sample in the engine's step, a failure pinned to one request fails it alone,
+the queue bound holds, close() aborts what is left, and the snapshots sent to
+the metrics are the engine's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import asyncio
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.engine.async_engine import AsyncEngine, QueueFull
+from jpaged.core.stats import EngineSnapshot
+from jpaged.engine.async_engine import AsyncEngine, EngineMetrics, QueueFull
 from jpaged.core.sequence import SamplingParams
 
 PROMPTS = random_prompts([5, 40, 17, 70], seed=7)
@@ -95,25 +97,29 @@ def test_deltas_carry_the_logprobs_of_their_tokens(llm):
         assert g["prompt"] == [w.prompt_logprobs]  # once, with the first tokens
 
 
-def test_finish_sample_ends_one_sample_in_the_engine(llm):
-    max_tokens = 60
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=2, temperature=1.0, seed=5)
+class LetterTokenizer:
+    """Token t reads as one letter: stop strings on the tiny model (which has no tokenizer)."""
+
+    eos_token_ids: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_a_stop_string_ends_the_sample_in_the_engine(llm, expected, monkeypatch):
+    tokenizer = LetterTokenizer()
+    for part in (llm.inputs, llm.outputs):
+        monkeypatch.setattr(part, "tokenizer", tokenizer)
+    text = tokenizer.decode(expected[1])
+    stop = text[3]
+    cut = text.index(stop) + 1  # tokens up to the one that completes the stop string
+    params = SamplingParams(max_tokens=10, ignore_eos=True, stop=(stop,))
 
     async def scenario(engine):
-        submission = engine.submit([(PROMPTS[1], params, None)])
-        tokens, finished = [[], []], False
-        while not finished:
-            delta = await submission.queue.get()
-            for j in range(2):
-                tokens[j] += delta.new_token_ids[j]
-            if len(tokens[0]) >= 2 and delta.finish_reasons[0] is None:
-                engine.finish_sample(submission.requests[0], 0)  # as a server does on a stop string
-            finished = delta.finished
-        return tokens, delta.finish_reasons
-    tokens, reasons = run(llm, scenario)
-    assert reasons == ["stop", "length"]
-    # Sample 0 ends a step or two after its second token, not at max_tokens; sample 1 goes on.
-    assert 2 <= len(tokens[0]) <= 6 and len(tokens[1]) == max_tokens
+        return await collect(engine.submit([(PROMPTS[1], params, None)]))
+    (result,) = run(llm, scenario)
+    assert result["reasons"] == ["stop"]
+    assert result["tokens"] == expected[1][:cut]  # the engine computed nothing past the stop
     assert_all_blocks_free(llm)
 
 
@@ -173,3 +179,30 @@ def test_close_aborts_what_is_in_flight(llm):
     # The delta already read may have been a request's first tokens; every request ends in abort.
     assert all(r["reasons"] == ["abort"] for r in results)
     assert_all_blocks_free(llm)
+
+
+def test_snapshots_are_the_engines(llm):
+    """The metrics' snapshot is llm.snapshot(): pool size before any request,
+    running requests while they run, counters since the engine started."""
+    class Recorder(EngineMetrics):
+        def __init__(self):
+            self.snapshots = []
+
+        def on_snapshot(self, snapshot):
+            self.snapshots.append(snapshot)
+    recorder = Recorder()
+
+    async def main():
+        engine = AsyncEngine(llm, max_queued_requests=64, metrics=recorder)
+        engine.start()
+        try:
+            return await asyncio.wait_for(collect(engine.submit([(p, GREEDY, None) for p in PROMPTS])), SECONDS)
+        finally:
+            await asyncio.to_thread(engine.close, SECONDS)
+    before = llm.snapshot().totals
+    asyncio.run(main())
+    first, last = recorder.snapshots[0], recorder.snapshots[-1]
+    assert isinstance(first, EngineSnapshot) and first.num_blocks == llm.num_blocks
+    assert max(s.running for s in recorder.snapshots) > 0
+    assert (last.running, last.waiting, last.used_blocks) == (0, 0, 0)
+    assert last.totals.prompt_tokens >= before.prompt_tokens + sum(map(len, PROMPTS))

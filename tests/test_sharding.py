@@ -14,6 +14,7 @@ import pytest
 from helpers import SMOLLM_ENGINE, TINY_ENGINE, random_prompts
 from jpaged.core.config import ConfigError
 from jpaged.engine.llm import LLM
+from jpaged.engine.protocol import Engine
 from jpaged.engine.router import DataParallelLLM, create_engine
 from jpaged.core.sequence import SamplingParams
 from jpaged.runtime.sharding import POOL_SPEC, collectives, weight_spec
@@ -140,6 +141,38 @@ def test_data_parallel_replicas(tiny_llama_dir, expected):
     dp.generate([shared + [9, 10]], GREEDY)
     (hit,) = [r for r in dp.replica_summary() if r["requests"]]
     assert hit["replica"] == home and hit["cached_prompt_tokens"] == 32
+
+
+def test_data_parallel_engine_speaks_global_request_ids(tiny_llama_dir, one_device, expected):
+    """DataParallelLLM is an Engine like LLM: one id space over its replicas for
+    add_request / step / get_sequence / abort / finish_sample, and a snapshot that
+    combines the replicas'."""
+    dp = create_engine(model=tiny_llama_dir, **TINY_ENGINE, data_parallel_size=2)
+    assert isinstance(dp, Engine) and isinstance(one_device, Engine)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [dp.add_request(p, long) for p in PROMPTS]
+    assert ids == list(range(len(PROMPTS)))
+    assert {dp.get_sequence(i).seq_id for i in ids} == set(ids)
+    homes = {i: next(j for j, r in enumerate(dp.replicas) if r.get_sequence(i) is not None) for i in ids}
+    assert len(set(homes.values())) == 2  # spread over both replicas
+    dp.step()
+    snap = dp.snapshot()
+    assert snap.running == len(PROMPTS) and snap.used_blocks > 0
+    assert snap.num_blocks == dp.num_blocks and snap.totals.steps == 2  # one step of each replica
+    assert snap.outstanding_tokens == sum(r.snapshot().outstanding_tokens for r in dp.replicas)
+    dp.abort([ids[0]])
+    assert dp.get_sequence(ids[0]) is None and dp.replicas[homes[ids[0]]].get_sequence(ids[0]) is None
+    dp.finish_sample(ids[1], 0)
+    finished = {}
+    while dp.has_unfinished_requests():
+        finished.update({s.seq_id: s for s in dp.step()})
+    assert set(finished) == set(ids[1:])
+    assert finished[ids[1]].finish_reason == "stop" and len(finished[ids[1]].output_token_ids) <= 2
+    for i in ids[2:]:
+        assert finished[i].output_token_ids[:16] == expected[i].token_ids
+    assert not dp._requests and dp.snapshot().used_blocks == 0
+    outputs = dp.generate(PROMPTS, GREEDY)  # ids go on from where add_request left them
+    assert sorted(o.request_id for o in outputs) == list(range(len(PROMPTS), 2 * len(PROMPTS)))
 
 
 def test_smollm2_tp3_matches_one_device(smollm_llm):

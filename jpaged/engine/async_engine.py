@@ -5,13 +5,12 @@ the engine.  The server's coroutines never touch it: they put requests and
 aborts into a thread-safe inbox, which the thread drains at the top of each
 step, and read per-step deltas (the tokens each sample appended, and how it
 finished) from an asyncio queue per HTTP request, fed with
-`loop.call_soon_threadsafe`.  A server that sees a stop string in one
-sample's text ends that sample in the engine (`finish_sample`, through the
-inbox too), so its blocks are freed rather than computed to max_tokens.  When
-nothing is queued or running the thread blocks on the inbox's condition
-variable: an idle server uses no CPU.
+`loop.call_soon_threadsafe`.  When nothing is queued or running the thread
+blocks on the inbox's condition variable: an idle server uses no CPU.
 
-Host code: the engine object comes in from outside; this module imports no jax.
+The engine is any `jpaged.engine.protocol.Engine` (one LLM, or a data-parallel
+router): this uses only that interface.  Host code: the engine object comes in
+from outside; this module imports no jax.
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Iterable
+from typing import Iterable
 
 from jpaged.core.sequence import SamplingParams, Sequence, Status, TokenLogprob
+from jpaged.core.stats import EngineSnapshot
+from jpaged.engine.protocol import Engine
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +55,6 @@ class Delta:
     @property
     def finished(self) -> bool:
         return all(r is not None for r in self.finish_reasons)
-
-
-@dataclasses.dataclass
-class EngineSnapshot:
-    """Engine state for /metrics, taken by the engine thread after each step."""
-
-    running: int = 0        # requests with a sample prefilling or decoding
-    waiting: int = 0        # requests not started yet (inbox included) or preempted by recompute
-    swapped: int = 0        # requests preempted to host memory
-    used_blocks: int = 0
-    prompt_tokens: int = 0           # prompt tokens to prefill at admissions (prefix-cache queries)
-    cached_prompt_tokens: int = 0    # of those, prefix-cache hits
-    preemptions: int = 0
 
 
 class EngineRequest:
@@ -116,14 +104,14 @@ class EngineMetrics:
 
 
 class AsyncEngine:
-    """Runs an LLM in one background thread for asyncio callers."""
+    """Runs an engine in one background thread for asyncio callers."""
 
-    def __init__(self, llm: Any, *, max_queued_requests: int, metrics: EngineMetrics | None = None):
+    def __init__(self, llm: Engine, *, max_queued_requests: int, metrics: EngineMetrics | None = None):
         self.llm = llm
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or EngineMetrics()
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, EngineRequest, int]] = []  # (add | abort | finish, request, sample)
+        self._inbox: list[tuple[str, EngineRequest]] = []  # (add | abort, request)
         self._num_queued = 0      # requests not started yet (guarded by _cond)
         self._num_unfinished = 0  # requests submitted and not finished (guarded by _cond)
         self._closing = False
@@ -162,21 +150,13 @@ class AsyncEngine:
                                 f"{self.max_queued_requests} (max_queued_requests)")
             self._num_queued += len(prompts)
             self._num_unfinished += len(prompts)
-            self._inbox.extend(("add", r, 0) for r in submission.requests)
+            self._inbox.extend(("add", r) for r in submission.requests)
             self._cond.notify()
         return submission
 
     def abort(self, requests: Iterable[EngineRequest]) -> None:
         """Ends these requests (those not finished yet) and frees their blocks."""
-        self._send([("abort", r, 0) for r in requests if not r.finished])
-
-    def finish_sample(self, request: EngineRequest, index: int) -> None:
-        """Ends sample `index` of the request with finish_reason "stop" (its text
-        hit a stop string) and frees its blocks; the other samples go on."""
-        if not request.finished:
-            self._send([("finish", request, index)])
-
-    def _send(self, work: list[tuple[str, EngineRequest, int]]) -> None:
+        work = [("abort", r) for r in requests if not r.finished]
         with self._cond:
             self._inbox.extend(work)
             self._cond.notify()
@@ -191,6 +171,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        self.metrics.on_snapshot(self._snapshot())  # the pool's size before any request
         while True:
             work, closing = self._wait_for_work()
             try:
@@ -205,7 +186,7 @@ class AsyncEngine:
                 log.exception("engine loop error")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
 
-    def _wait_for_work(self) -> tuple[list[tuple[str, EngineRequest, int]], bool]:
+    def _wait_for_work(self) -> tuple[list[tuple[str, EngineRequest]], bool]:
         """Blocks while there is nothing to do; then takes the whole inbox."""
         with self._cond:
             while not self._inbox and not self._closing and not self.llm.has_unfinished_requests():
@@ -213,16 +194,12 @@ class AsyncEngine:
             work, self._inbox = self._inbox, []
             return work, self._closing
 
-    def _apply(self, work: list[tuple[str, EngineRequest, int]]) -> None:
-        for kind, request, index in work:  # in arrival order: an abort follows its add
+    def _apply(self, work: list[tuple[str, EngineRequest]]) -> None:
+        for kind, request in work:  # in arrival order: an abort follows its add
             if kind == "add":
                 self._add(request)
-            elif request.engine_id not in self._tracked:
-                continue  # finished already
-            elif kind == "abort":
+            elif request.engine_id in self._tracked:  # else finished already
                 self.llm.abort([request.engine_id])
-            else:
-                self.llm.finish_sample(request.engine_id, index, "stop")
 
     def _add(self, request: EngineRequest) -> None:
         try:
@@ -321,18 +298,8 @@ class AsyncEngine:
             self._mark_finished(request, Delta(request.index, [[] for _ in reasons], reasons, error, 0, now), now)
 
     def _snapshot(self) -> EngineSnapshot:
-        snap = EngineSnapshot(used_blocks=self.llm.block_manager.num_used_blocks)
-        for request in self._tracked.values():
-            statuses = {s.status for s in request.samples}
-            if statuses & {Status.PREFILLING, Status.DECODING}:
-                snap.running += 1
-            elif Status.SWAPPED in statuses:
-                snap.swapped += 1
-            else:
-                snap.waiting += 1
+        """The engine's snapshot, with the requests still in the inbox as waiting."""
+        snap = self.llm.snapshot()
         with self._cond:
-            snap.waiting += sum(kind == "add" for kind, _, _ in self._inbox)
-        totals = self.llm.totals
-        snap.prompt_tokens, snap.cached_prompt_tokens = totals.prompt_tokens, totals.cached_prompt_tokens
-        snap.preemptions = totals.preemptions
+            snap.waiting += sum(kind == "add" for kind, _ in self._inbox)
         return snap

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import tqdm
 from flax import nnx
 
 from jpaged.core.block_manager import BlockAllocator, BlockManager
@@ -30,6 +29,7 @@ from jpaged.core.scheduler import Scheduler, SchedulerOutput
 from jpaged.core.sequence import SamplingParams, Sequence, Status
 from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
+from jpaged.engine import protocol
 from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.output_processor import OutputProcessor, RequestOutput, record_logprobs
 from jpaged.engine.setup import (engine_mesh, load_model, resolve_attention_impl, resolve_kv_cache_dtype,
@@ -50,16 +50,6 @@ class StartedStep:
     pending: PendingStep | None
     error: Exception | None
     start: float
-
-
-def sampling_per_prompt(prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None,
-                        default: SamplingParams) -> list[SamplingParams]:
-    """generate()'s sampling argument as one SamplingParams per prompt."""
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or default] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError("one SamplingParams per prompt, or a single one for all")
-    return list(sampling_params)
 
 
 class EngineStalled(RuntimeError):
@@ -172,10 +162,11 @@ class LLM:
         return default_sampling_params(self.config)
 
     def add_request(self, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt: str | None = None, error: str | None = None) -> int:
-        """Queues one request; an invalid one is finished at once with an error."""
-        request_id = self._next_id
-        self._next_id += 1
+                    prompt: str | None = None, error: str | None = None, *, request_id: int | None = None) -> int:
+        """Queues one request; an invalid one is finished at once with an error.
+        `request_id`: a router's id for it (unused here), by default the next one."""
+        request_id = self._next_id if request_id is None else request_id
+        self._next_id = max(self._next_id, request_id + 1)
         prompt_token_ids = list(prompt_token_ids or [])
         error = error or self.inputs.validate(prompt_token_ids, params)
         # A request that fails draws no seed: its neighbours' draws do not depend on it.
@@ -437,6 +428,10 @@ class LLM:
                    + max(0, s.params.max_tokens - len(s.output_token_ids))
                    for s in self._active.values() if not s.is_done)
 
+    def replica_summary(self) -> list[dict[str, Any]]:
+        """Per data-parallel replica, what it was sent and did: none for one engine."""
+        return []
+
     @property
     def num_compilations(self) -> int:
         return self.runner.num_compilations
@@ -461,34 +456,11 @@ class LLM:
         model's chat template).  A request that cannot run (bad input, or a step
         that failed under it) comes back with finish_reason "error".
         """
-        outputs = list(self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm))
-        return sorted(outputs, key=lambda o: o.index)
+        return protocol.generate(self, prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate_iter(self, prompts: Iterable[Any],
                       sampling_params: SamplingParams | list[SamplingParams] | None = None,
                       *, use_tqdm: bool = False, stop: threading.Event | None = None
                       ) -> Iterator[RequestOutput]:
-        """generate(), yielding each request's output as soon as it (every sample)
-        finishes; `output.index` is its position in `prompts`.  Closing the
-        iterator early, or setting `stop` (checked before every step, so a
-        signal handler may set it), aborts the requests that have not finished."""
-        prompts = list(prompts)
-        sampling_params = sampling_per_prompt(prompts, sampling_params, self.default_sampling_params())
-        self.begin_generate()
-        index = {self.add_request(*self.prepare_prompt(p, sp)): i
-                 for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
-        pending = {rid: len(self._active[rid].group) for rid in index}
-        try:
-            with tqdm.tqdm(total=len(index), desc="requests", disable=not use_tqdm) as bar:
-                while pending and not (stop is not None and stop.is_set()):
-                    for seq in self.step():
-                        rid = seq.group[0].seq_id
-                        if rid not in pending:
-                            continue  # a request added through add_request by someone else
-                        pending[rid] -= 1
-                        if not pending[rid]:
-                            del pending[rid]
-                            bar.update(1)
-                            yield self.request_output(seq.group[0], index[rid])
-        finally:
-            self.abort(pending)  # closed early, or an exception: nothing stays queued
+        """generate(), yielding each output as its request finishes (protocol.generate_iter)."""
+        return protocol.generate_iter(self, prompts, sampling_params, use_tqdm=use_tqdm, stop=stop)

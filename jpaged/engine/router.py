@@ -21,16 +21,17 @@ from typing import Any, Iterable, Iterator
 
 import jax
 import ml_collections
-import tqdm
 
 from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.engine.llm import LLM, RequestOutput, sampling_per_prompt
 from jpaged.core.sequence import SamplingParams, Sequence
+from jpaged.core.stats import EngineSnapshot, EngineStats
+from jpaged.engine import protocol
+from jpaged.engine.llm import LLM, RequestOutput
+from jpaged.engine.protocol import Engine
 from jpaged.runtime.sharding import make_mesh, replica_meshes
-from jpaged.core.stats import EngineStats
 
 
-def create_engine(config: ml_collections.ConfigDict | None = None, **overrides: Any) -> LLM | DataParallelLLM:
+def create_engine(config: ml_collections.ConfigDict | None = None, **overrides: Any) -> Engine:
     """The engine a config asks for: one LLM, or data_parallel_size of them behind a router."""
     cfg = apply_overrides(default_config(), config, **overrides)
     return DataParallelLLM(cfg) if cfg.data_parallel_size > 1 else LLM(cfg)
@@ -38,15 +39,17 @@ def create_engine(config: ml_collections.ConfigDict | None = None, **overrides: 
 
 @dataclasses.dataclass
 class ReplicaLoad:
-    """What the router sent one replica, for the run summary."""
+    """What the router sent one replica since begin_generate(), for the run summary
+    (the replica's own counters are in its snapshot)."""
     requests: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prefix-cache hits seen when routing
-    output_tokens: int = 0         # of finished requests, every sample
+    output_tokens: int = 0         # of finished samples
 
 
 class DataParallelLLM:
-    """`LLM`'s batch interface over data_parallel_size replicas."""
+    """The `Engine` interface over data_parallel_size `LLM` replicas.  Request ids are
+    the router's: each replica queues a request under the same id."""
 
     def __init__(self, config: ml_collections.ConfigDict | None = None, **overrides: Any):
         cfg = apply_overrides(default_config(), config, **overrides)
@@ -58,99 +61,142 @@ class DataParallelLLM:
         self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
         self.replicas = [LLM(cfg, mesh=m) for m in replica_meshes(self.mesh)]
         self.loads = [ReplicaLoad() for _ in self.replicas]
-        first = self.replicas[0]
+        first = self.replicas[0]  # every replica loads, tokenizes and validates alike
         self.loaded, self.tokenizer, self.model_config = first.loaded, first.tokenizer, first.model_config
         self.attention_impl, self.attention_note = first.attention_impl, first.attention_note
+        self._next_id = 0
+        # Unfinished requests: id -> [replica, samples not returned by step() yet].
+        self._requests: dict[int, list[int]] = {}
 
     # -------------------------------------------------------------- routing
     def route(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int, int]:
         """(the replica a request goes to, its prefix-cache hit there in tokens): see
         the module docstring."""
         hits = [r.cached_prefix_tokens(prompt_token_ids, params) for r in self.replicas]
-        costs = [r.outstanding_tokens() + len(prompt_token_ids) - hit for r, hit in zip(self.replicas, hits)]
+        costs = [r.snapshot().outstanding_tokens + len(prompt_token_ids) - hit
+                 for r, hit in zip(self.replicas, hits)]
         i = costs.index(min(costs))
         return i, hits[i]
 
+    # ------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int] | None, params: SamplingParams,
-                    prompt: str | None = None, error: str | None = None) -> tuple[int, int]:
-        """Routes and queues one request: (replica, its request id there)."""
+                    prompt: str | None = None, error: str | None = None) -> int:
+        """Routes and queues one request; returns its id."""
         ids = list(prompt_token_ids or [])
-        i, hit = self.route(ids, params) if ids and error is None else (0, 0)
+        error = error or self.check_request(ids, params)
+        i, hit = self.route(ids, params) if error is None else (0, 0)
         load = self.loads[i]
         load.requests += 1
         load.prompt_tokens += len(ids)
         load.cached_prompt_tokens += hit
-        return i, self.replicas[i].add_request(ids, params, prompt=prompt, error=error)
+        rid = self._next_id
+        self._next_id += 1
+        self.replicas[i].add_request(ids, params, prompt=prompt, error=error, request_id=rid)
+        self._requests[rid] = [i, len(self.replicas[i].get_sequence(rid).group)]
+        return rid
 
-    def step(self) -> list[tuple[int, Sequence]]:
-        """One step of every replica, launched together: (replica, finished sequence).
+    def _replica(self, request_id: int) -> LLM | None:
+        entry = self._requests.get(request_id)
+        return self.replicas[entry[0]] if entry is not None else None
+
+    def get_sequence(self, request_id: int) -> Sequence | None:
+        replica = self._replica(request_id)
+        return replica.get_sequence(request_id) if replica is not None else None
+
+    def abort(self, request_ids: Iterable[int]) -> None:
+        for rid in request_ids:
+            replica = self._replica(rid)
+            if replica is not None:
+                replica.abort([rid])
+                del self._requests[rid]
+
+    def finish_sample(self, request_id: int, index: int, reason: str = "stop") -> None:
+        replica = self._replica(request_id)
+        if replica is not None:
+            replica.finish_sample(request_id, index, reason)
+
+    def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput:
+        return self.replicas[0].request_output(seq, index)  # the replicas' output processors are alike
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.replicas[0].default_sampling_params()
+
+    def prepare_prompt(self, prompt: Any, params: SamplingParams
+                       ) -> tuple[list[int] | None, SamplingParams, str | None, str | None]:
+        return self.replicas[0].prepare_prompt(prompt, params)
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        return self.replicas[0].tokenize(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+        return self.replicas[0].check_request(prompt_token_ids, params)
+
+    # ---------------------------------------------------------------- steps
+    def step(self) -> list[Sequence]:
+        """One step of every replica, launched together: the sequences that finished.
         An idle replica's step schedules nothing and costs no device work, but it
-        still returns requests that failed at admission."""
+        still returns requests that failed at admission.  Every launched step is
+        finished before an exception of one (EngineStalled) is raised."""
         started = [r.start_step() for r in self.replicas]
-        return [(i, seq) for i, (r, s) in enumerate(zip(self.replicas, started)) for seq in r.finish_step(s)]
+        finished, error = [], None
+        for i, (r, s) in enumerate(zip(self.replicas, started)):
+            try:
+                done = r.finish_step(s)
+            except Exception as e:  # noqa: BLE001 - raised once the other replicas are done
+                error = error or e
+                continue
+            for seq in done:
+                self.loads[i].output_tokens += len(seq.output_token_ids)
+                entry = self._requests.get(seq.group[0].seq_id)
+                if entry is not None:
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del self._requests[seq.group[0].seq_id]
+            finished += done
+        if error is not None:
+            raise error
+        return finished
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
-    # ------------------------------------------------------------ batch API
-    def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
-        outputs = list(self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm))
-        return sorted(outputs, key=lambda o: o.index)
-
-    def generate_iter(self, prompts: Iterable[Any],
-                      sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                      *, use_tqdm: bool = False, stop: threading.Event | None = None
-                      ) -> Iterator[RequestOutput]:
-        """LLM.generate_iter over the replicas: outputs as requests finish."""
-        prompts = list(prompts)
-        sampling_params = sampling_per_prompt(prompts, sampling_params, self.default_sampling_params())
-        for r in self.replicas:
-            r.begin_generate()
-        self.loads = [ReplicaLoad() for _ in self.replicas]
-        first = self.replicas[0]  # every replica tokenizes alike
-        index = {self.add_request(*first.prepare_prompt(p, sp)): i
-                 for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
-        pending = {key: len(self.replicas[key[0]].get_sequence(key[1]).group) for key in index}
-        try:
-            with tqdm.tqdm(total=len(index), desc="requests", disable=not use_tqdm) as bar:
-                while pending and not (stop is not None and stop.is_set()):
-                    for i, seq in self.step():
-                        key = (i, seq.group[0].seq_id)
-                        if key not in pending:
-                            continue
-                        pending[key] -= 1
-                        if not pending[key]:
-                            del pending[key]
-                            bar.update(1)
-                            output = self.replicas[i].request_output(seq.group[0], index[key])
-                            output.request_id = index[key]  # replica ids collide; the prompt index does not
-                            self.loads[i].output_tokens += sum(len(x["token_ids"]) for x in output.samples)
-                            yield output
-        finally:
-            for i, r in enumerate(self.replicas):
-                r.abort([rid for (j, rid) in pending if j == i])
+    def precompile(self, max_num_tokens: int | None = None) -> int:
+        return sum(r.precompile(max_num_tokens) for r in self.replicas)
 
     def close(self) -> None:
         for r in self.replicas:
             r.close()
 
-    def default_sampling_params(self) -> SamplingParams:
-        return self.replicas[0].default_sampling_params()
+    # ------------------------------------------------------------ batch API
+    def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        return protocol.generate(self, prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def precompile(self, max_num_tokens: int | None = None) -> int:
-        return sum(r.precompile(max_num_tokens) for r in self.replicas)
+    def generate_iter(self, prompts: Iterable[Any],
+                      sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                      *, use_tqdm: bool = False, stop: threading.Event | None = None
+                      ) -> Iterator[RequestOutput]:
+        return protocol.generate_iter(self, prompts, sampling_params, use_tqdm=use_tqdm, stop=stop)
 
     # ----------------------------------------------------------- reporting
+    def begin_generate(self) -> None:
+        """Starts the window that `stats` and replica_summary() report."""
+        for r in self.replicas:
+            r.begin_generate()
+        self.loads = [ReplicaLoad() for _ in self.replicas]
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot.combine([r.snapshot() for r in self.replicas])
+
     @property
     def stats(self) -> EngineStats:
         """The last generate() call's statistics, summed over replicas (peaks too:
         the replicas' pools are disjoint)."""
-        return sum_stats([r.stats for r in self.replicas])
+        return EngineStats.sum([r.stats for r in self.replicas])
 
     @property
     def totals(self) -> EngineStats:
-        return sum_stats([r.totals for r in self.replicas])
+        return EngineStats.sum([r.totals for r in self.replicas])
 
     @property
     def num_blocks(self) -> int:
@@ -177,12 +223,7 @@ class DataParallelLLM:
         return {d: m for r in self.replicas for d, m in r.memory_per_device().items()}
 
     def replica_summary(self) -> list[dict[str, Any]]:
-        """Per replica: its devices and what it was sent and did in the last generate()."""
+        """Per replica: its devices and what it was sent and did since begin_generate()."""
         return [dict(replica=i, devices=list(r.memory_per_device()), **dataclasses.asdict(load),
                      steps=r.stats.steps, peak_kv_blocks=r.stats.peak_blocks_used)
                 for i, (r, load) in enumerate(zip(self.replicas, self.loads))]
-
-
-def sum_stats(parts: list[EngineStats]) -> EngineStats:
-    return EngineStats(**{f.name: sum(getattr(p, f.name) for p in parts)
-                          for f in dataclasses.fields(EngineStats)})

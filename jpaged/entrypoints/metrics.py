@@ -17,7 +17,8 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
     num_tokens = sum(len(o.token_ids) for o in ok)
     ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
     ttft = ttft if ttft.size else np.zeros(1)
-    stats = llm.stats
+    stats = llm.stats  # the last generate() call's window; the snapshot's totals run since start
+    snapshot = llm.snapshot()
     step_seconds = stats.device_seconds + stats.host_seconds
     return {
         "requests": len(outputs),
@@ -30,7 +31,7 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "ttft_p50_ms": float(np.percentile(ttft, 50)),
         "ttft_p99_ms": float(np.percentile(ttft, 99)),
         "peak_kv_blocks": stats.peak_blocks_used,
-        "kv_pool_blocks": llm.num_blocks - 1,
+        "kv_pool_blocks": snapshot.num_blocks - llm.config.data_parallel_size,  # a null block per pool
         "kv_waste_pct": 100 * stats.kv_waste,
         "steps": stats.steps,
         "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
@@ -54,7 +55,7 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "swap_s": stats.swap_seconds,
         "memory_per_device": {d: {"weights_bytes": w, "kv_pool_bytes": p}
                               for d, (w, p) in llm.memory_per_device().items()},
-        "replicas": llm.replica_summary() if hasattr(llm, "replica_summary") else [],
+        "replicas": llm.replica_summary(),
     }
 
 

@@ -58,9 +58,9 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
 
 def build_engine(config: Any, precompile: bool) -> Any:
     """The engine (in the server's loader thread: jax loads here)."""
-    from jpaged.engine.llm import LLM
+    from jpaged.engine.router import create_engine
     t0 = time.perf_counter()
-    llm = LLM(config)
+    llm = create_engine(config)
     if precompile:
         llm.precompile()
     print(f"engine ready in {time.perf_counter() - t0:.1f} s: {llm.loaded.source}, {llm.num_blocks} KV blocks "
@@ -74,9 +74,6 @@ def run(config_file: Any, args: Args = Args()) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax's and XLA's INFO lines are not for users
     config = apply_overrides(default_config(), config_file)
     validate_config(config)
-    if config.data_parallel_size > 1:  # before the port binds and the weights load
-        raise ConfigError("data_parallel_size", f"{config.data_parallel_size}: the HTTP server runs one engine",
-                          "1 (tensor_parallel_size may be more; run one server per replica behind a router)")
     import uvicorn
 
     from jpaged.entrypoints.server import DrainingServer, create_app

@@ -7,10 +7,12 @@ and `data: [DONE]` at the end.
 
 The engine runs in one background thread (jpaged.engine.async_engine); each HTTP
 request turns into engine requests, reads their per-step deltas, detokenizes
-them (jpaged.tokenizer.detokenizer, which also applies stop strings) and answers.  A
-sample whose text hits a stop string is ended in the engine at once; a client
-that goes away, mid-stream or while waiting for a whole answer, has its
-requests aborted; both free their KV blocks.  Bad input is a 400 with an
+them (jpaged.tokenizer.detokenizer, which also holds back the start of a stop
+string) and answers.  The engine is one LLM or a data-parallel router
+(jpaged.engine.protocol.Engine).  Stop strings travel in SamplingParams.stop:
+the engine ends a sample in the step its text hits one; a client that goes
+away, mid-stream or while waiting for a whole answer, has its requests
+aborted; both free their KV blocks.  Bad input is a 400 with an
 OpenAI-style error body; a full queue is a 429 with Retry-After; a request that
 fails inside the engine fails alone.  Logprobs travel with the text: each
 streamed chunk carries those of the tokens consumed since the previous one.
@@ -43,7 +45,7 @@ from jpaged.core.sequence import TokenLogprob
 from jpaged.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 
 if TYPE_CHECKING:  # the engine (and jax) load when the server builds it, not on import
-    from jpaged.engine.llm import LLM
+    from jpaged.engine.protocol import Engine
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +63,13 @@ class ServerState:
     """The engine (once loaded), its status and the metrics registry of one app."""
 
     def __init__(self, source: Any, config: Any, model_name: str):
-        self.source = source  # an LLM, or a callable that builds one
+        self.source = source  # an Engine, or a callable that builds one
         self.config = config
         self.model_name = model_name
         self.defaults = default_sampling_params(config)
         self.metrics = ServerMetrics(model_name, config.block_size,
-                                     enable_prefix_caching=config.enable_prefix_caching)
+                                     enable_prefix_caching=config.enable_prefix_caching,
+                                     num_replicas=config.data_parallel_size)
         self.llm: Any = None
         self.engine: AsyncEngine | None = None
         self.status = "loading"  # loading | ready | failed: <why> | shutting down
@@ -78,7 +81,6 @@ class ServerState:
         """Builds (if given a factory) and starts the engine; /health turns 200."""
         try:
             llm = self.source() if _is_factory(self.source) else self.source
-            self.metrics.num_blocks = llm.num_blocks
             engine = AsyncEngine(llm, max_queued_requests=self.config.max_queued_requests,
                                  metrics=self.metrics)
             self.llm = llm
@@ -206,14 +208,11 @@ class GenerationRun:
         for j in range(self.n):
             c = delta.index * self.n + j
             if self.finish_reasons[c] is not None:
-                continue  # ended by a stop string; the engine's later tokens are not part of it
+                continue  # finished (the engine ends a sample in the step its text hits a stop string)
             logprobs = delta.new_logprobs[j] if delta.new_logprobs else []
             update = self._advance_sample(c, delta.new_token_ids[j], logprobs, delta.finish_reasons[j])
             if update is not None:
                 updates.append(update)
-            if self.samples[c].stopped and delta.finish_reasons[j] is None:
-                # The engine would compute this sample on to max_tokens: end it there now.
-                self.engine.finish_sample(self.submission.requests[delta.index], j)
         return updates
 
     def _advance_sample(self, c: int, token_ids: list[int], logprobs: list[TokenLogprob],
@@ -448,12 +447,13 @@ async def _handle(request: Request, state: ServerState, parse: Callable[..., Gen
 
 
 # -------------------------------------------------------------------- app
-def create_app(engine: Union["LLM", Callable[[], "LLM"]], config: Any = None, *, model_name: str | None = None,
+def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = None, *,
+               model_name: str | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`: an LLM, or a callable that builds one
-    (built in the background once the server runs, so that /health answers 503
-    while it loads; `config` is then required).  `on_load_failure` is called if
-    building fails (scripts/serve.py stops the server)."""
+    """The FastAPI app serving `engine`: an Engine (an LLM or a DataParallelLLM),
+    or a callable that builds one (built in the background once the server runs,
+    so that /health answers 503 while it loads; `config` is then required).
+    `on_load_failure` is called if building fails (scripts/serve.py stops the server)."""
     config = config if config is not None else engine.config
     state = ServerState(engine, config, model_name or config.model)
 

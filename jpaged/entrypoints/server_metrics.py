@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from jpaged.engine.async_engine import EngineMetrics, EngineRequest, EngineSnapshot
+from jpaged.core.stats import EngineSnapshot
+from jpaged.engine.async_engine import EngineMetrics, EngineRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,13 +37,13 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics(EngineMetrics):
     """The server's metrics registry; the engine thread reports into it."""
 
-    def __init__(self, model_name: str, block_size: int, num_blocks: int | None = None,
-                 enable_prefix_caching: bool = True):
+    def __init__(self, model_name: str, block_size: int, enable_prefix_caching: bool = True,
+                 num_replicas: int = 1):
         self.model_name = model_name
         self.block_size = block_size
-        self.num_blocks = num_blocks  # set once the engine has sized its pool
         self.enable_prefix_caching = enable_prefix_caching
-        self.snapshot = EngineSnapshot()
+        self.num_replicas = num_replicas  # data-parallel pools, each with its null block
+        self.snapshot = EngineSnapshot()  # the engine's, once it runs (num_blocks 0 before)
         self.registry = CollectorRegistry()
         label = {"registry": self.registry, "labelnames": ["model_name"]}
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (arrival to "
@@ -106,15 +107,16 @@ class _SnapshotCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Requests waiting to start (or preempted by recompute).",
                     snap.waiting)
         yield gauge("vllm:num_requests_swapped", "Requests preempted to host memory.", snap.swapped)
-        usable = m.num_blocks - 1 if m.num_blocks else 0  # block 0 is the null block, never handed out
+        # Block 0 of each pool is the null block, never handed out.
+        usable = snap.num_blocks - m.num_replicas if snap.num_blocks else 0
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
                     snap.used_blocks / usable if usable else 0.0)
         info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
-        info.add_metric([str(m.block_size), str(m.num_blocks or 0), str(m.enable_prefix_caching)], 1)
+        info.add_metric([str(m.block_size), str(snap.num_blocks), str(m.enable_prefix_caching)], 1)
         yield info
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      snap.prompt_tokens)
+                      snap.totals.prompt_tokens)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      snap.cached_prompt_tokens)
-        yield counter("vllm:num_preemptions", "Preemptions (recompute and swap).", snap.preemptions)
+                      snap.totals.cached_prompt_tokens)
+        yield counter("vllm:num_preemptions", "Preemptions (recompute and swap).", snap.totals.preemptions)

@@ -1,0 +1,124 @@
+"""What every engine offers: `Engine`, the interface that `LLM` (one replica) and
+`DataParallelLLM` (a router over several) both implement, and the batch loop
+they share (`generate_iter`, `generate`).
+
+Callers (the HTTP server's AsyncEngine, the batch CLI, the run summary) take
+an `Engine` and use nothing else: request ids are the engine's own (a router
+hands out global ones), `step()` returns finished `Sequence`s whose
+`group[0].seq_id` is the request id `add_request` returned, and `snapshot()`
+is the one look at gauges and counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
+
+import tqdm
+
+from jpaged.core.sequence import SamplingParams, Sequence
+from jpaged.core.stats import EngineSnapshot, EngineStats
+
+if TYPE_CHECKING:  # the engine's modules import jax; this one stays light
+    from jpaged.engine.output_processor import RequestOutput
+
+Prompts = Iterable[Any]
+PerPrompt = SamplingParams | list[SamplingParams] | None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The engine interface (see the module docstring).  Attributes: `config`,
+    `tokenizer`, `model_config`, `loaded`, `attention_impl`, `attention_note`."""
+
+    config: Any
+    tokenizer: Any
+
+    # Requests: ids are the engine's; a finished request's id is not reused.
+    def default_sampling_params(self) -> SamplingParams: ...
+    def prepare_prompt(self, prompt: Any, params: SamplingParams
+                       ) -> tuple[list[int] | None, SamplingParams, str | None, str | None]: ...
+    def tokenize(self, prompt: Any) -> list[int]: ...
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None: ...
+    def add_request(self, prompt_token_ids: list[int] | None, params: SamplingParams,
+                    prompt: str | None = None, error: str | None = None) -> int: ...
+    def get_sequence(self, request_id: int) -> Sequence | None: ...
+    def abort(self, request_ids: Iterable[int]) -> None: ...
+    def finish_sample(self, request_id: int, index: int, reason: str = "stop") -> None: ...
+    def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput: ...
+
+    # Steps
+    def step(self) -> list[Sequence]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def precompile(self, max_num_tokens: int | None = None) -> int: ...
+    def close(self) -> None: ...
+
+    # Batch API (both delegate to this module's functions)
+    def generate(self, prompts: Prompts, sampling_params: PerPrompt = None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]: ...
+    def generate_iter(self, prompts: Prompts, sampling_params: PerPrompt = None, *, use_tqdm: bool = False,
+                      stop: threading.Event | None = None) -> Iterator[RequestOutput]: ...
+
+    # Reporting
+    def begin_generate(self) -> None: ...
+    def snapshot(self) -> EngineSnapshot: ...
+    @property
+    def stats(self) -> EngineStats: ...
+    @property
+    def totals(self) -> EngineStats: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def kv_pool_bytes(self) -> int: ...
+    @property
+    def num_compilations(self) -> int: ...
+    @property
+    def compile_seconds(self) -> float: ...
+    @property
+    def token_buckets(self) -> tuple[int, ...]: ...
+    def memory_per_device(self) -> dict[str, tuple[int, int]]: ...
+    def replica_summary(self) -> list[dict[str, Any]]: ...
+
+
+def sampling_per_prompt(prompts: list, sampling_params: PerPrompt, default: SamplingParams) -> list[SamplingParams]:
+    """generate()'s sampling argument as one SamplingParams per prompt."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or default] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError("one SamplingParams per prompt, or a single one for all")
+    return list(sampling_params)
+
+
+def generate(engine: Engine, prompts: Prompts, sampling_params: PerPrompt = None, *,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+    """Runs every prompt to completion; outputs come back in prompt order."""
+    outputs = list(generate_iter(engine, prompts, sampling_params, use_tqdm=use_tqdm))
+    return sorted(outputs, key=lambda o: o.index)
+
+
+def generate_iter(engine: Engine, prompts: Prompts, sampling_params: PerPrompt = None, *,
+                  use_tqdm: bool = False, stop: threading.Event | None = None) -> Iterator[RequestOutput]:
+    """generate(), yielding each request's output as soon as it (every sample)
+    finishes; `output.index` is its position in `prompts`.  Closing the
+    iterator early, or setting `stop` (checked before every step, so a
+    signal handler may set it), aborts the requests that have not finished."""
+    prompts = list(prompts)
+    sampling_params = sampling_per_prompt(prompts, sampling_params, engine.default_sampling_params())
+    engine.begin_generate()
+    index = {engine.add_request(*engine.prepare_prompt(p, sp)): i
+             for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
+    pending = {rid: len(engine.get_sequence(rid).group) for rid in index}
+    try:
+        with tqdm.tqdm(total=len(index), desc="requests", disable=not use_tqdm) as bar:
+            while pending and not (stop is not None and stop.is_set()):
+                for seq in engine.step():
+                    rid = seq.group[0].seq_id
+                    if rid not in pending:
+                        continue  # a request added through add_request by someone else
+                    pending[rid] -= 1
+                    if not pending[rid]:
+                        del pending[rid]
+                        bar.update(1)
+                        yield engine.request_output(seq.group[0], index[rid])
+    finally:
+        engine.abort(pending)  # closed early, or an exception: nothing stays queued
