@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
-from jpaged.engine.llm import EngineStalled
+from jpaged.core.progress import EngineStalled
 from jpaged.core.sequence import SamplingParams, Status
 
 PROMPTS = random_prompts([5, 40, 17, 70], seed=31)

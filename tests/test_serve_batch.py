@@ -19,12 +19,13 @@ REQUESTS = [
     {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a color."}],
      "max_tokens": 4, "seed": 5, "temperature": 0.7},
     {"prompt": "Name one fruit.\x1b[31m", "max_tokens": 6, "temprature": 0.3},  # escape, misspelt field
+    {"prompt": "Write three short sentences about the sea.", "max_tokens": 48, "stop": ["."]},
 ]
 # The prompts file: a BOM, the requests above, bad lines between them and a blank line.
 LINES = [b"\xef\xbb\xbf" + json.dumps(REQUESTS[0]).encode(), b"{not json", json.dumps(REQUESTS[1]).encode(),
          b"[1, 2]", json.dumps({"prompt": "\x1b[2J", "temperature": "hot"}).encode(), b"", b'{"prompt": "caf\xe9"}',
-         json.dumps(REQUESTS[2]).encode()]
-GOOD_LINES = {0: 0, 2: 1, 7: 2}  # line index -> REQUESTS index
+         json.dumps(REQUESTS[2]).encode(), json.dumps(REQUESTS[3]).encode()]
+GOOD_LINES = {0: 0, 2: 1, 7: 2, 8: 3}  # line index -> REQUESTS index
 BAD_LINES = {1: "not valid JSON", 3: "JSON object", 4: "temperature", 6: "UTF-8"}
 FIELDS = {"index", "prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error", "ttft_ms",
           "latency_ms"}
@@ -70,7 +71,7 @@ def test_unknown_field_warns_and_escapes_reach_the_terminal_escaped(served):
 def test_output_jsonl_fields(served):
     _, lines, _ = served
     assert len(lines) == len(REQUESTS)
-    limits = [8, 4, 6]  # config default, then per-request max_tokens
+    limits = [8, 4, 6, 48]  # config default, then per-request max_tokens
     for rec, limit in zip(lines, limits):
         assert FIELDS <= set(rec), FIELDS - set(rec)
         assert rec["error"] is None and rec["finish_reason"] in ("stop", "length")
@@ -92,13 +93,24 @@ def test_served_tokens_match_the_library(served, smollm_llm):
     assert out.token_ids == lines[0]["token_ids"] and out.text == lines[0]["text"]
 
 
+def test_a_stop_string_ends_the_answer_at_the_first_period(served, smollm_llm):
+    """The batch file's "stop" field cuts the text where the library's full answer
+    has its first period (tests/test_server.py checks the same request over HTTP)."""
+    _, lines, _ = served
+    whole = smollm_llm.generate([{"prompt": REQUESTS[3]["prompt"]}], SamplingParams(max_tokens=48))[0]
+    assert "." in whole.text
+    assert lines[3]["finish_reason"] == "stop"
+    assert lines[3]["text"] == whole.text[:whole.text.index(".")]
+    assert lines[3]["token_ids"] == whole.token_ids[:len(lines[3]["token_ids"])]
+
+
 def test_summary_table_printed(served):
     proc, _, _ = served
     out = proc.stdout
     for row in ("requests (errors)", "output tokens", "wall time", "TTFT mean / p50 / p99",
                 "peak KV blocks in use", "compilations"):
         assert row in out, f"summary row {row!r} missing"
-    assert re.search(r"requests \(errors\)\s+7 \(4\)", out)
+    assert re.search(r"requests \(errors\)\s+8 \(4\)", out)
     assert "KV pool: 48 blocks x 16 tokens" in out
 
 

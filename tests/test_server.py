@@ -316,6 +316,17 @@ def test_a_stop_string_ends_its_samples_in_the_engine(ready):
         assert got.usage.completion_tokens <= computed <= got.usage.completion_tokens + 3 * n
 
 
+def test_a_stop_string_cuts_the_answer_where_the_library_does(ready, llm):
+    """The same request as the batch CLI's stop line (tests/test_serve_batch.py)."""
+    question = "Write three short sentences about the sea."
+    whole = llm.generate([{"prompt": question}], SamplingParams(max_tokens=48))[0]
+    assert "." in whole.text
+    got = ready.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                 max_tokens=48, temperature=0, stop=["."])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].message.content == whole.text[:whole.text.index(".")]
+
+
 def _wait_for(condition, seconds: float, what: str):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jpaged.core.block_manager import BlockAllocator, BlockManager
 from jpaged.core.config import PREEMPTION_MODES, apply_overrides, default_config, validate_config
+from jpaged.core.progress import ProgressCheck
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
 from jpaged.core.sequence import SamplingParams, Sequence, Status
@@ -50,10 +51,6 @@ class StartedStep:
     pending: PendingStep | None
     error: Exception | None
     start: float
-
-
-class EngineStalled(RuntimeError):
-    """A step could schedule nothing while requests waited (they were failed)."""
 
 
 class LLM:
@@ -99,13 +96,13 @@ class LLM:
         self.inputs = InputProcessor(self.tokenizer, vocab_size=self.model_config.vocab_size,
                                      max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                      block_size=cfg.block_size, num_blocks=self.num_blocks)
+        self.progress = ProgressCheck(self.scheduler, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer, max_model_len=cfg.max_model_len)
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._next_child_id = 0  # samples 1..n-1 get negative ids
         self.weights_version = 0  # update_params() count: part of every prefix-cache key
         self._active: dict[int, Sequence] = {}
-        self._idle_state: tuple | None = None  # scheduler state after the last step that ran nothing
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process run (jpaged.runtime.distributed): run
@@ -336,7 +333,7 @@ class LLM:
         finished = [s for s in self._active.values() if s.is_done and id(s) not in running]
         for seq in finished:
             del self._active[seq.seq_id]
-        self._check_progress(out, finished)
+        self.progress.after_step(out, finished)
         return finished
 
     def _advance(self, seq: Sequence, num_new: int, token: int) -> None:
@@ -369,30 +366,6 @@ class LLM:
                       len(self.scheduler.running))
             self.scheduler.requeue_running()
             self.block_manager.reset()
-
-    def _check_progress(self, out: SchedulerOutput, finished: list[Sequence]) -> None:
-        """Raises EngineStalled (failing what waits, freeing everything) after two
-        steps in a row that scheduled nothing, finished nothing and left the
-        scheduler's state unchanged: schedule() is deterministic, so every later
-        step would do the same.  An empty step may still move state (a
-        preemption, a fork): not stalled then."""
-        if finished or out.scheduled or out.swap_out or out.swap_in or not self.scheduler.has_work:
-            self._idle_state = None
-            return
-        sched = self.scheduler
-        state = (self.block_manager.num_free_blocks,
-                 *((id(s), s.status, s.num_computed_tokens, len(s.block_table.block_ids), len(s.forks))
-                   for q in (sched.waiting, sched.running, sched.swapped) for s in q))
-        if state != self._idle_state:
-            self._idle_state = state
-            return
-        described = (f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} "
-                     f"swapped; {self.block_manager.num_free_blocks} free blocks, max_num_batched_tokens "
-                     f"{self.config.max_num_batched_tokens}, max_num_seqs {self.config.max_num_seqs}")
-        message = f"engine stalled: a step could schedule nothing ({described})"
-        for seq in [*sched.waiting, *sched.running, *sched.swapped]:
-            sched.fail(seq, message)
-        raise EngineStalled(message)
 
     # ----------------------------------------------------------- statistics
     def begin_generate(self) -> None:

@@ -251,7 +251,7 @@ def run(config_file: Any, args: Args = Args()) -> int:
 def run_batch(llm: Any, config: Any, good: list[ParsedRequest], out_file: TextIO | None,
               summary_file: TextIO | None, stopper: StopOnSignal, num_todo: int, t_start: float,
               output: str | None = None) -> int:
-    from jpaged.engine.llm import EngineStalled
+    from jpaged.core.progress import EngineStalled
     from jpaged.entrypoints.metrics import format_summary, summarize
     outputs = []
     t0 = time.perf_counter()
