@@ -232,9 +232,9 @@ def greedy(max_tokens: int, ignore_eos: bool = False):
 
 
 def cold_prefix_cache(llm: Any) -> None:
-    """Empties the engine's prefix cache (if it has one) so a timed run cannot reuse
+    """Empties the engine's prefix cache so a timed run cannot reuse
     prompt blocks left by a warm-up run; sharing within the run stays on."""
-    if hasattr(llm, "reset_prefix_cache") and not llm.has_unfinished_requests():
+    if not llm.has_unfinished_requests():
         llm.reset_prefix_cache()
 
 

@@ -167,6 +167,11 @@ class DataParallelLLM:
         for r in self.replicas:
             r.close()
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every replica's cached blocks (only between generate() calls)."""
+        for r in self.replicas:
+            r.reset_prefix_cache()
+
     # ------------------------------------------------------------ batch API
     def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
