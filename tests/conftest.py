@@ -18,12 +18,17 @@ import pytest
 # the first device as before.
 jax.config.update("jax_num_cpu_devices", 4)
 
-from helpers import SMOLLM_ENGINE, TINY_ENGINE, import_torch
+from helpers import SMOLLM_ENGINE, TINY_ENGINE, import_torch, with_tokenizer
 from jpaged.loading.weight_cache import default_cache_dir
 
 # The suite is an entry point, like the CLI: engines of the same shapes in
 # different modules (and later runs) reuse compiled steps.
 jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "xla"))
+# Every program, however quick to compile: the suite builds many engines of the
+# same shapes (make_tiny_llm in most modules), and the tiny model's step programs
+# (well under JAX's default 1 s threshold) would otherwise compile again for
+# each one; from the cache a repeat costs its tracing only (~0.3 s, not ~2 s).
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # Tiny models: 2 layers, GQA (4 query heads over 2 KV heads), vocabulary 256.
 TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -110,6 +115,13 @@ def tiny_llama_dir(tiny_llama):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_tok_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama plus a byte-level tokenizer and a plain chat template, for
+    tests that take text but do not test the model (see helpers.with_tokenizer)."""
+    return str(with_tokenizer(tiny_llama_dir, tmp_path_factory.mktemp("tiny-tok") / "llama"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_llama_dir):
     """A shared engine on the tiny Llama (greedy default, 24 new tokens)."""
     from jpaged.engine.llm import LLM
@@ -130,3 +142,19 @@ def make_tiny_llm(tiny_llama_dir):
 def smollm_llm():
     from jpaged.engine.llm import LLM
     return LLM(**SMOLLM_ENGINE)
+
+
+# The longest modules first.  Under xdist's --dist loadfile each worker takes the
+# next module in collection order when it is free, so a long module collected
+# last (alphabetically: test_server*, test_sharding) would run alone at the end
+# on one worker while the other idles; started first, the short ones fill in
+# around them.  Roughly longest first; modules not named keep their place after.
+LONG_MODULES = ("test_serve_batch.py", "test_server.py", "test_serve_batch_failures.py", "test_sharding.py",
+                "test_hf_parity.py", "test_request_parsing.py", "test_weights.py", "test_server_data_parallel.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+    items.sort(key=rank)  # stable: tests keep their order within a module

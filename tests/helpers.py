@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import shutil
+
 import numpy as np
 import pytest
 
@@ -43,3 +47,27 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 256) -> list[list[int]]:
 # The embedded SmolLM2: one engine for the whole session.
 SMOLLM_ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=96,
                      max_num_seqs=8, max_num_batched_tokens=256, attention_impl="reference")
+
+
+def with_tokenizer(model_dir: str, dest: pathlib.Path) -> pathlib.Path:
+    """A copy of a tiny checkpoint plus a byte-level tokenizer (its 256 tokens are
+    the model's vocabulary) and a plain chat template, so it can take text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    shutil.copytree(model_dir, dest)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(dest / "tokenizer.json"))
+    (dest / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    return dest
+
+
+def cached_compiles_env(env: dict | None = None) -> dict:
+    """The environment for a subprocess (a script, the CLI) that compiles into the
+    suite's persistent compilation cache (conftest.py), every program included:
+    a later run, and the same shapes in this run, skip XLA's compile."""
+    import jax
+    return {**(os.environ if env is None else env),
+            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}

@@ -7,17 +7,26 @@ from jpaged.engine.setup import resolve_attention_impl
 from jpaged.core.sequence import SamplingParams
 
 
+# Prompt lengths straddle the 16-token blocks; a 16-token budget chunks the
+# prompts, so steps mix prefill chunks with decodes, and decode crosses
+# block boundaries.
+GREEDY_PROMPTS = random_prompts([5, 16, 21], seed=3)
+GREEDY_PARAMS = SamplingParams(max_tokens=14, ignore_eos=True)
+GREEDY_ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=16)
+BF16_PROMPTS = random_prompts([5, 16, 21], seed=4)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(make_tiny_llm):
+    """The reference attention's tokens, once for every kernel."""
+    outs = make_tiny_llm(attention_impl="reference", **GREEDY_ENGINE).generate(GREEDY_PROMPTS, GREEDY_PARAMS)
+    return [o.token_ids for o in outs]
+
+
 @pytest.mark.parametrize("impl", ["cpu", "pallas_gpu", "pallas_tpu"])
-def test_greedy_tokens_match_reference(make_tiny_llm, impl):
-    # Prompt lengths straddle the 16-token blocks; a 16-token budget chunks the
-    # prompts, so steps mix prefill chunks with decodes, and decode crosses
-    # block boundaries.
-    prompts = random_prompts([5, 16, 21], seed=3)
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
-    engine = dict(max_num_seqs=3, max_num_batched_tokens=16)
-    reference = make_tiny_llm(attention_impl="reference", **engine).generate(prompts, params)
-    kernel = make_tiny_llm(attention_impl=impl, **engine).generate(prompts, params)
-    assert [o.token_ids for o in kernel] == [o.token_ids for o in reference]
+def test_greedy_tokens_match_reference(make_tiny_llm, greedy_reference, impl):
+    kernel = make_tiny_llm(attention_impl=impl, **GREEDY_ENGINE).generate(GREEDY_PROMPTS, GREEDY_PARAMS)
+    assert [o.token_ids for o in kernel] == greedy_reference
 
 
 def test_attention_impl_names():
@@ -39,20 +48,24 @@ def test_an_unavailable_cpu_kernel_is_reported_not_hidden(monkeypatch):
         resolve_attention_impl("flash")
 
 
-@pytest.mark.parametrize("impl", ["cpu", "pallas_gpu"])
-def test_bf16_kv_cache_matches_across_impls(make_tiny_llm, impl):
-    """kv_cache_dtype=bfloat16 under fp32 activations: half the pool bytes, and
-    the kernels (mixed fp32 queries / bf16 K/V) give the reference's tokens."""
+@pytest.fixture(scope="module")
+def bf16_reference(make_tiny_llm):
+    """kv_cache_dtype=bfloat16 under fp32 activations: half the pool bytes; the
+    reference attention's tokens on it (once for every kernel)."""
     fp32 = make_tiny_llm(attention_impl="reference", max_num_seqs=3)
     bf16 = make_tiny_llm(attention_impl="reference", max_num_seqs=3, kv_cache_dtype="bfloat16")
     assert str(bf16.runner.kv_pool.dtype) == "bfloat16" and str(fp32.runner.kv_pool.dtype) == "float32"
     assert 2 * bf16.kv_pool_bytes == fp32.kv_pool_bytes
-    prompts = random_prompts([5, 16, 21], seed=4)
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
-    reference = bf16.generate(prompts, params)
+    return [o.token_ids for o in bf16.generate(BF16_PROMPTS, GREEDY_PARAMS)]
+
+
+@pytest.mark.parametrize("impl", ["cpu", "pallas_gpu"])
+def test_bf16_kv_cache_matches_across_impls(make_tiny_llm, bf16_reference, impl):
+    """The kernels (mixed fp32 queries / bf16 K/V) give the reference's tokens
+    on a bfloat16 pool (the pool's dtype and size: bf16_reference)."""
     kernel = make_tiny_llm(attention_impl=impl, max_num_seqs=3,
-                           kv_cache_dtype="bfloat16").generate(prompts, params)
-    assert [o.token_ids for o in kernel] == [o.token_ids for o in reference]
+                           kv_cache_dtype="bfloat16").generate(BF16_PROMPTS, GREEDY_PARAMS)
+    assert [o.token_ids for o in kernel] == bf16_reference
 
 
 def test_kv_cache_dtype_is_checked(make_tiny_llm):

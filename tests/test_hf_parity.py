@@ -37,6 +37,9 @@ def hf_greedy(model, prompt: list[int], n: int, eos_token_id=None) -> tuple[list
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
 
+# forward_step as one compiled program (op by op it costs seconds per call).
+_forward_step = jax.jit(forward_step, static_argnums=0, static_argnames=("logits",))
+
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiny_pair(request):
@@ -103,7 +106,7 @@ def test_tiny_logits_match_hf(tiny_pair, block_size):
     tokens[:T - 5] = np.concatenate(prompts)
     q_lens = jnp.array([len(p) for p in prompts], np.int32)
     meta = ragged_metadata(tables, jnp.zeros(B, jnp.int32), q_lens, T, block_size)
-    logits, pool = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(tokens), meta,
+    logits, pool = _forward_step(llm.graphdef, llm.params, pool, jnp.asarray(tokens), meta,
                                 logits="all")
     logits = np.asarray(logits)
     assert logits.shape == (T, llm.model_config.vocab_size)
@@ -119,7 +122,7 @@ def test_tiny_logits_match_hf(tiny_pair, block_size):
     last = np.cumsum([len(p) for p in prompts]) - 1
     nxt = np.argmax(logits[last], axis=-1).astype(np.int32)
     meta = ragged_metadata(tables, q_lens, jnp.ones(B, jnp.int32), B, block_size)
-    step, _ = forward_step(llm.graphdef, llm.params, pool, jnp.asarray(nxt), meta, logits="last")
+    step, _ = _forward_step(llm.graphdef, llm.params, pool, jnp.asarray(nxt), meta, logits="last")
     for b, p in enumerate(prompts):
         with torch.no_grad():
             want = hf(torch.tensor([p + [int(nxt[b])]])).logits[0, -1].numpy()
@@ -135,7 +138,7 @@ def paged_score(llm, params, ids: jax.Array, lengths: jax.Array, block_size: int
     pool = create_kv_pool(llm.model_config, num_blocks=1 + B * W, block_size=block_size, dtype=jnp.float32)
     tables = 1 + jnp.arange(B * W, dtype=jnp.int32).reshape(B, W)
     meta = ragged_metadata(tables, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), B * L, block_size)
-    logits, _ = forward_step(llm.graphdef, params, pool, ids.reshape(-1), meta, logits="all")
+    logits, _ = _forward_step(llm.graphdef, params, pool, ids.reshape(-1), meta, logits="all")
     logprobs = jax.nn.log_softmax(logits.reshape(B, L, -1)[:, :-1], axis=-1)
     chosen = jnp.take_along_axis(logprobs, ids[:, 1:, None], axis=-1)[..., 0]
     return jnp.where(jnp.arange(1, L)[None, :] < lengths[:, None], chosen, 0.0)
@@ -173,7 +176,7 @@ def test_score_gradient_matches_the_paged_path(tiny_pair):
     weights = jnp.linspace(-1.0, 1.0, 23)  # a loss that is not just the total log-likelihood
 
     dense = jax.jit(jax.grad(lambda p: jnp.sum(weights * score(llm.graphdef, p, ids, lengths))))(llm.params)
-    paged = jax.grad(lambda p: jnp.sum(weights * paged_score(llm, p, ids, lengths)))(llm.params)
+    paged = jax.jit(jax.grad(lambda p: jnp.sum(weights * paged_score(llm, p, ids, lengths))))(llm.params)
     leaves = jax.tree.leaves(dense)
     assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
     assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0

@@ -22,8 +22,10 @@ ATOL = 1e-5
 def scored(llm, prompt: list[int], output: list[int]) -> np.ndarray:
     """decode.score's logprob of every token after the first of prompt + output."""
     ids = prompt + output
-    fn = jax.jit(decode.score, static_argnums=0)
-    return np.asarray(fn(llm.graphdef, llm.params, jnp.array([ids]), jnp.array([len(ids)])))[0]
+    return np.asarray(_score(llm.graphdef, llm.params, jnp.array([ids]), jnp.array([len(ids)])))[0]
+
+
+_score = jax.jit(decode.score, static_argnums=0)  # one trace per shape for the module
 
 
 def engine_logprobs(out) -> np.ndarray:
@@ -109,7 +111,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache(llm):
 def test_score_is_differentiable(llm):
     ids = jnp.array(random_prompts([9, 9], seed=7))
     loss = lambda p: -decode.score(llm.graphdef, p, ids, jnp.array([9, 6])).sum()  # noqa: E731
-    grads = jax.grad(loss)(llm.params)
+    grads = jax.jit(jax.grad(loss))(llm.params)  # one program, not op by op
     norms = [float(jnp.abs(g).sum()) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
     lp = decode.score(llm.graphdef, llm.params, ids, jnp.array([9, 6]))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,28 +23,14 @@ PROMPTS = ["hello there", "paged attention splits the cache into blocks", "a", "
 MAX_TOKENS = 12
 
 
-def with_tokenizer(model_dir: str, dest: pathlib.Path) -> pathlib.Path:
-    """The tiny checkpoint plus a byte-level tokenizer (its 256 tokens are the
-    model's vocabulary) and a plain chat template, so the CLI can take text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    shutil.copytree(model_dir, dest)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(dest / "tokenizer.json"))
-    (dest / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
-    return dest
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_two_processes_tp4_match_one_device(tiny_llama_dir, tmp_path):
-    model = with_tokenizer(tiny_llama_dir, tmp_path / "tiny")
+def test_two_processes_tp4_match_one_device(tiny_llama_tok_dir, tmp_path):
+    model = tiny_llama_tok_dir
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}) + "\n"
                                for p in PROMPTS))

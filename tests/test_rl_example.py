@@ -14,13 +14,16 @@ import pathlib
 import subprocess
 import sys
 
+from helpers import cached_compiles_env
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "rl_example.py"
 
 
 def test_rl_example_tiny_smoke(tmp_path):
     out = tmp_path / "rl"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--rounds=5", f"--out={out}"],
-                          capture_output=True, text=True, timeout=300)  # a hang guard, not a timing check
+                          capture_output=True, text=True, env=cached_compiles_env(),
+                          timeout=300)  # a hang guard, not a timing check
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("round ")] == \
         ["1", "2", "3", "4", "5"]
