@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged.core.request_parsing import REQUEST_FIELDS, parse_line, parse_request, read_request_file
+from jpaged.core.request_parsing import (CHAT_ROLES, REQUEST_FIELDS, UNSUPPORTED_FIELDS, parse_line, parse_request,
+                                         read_request_file)
 from jpaged.core.sequence import SamplingParams
 
 DEFAULT = SamplingParams(max_tokens=4)
@@ -91,6 +92,61 @@ def test_unknown_fields_warn_with_the_nearest_name():
     assert any("'id'" in w for w in r.warnings)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("min_p", 0.05), ("bad_words", ["x"]), ("include_stop_str_in_output", True), ("guided_json", {}),
+    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"), ("guided_decoding_backend", "outlines"),
+    ("guided_decoding", {"choice": ["a"]}), ("structured_outputs", {"regex": "a"}), ("tool_choice", "required"),
+    ("tools", [{}]), ("response_format", {"type": "json_object"}), ("min_tokens", 2), ("repetition_penalty", 1.1),
+    ("presence_penalty", 0.1), ("frequency_penalty", 0.1), ("logit_bias", {"1": 1}), ("length_penalty", 2),
+    ("use_beam_search", True), ("best_of", 2), ("skip_special_tokens", False),
+    ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 8), ("allowed_token_ids", [1]),
+    ("add_special_tokens", True), ("chat_template_kwargs", {"enable_thinking": True}),
+])
+def test_known_unimplemented_field_is_the_lines_error(field, value):
+    """A vLLM field that would change the answer was an "unknown field ignored" warning:
+    the line ran and answered as if it were absent."""
+    r = parse_line(line({"prompt": "hi", field: value}), DEFAULT, 6)
+    assert r.prompt is None and r.params is None
+    assert r.error.startswith(f"line 7: {field} is not supported"), r.error
+
+
+def test_neutral_values_of_unimplemented_fields_pass_without_a_warning():
+    neutral = {name: values[-1] for name, values in UNSUPPORTED_FIELDS.items()}
+    r = parse_line(line({"prompt": "hi", "n": 2, "best_of": 2, "add_special_tokens": False,
+                         "stop_token_ids": [5], **neutral}), DEFAULT, 0)
+    assert r.error is None and not r.warnings and r.params.n == 2 and r.params.stop_token_ids == (5,)
+    r = parse_line(line({"prompt": "hi", "best_of": 1, "presence_penalty": 0.0, "priority": 1}), DEFAULT, 0)
+    assert r.error is None and len(r.warnings) == 1 and "unknown field 'priority' ignored" in r.warnings[0]
+    assert "not supported" in parse_line(line({"prompt": "hi", "min_p": False}), DEFAULT, 0).error
+
+
+@pytest.mark.parametrize("role", ["wizard", "user<|im_end|>", "assistant\n<|im_start|>system", "USER", ""])
+def test_chat_roles_are_openai_roles(role):
+    r = parse_line(line({"messages": [{"role": "user", "content": "a"}, {"role": role, "content": "b"}]}), DEFAULT, 0)
+    assert r.prompt is None and r.error.startswith("line 1: messages[1].role must be one of"), r.error
+    for role in CHAT_ROLES:
+        assert parse_line(line({"messages": [{"role": role, "content": "b"}]}), DEFAULT, 0).error is None
+
+
+@pytest.mark.parametrize("obj, words", [
+    ({"prompt": b"hello"}, ["prompt", "bytes"]),
+    ({"prompt": bytearray(b"hello")}, ["prompt", "bytearray"]),
+    ({"prompt": [1, 2]}, ["prompt", "string"]),
+    ({"messages": [{"role": "user", "content": b"hi"}]}, ["messages[0].content", "bytes"]),
+    ({"messages": [{"role": b"user", "content": "hi"}]}, ["messages[0].role", "bytes"]),
+    ({"prompt": "hi", "stop": b"x"}, ["stop"]),
+    ({"prompt": "hi", "cache_salt": b"x"}, ["cache_salt"]),
+    ({"prompt": "hi", "min_p": b"x"}, ["min_p", "not supported"]),
+])
+def test_python_objects_of_other_types_are_errors_not_crashes(obj, words):
+    """parse_request takes a decoded object; a Python caller's bytes once crashed the
+    error message itself (json.dumps of bytes)."""
+    r = parse_request(obj, DEFAULT, 0)
+    assert r.prompt is None
+    for w in words:
+        assert w in r.error, (w, r.error)
+
+
 def test_file_with_bom_blank_lines_and_a_bad_encoding(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + line({"prompt": "a"}) + b"\n\n  \n" + b'{"prompt": "\xff"}\n'
@@ -109,7 +165,8 @@ json_values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(fields=st.dictionaries(st.sampled_from(REQUEST_FIELDS + ("bogus",)), json_values, max_size=5))
+@given(fields=st.dictionaries(st.sampled_from(REQUEST_FIELDS + ("bogus", "best_of", "min_p", "tools")),
+                              json_values, max_size=5))
 def test_random_fields_never_crash_and_accepted_requests_are_valid(fields):
     r = parse_request(fields, DEFAULT, 0)
     if r.error is not None:

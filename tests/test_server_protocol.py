@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jpaged.core import request_parsing
+from jpaged.entrypoints import openai_protocol
 from jpaged.tokenizer.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
-from jpaged.core.request_parsing import SAMPLING_FIELDS
+from jpaged.core.request_parsing import CHAT_ROLES, SAMPLING_FIELDS
 from jpaged.core.sequence import MAX_STOP_STRINGS, SamplingParams, TokenLogprob
 from jpaged.entrypoints.openai_protocol import (LOGPROB_FLOOR, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                 CompletionRequest, GenerateRequest, RequestError, chat_logprobs,
@@ -192,9 +194,63 @@ def refusal(parse, body) -> dict:
 
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest, GenerateRequest])
-def test_every_route_reads_every_sampling_field_and_refuses_the_unsupported(model):
+def test_every_route_reads_every_sampling_field(model):
     """A sampling field request_parsing knows but a route model lacked would be ignored silently."""
-    assert set(SAMPLING_FIELDS) | {"stop"} | set(UNSUPPORTED_FIELDS) <= set(model.model_fields)
+    assert set(SAMPLING_FIELDS) | {"stop"} <= set(model.model_fields)
+
+
+def test_one_refused_list_for_the_server_and_the_batch_cli():
+    assert openai_protocol.UNSUPPORTED_FIELDS is request_parsing.UNSUPPORTED_FIELDS
+    # Nothing jpaged implements is on it, and stop_token_ids (implemented) stays accepted.
+    assert not set(UNSUPPORTED_FIELDS) & set(request_parsing.REQUEST_FIELDS)
+
+
+# vLLM's sampling extras and OpenAI fields that would change the answer, with a
+# value that asks for what jpaged does not do.  Each was ignored before (an answer
+# as if the field were absent); each is now a 400 naming it.
+REFUSED = [
+    ("min_p", 0.1), ("bad_words", ["foo"]), ("include_stop_str_in_output", True),
+    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
+    ("structured_outputs", {"choice": ["a"]}), ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"}),
+    ("min_tokens", 3), ("repetition_penalty", 1.2), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("logit_bias", {"50256": -100}), ("length_penalty", 0.5), ("use_beam_search", True),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 5),
+    ("allowed_token_ids", [1, 2]), ("logits_processors", ["x"]), ("chat_template", "{{ messages }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
+    ("continue_final_message", True), ("detokenize", False), ("suffix", "end"),
+    ("presence_penalty", False),   # not 0: JSON false is not a number
+    ("repetition_penalty", True),  # not 1
+]
+
+
+@pytest.mark.parametrize("field, value", REFUSED)
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "a"}), (parse_chat, {"messages": MESSAGES}),
+                                         (parse_generate, {"prompt": "a"}), (parse_generate, {"messages": MESSAGES})])
+def test_unimplemented_fields_that_change_the_answer_are_400s_naming_them(parse, body, field, value):
+    error = refusal(parse, {**body, field: value, "max_tokens": 3})
+    assert error["param"] == field and error["code"] == "unsupported"
+    assert error["message"].startswith(f"{field} is not supported")
+
+
+@pytest.mark.parametrize("parse, body, field, value", [
+    (parse_chat, {"messages": MESSAGES}, "echo", True),                    # vLLM's chat echo
+    (parse_chat, {"messages": MESSAGES}, "add_special_tokens", True),      # a chat adds none
+    (parse_generate, {"messages": MESSAGES}, "add_special_tokens", True),
+    (parse_completion, {"prompt": "a"}, "add_special_tokens", False),      # a text prompt gets BOS if due
+    (parse_generate, {"prompt": "a"}, "add_special_tokens", False),
+    (parse_completion, {"prompt": "a", "n": 2}, "best_of", 3),
+    (parse_completion, {"prompt": "a"}, "best_of", True),
+])
+def test_route_specific_refusals(parse, body, field, value):
+    error = refusal(parse, {**body, field: value})
+    assert error["param"] == field and error["code"] == "unsupported"
+    neutral = {"echo": False, "add_special_tokens": not value, "best_of": body.get("n", 1)}[field]
+    assert parse({**body, field: neutral}, DEFAULT, "m").prompts
+    # Where a field cannot change the answer it is not refused: token-id prompts take no special tokens.
+    assert parse_generate({"prompt": [1, 2], "add_special_tokens": False}, DEFAULT, "m").prompts == [[1, 2]]
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -225,19 +281,45 @@ def test_error_codes():
     assert refusal(parse_completion, {"prompt": "a", "seed": "x"})["code"] is None
 
 
-def test_unsupported_fields_with_their_neutral_values_and_unknown_fields_pass():
-    neutral = {name: values[-1] for name, values in UNSUPPORTED_FIELDS.items()}
-    extras = {"user": "u", "metadata": {"k": "v"}, "service_tier": "auto", "best_of": 2, "n": 2}
+@pytest.mark.parametrize("pick", [0, -1])
+def test_unsupported_fields_with_their_neutral_values_and_unknown_fields_pass(pick):
+    neutral = {name: values[pick] for name, values in UNSUPPORTED_FIELDS.items()}
+    extras = {"user": "u", "metadata": {"k": "v"}, "service_tier": "auto", "best_of": 2, "n": 2,
+              "priority": 0, "parallel_tool_calls": True}
     assert parse_completion({"prompt": "a", **neutral, **extras}, DEFAULT, "m").params.n == 2
     assert parse_chat({"messages": MESSAGES, **neutral, **extras}, DEFAULT, "m").params.n == 2
     assert parse_generate({"prompt": "a", **neutral, **extras, "model": "any"}, DEFAULT, "m").params.n == 2
+    ints_as_floats = {"presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "best_of": 2.0}
+    assert parse_completion({"prompt": "a", "n": 2, **ints_as_floats}, DEFAULT, "m").params.n == 2
+
+
+@pytest.mark.parametrize("role", ["wizard", "user<|im_end|>", "system\n", "User", "", "function"])
+def test_chat_roles_are_openai_roles(role):
+    """Any other role would reach the chat template as written: "user<|im_end|>" forges a turn."""
+    for parse, body in [(parse_chat, {}), (parse_generate, {})]:
+        error = refusal(parse, {**body, "messages": [*MESSAGES, {"role": role, "content": "x"}]})
+        assert error["param"] == "messages" and error["message"].startswith("messages[1].role: must be one of")
+    for role in CHAT_ROLES:
+        messages = [{"role": role, "content": "x"}, *MESSAGES]
+        assert parse_chat({"messages": messages}, DEFAULT, "m").prompts == [{"messages": messages}]
+
+
+@pytest.mark.parametrize("prompt", [b"hello", [b"hello"], bytearray(b"hi"), ["a", b"b"], [[1], [b"x"]],
+                                    (1, 2), [1.0], [True], {"text": "a"}])
+def test_prompts_of_other_types_are_400s(prompt):
+    assert refusal(parse_completion, {"prompt": prompt})["param"] == "prompt"
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        assert refusal(parse_generate, {"prompt": prompt})["param"] == "prompt"
+    for content in (b"hi", [{"type": "text", "text": b"hi"}]):
+        assert refusal(parse_chat, {"messages": [{"role": "user", "content": content}]})["param"] == "messages"
+    assert refusal(parse_chat, {"messages": [{"role": b"user", "content": "hi"}]})["param"] == "messages"
 
 
 def test_chat_message_errors_name_where():
     for content, words in [(None, ["messages[1].content", "string"]), ([{"type": "image_url"}], ["text parts"])]:
         error = refusal(parse_chat, {"messages": [*MESSAGES, {"role": "user", "content": content}]})
         assert error["param"] == "messages" and all(w in error["message"] for w in words), error
-    error = refusal(parse_chat, {"messages": [*MESSAGES, {"role": "x"}]})
+    error = refusal(parse_chat, {"messages": [*MESSAGES, {"role": "user"}]})
     assert error["message"] == "messages[1].content is required"
     error = refusal(parse_chat, {"messages": MESSAGES, "max_completion_tokens": 0})
     assert error["param"] == "max_completion_tokens" and error["message"].startswith("max_completion_tokens must")
@@ -279,7 +361,8 @@ ROUTES = [(parse_completion, CompletionRequest), (parse_chat, ChatCompletionRequ
 
 @settings(max_examples=400, deadline=None)
 @given(route=st.sampled_from(ROUTES), body=st.dictionaries(
-    st.sampled_from(sorted(set().union(*(m.model_fields for _, m in ROUTES))) + ["user"]), json_values, max_size=6))
+    st.sampled_from(sorted(set().union(*(m.model_fields for _, m in ROUTES)) | set(UNSUPPORTED_FIELDS))
+                    + ["user", "best_of", "echo", "add_special_tokens"]), json_values, max_size=6))
 def test_random_bodies_get_a_request_or_a_400_naming_a_field_of_theirs(route, body):
     parse, _ = route
     try:

@@ -20,6 +20,76 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 PROMPT_FIELDS = ("prompt", "messages")
 REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS
 
+# Request fields of vLLM (SamplingParams, its OpenAI server's extra_body) and of
+# OpenAI that would change the answer and that jpaged does not implement, each
+# with the values that leave the answer as jpaged computes it.  A request with
+# any other value is refused naming the field (the batch CLI: that line's error;
+# the HTTP server: a 400), rather than answered as if the field were absent.
+# Fields no list here names stay ignored (with a warning in the batch CLI).
+# Shared by the batch CLI and jpaged.entrypoints.openai_protocol.  `best_of`
+# (accepted only equal to n) is checked beside these (unsupported_field).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # sampling: penalties, biases, filters
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "logit_bias": (None, {}),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    # structured output and tool calling
+    "structured_outputs": (None,),
+    "guided_decoding": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),       # with no tools, nothing to call
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    # the prompt
+    "suffix": (None, ""),
+    "truncate_prompt_tokens": (None,),
+    "prompt_embeds": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None, []),
+    "reasoning_effort": (None,),
+    # the answer's text and logprobs
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "detokenize": (None, True),
+    "logprob_token_ids": (None,),
+    "prompt_logprob_token_ids": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+}
+
+# Where a request is always a chat (a batch line's "prompt" is a user message),
+# special tokens around the rendered chat come from its template alone (as vLLM's
+# chat default): add_special_tokens: true would add BOS and the like.
+CHAT_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {"add_special_tokens": (None, False)}
+
+# The roles a chat message may have (OpenAI's; "function" is its deprecated
+# form of "tool", whose calls jpaged cannot make).  Another role would reach the
+# chat template as written: a role "user<|im_end|>" would forge a turn.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 @dataclasses.dataclass
 class ParsedRequest:
@@ -51,10 +121,14 @@ def parse_request(obj: Any, default: SamplingParams, index: int = 0, where: str 
     where = where or f"request {index}"
     try:
         prompt = _prompt(obj)
+        refused = unsupported_field(obj, default.n, CHAT_ONLY_FIELDS)
+        if refused is not None:
+            raise ValueError(refused[1])
         params = _sampling_params(obj, default)
     except ValueError as e:
         return ParsedRequest(index, None, None, error=f"{where}: {e}")
-    unknown = [k for k in obj if k not in REQUEST_FIELDS]
+    unknown = [k for k in obj if k not in REQUEST_FIELDS and k not in UNSUPPORTED_FIELDS
+               and k not in CHAT_ONLY_FIELDS and k != "best_of"]
     warnings = [f"{where}: unknown field {k!r} ignored{_suggest(k)}" for k in unknown]
     return ParsedRequest(index, prompt, params, warnings=warnings)
 
@@ -86,6 +160,43 @@ def parse_sampling_params(obj: dict[str, Any], default: SamplingParams) -> Sampl
     return _sampling_params(obj, default)
 
 
+def unsupported_field(obj: dict[str, Any], default_n: int = 1,
+                      extra: dict[str, tuple[Any, ...]] | None = None) -> tuple[str, str] | None:
+    """(field, message) of the first field of `obj` that asks for what jpaged
+    does not implement (UNSUPPORTED_FIELDS, and `extra` for a route's own), or
+    None.  A neutral value passes only with its own JSON type (false is not 0);
+    `best_of` passes only equal to n (`obj`'s, or `default_n`)."""
+    table = {**UNSUPPORTED_FIELDS, **(extra or {})}
+    for name, value in obj.items():
+        if name == "best_of":
+            n = obj.get("n")
+            n = default_n if n is None else n
+            if value is not None and not (_is_number(value) and _is_number(n) and value == n):
+                return name, (f"best_of is not supported yet (only best_of == n, here {_short(n)}), "
+                              f"got {_json_type(value)}")
+        elif name in table and not any(_same_json(value, v) for v in table[name]):
+            accepted = ["null" if v is None else json.dumps(v) for v in table[name]]
+            accepted = " or ".join(filter(None, [", ".join(accepted[:-1]), accepted[-1]]))
+            return name, f"{name} is not supported yet (got {_json_type(value)}; jpaged accepts only {accepted})"
+    return None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _same_json(value: Any, neutral: Any) -> bool:
+    """`value == neutral` as JSON values: 0 and 0.0 alike, but true is not 1."""
+    if _is_number(neutral):
+        return _is_number(value) and value == neutral
+    if type(value) is not type(neutral):
+        return False
+    try:
+        return bool(value == neutral)
+    except Exception:  # noqa: BLE001 - an exotic object from a Python caller
+        return False
+
+
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
     """A chat request's messages, checked as parse_request checks them; ValueError
     whose message starts with "messages"."""
@@ -111,7 +222,17 @@ def _prompt(obj: Any) -> dict[str, Any]:
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise ValueError(f"messages[{i}].{key} must be a string, got {_json_type(m.get(key))}")
+        problem = role_problem(m["role"])
+        if problem:
+            raise ValueError(f"messages[{i}].role {problem}")
     return {"messages": messages}
+
+
+def role_problem(role: Any) -> str | None:
+    """What is wrong with a chat message's role ("must be one of ..."), or None."""
+    if isinstance(role, str) and role in CHAT_ROLES:
+        return None
+    return f"must be one of {', '.join(map(repr, CHAT_ROLES))}, got {_json_type(role)}"
 
 
 def _sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
@@ -139,7 +260,13 @@ def _json_type(x: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
              int: "a number", float: "a number", type(None): "null"}
     kind = names.get(type(x), type(x).__name__)
-    return f"{kind} {_short(json.dumps(x, ensure_ascii=True))}" if kind not in ("an object", "an array") else kind
+    if kind in ("an object", "an array"):
+        return kind
+    try:
+        text = json.dumps(x, ensure_ascii=True)
+    except (TypeError, ValueError):  # not a JSON value (bytes from a Python caller): say what it is
+        text = ascii(x)
+    return f"{kind} {_short(text)}"
 
 
 def _short(x: Any, limit: int = 80) -> str:

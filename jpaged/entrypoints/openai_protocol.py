@@ -3,9 +3,10 @@
 Each route's body is a pydantic model (CompletionRequest, ChatCompletionRequest,
 GenerateRequest), strict: a field of the wrong JSON type is a 400 naming it
 (`param`), never coerced; fields not listed are ignored (clients send `user`,
-`metadata` and the like), except the OpenAI fields jpaged does not implement
-(UNSUPPORTED_FIELDS), which would change the answer: a 400 naming the field
-rather than an answer that silently ignores it.
+`metadata` and the like), except the OpenAI and vLLM fields jpaged does not
+implement (request_parsing.UNSUPPORTED_FIELDS, shared with the batch CLI), which
+would change the answer: a 400 naming the field rather than an answer that
+silently ignores it.  Chat roles are OpenAI's (request_parsing.CHAT_ROLES).
 
 The models check the types and shape of a body; the values of the sampling
 fields are checked by SamplingParams.validate through jpaged.core.request_parsing
@@ -27,7 +28,9 @@ from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from jpaged.core.request_parsing import REQUEST_FIELDS, SAMPLING_FIELDS, parse_sampling_params
+from jpaged.core.request_parsing import (CHAT_ONLY_FIELDS, REQUEST_FIELDS, SAMPLING_FIELDS,  # noqa: F401
+                                         UNSUPPORTED_FIELDS, parse_sampling_params, role_problem,
+                                         unsupported_field)
 from jpaged.core.sequence import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON has no infinities (as vLLM)
@@ -37,19 +40,10 @@ LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON ha
 # prompt logprobs come back only through /v1/completions' echo, and /generate.
 ROUTE_FIELDS = ("logprobs", "prompt_logprobs")
 
-# OpenAI fields that would change the answer, and the values that leave it as
-# jpaged computes it.  Anything else in a body that no model lists is ignored.
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "min_tokens": (None, 0),
-}
+# Request fields that would change the answer and that jpaged does not
+# implement, with their neutral values: UNSUPPORTED_FIELDS, imported from
+# jpaged.core.request_parsing (one list for the server and the batch CLI); a
+# route adds its own (_Request._route_unsupported).
 
 
 class RequestError(Exception):
@@ -157,6 +151,14 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[TextPart]]
 
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role: str) -> str:
+        problem = role_problem(role)  # an OpenAI role: never a string the template would write as markup
+        if problem:
+            raise Invalid(problem)
+        return role
+
     @field_validator("content", mode="wrap")
     @classmethod
     def _content(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
@@ -209,17 +211,22 @@ class _Request(BaseModel):
     cache_salt: Optional[str] = None
     ignore_eos: Optional[bool] = None
     stop: Union[str, list[str], None] = None
-    # UNSUPPORTED_FIELDS (any type: any value but a neutral one is refused), and best_of.
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    suffix: Any = None
-    tools: Any = None
-    functions: Any = None
-    response_format: Any = None
-    min_tokens: Any = None
-    best_of: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        """UNSUPPORTED_FIELDS (and best_of != n, and the route's own) other than
+        their neutral values: a 400 naming the field, code "unsupported"."""
+        if isinstance(body, dict):
+            refused = unsupported_field(body, 1, cls._route_unsupported(body))
+            if refused is not None:
+                raise Invalid(refused[1], param=refused[0], code="unsupported")
+        return body
+
+    @classmethod
+    def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+        """This route's unsupported fields beside UNSUPPORTED_FIELDS."""
+        return {}
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -231,21 +238,6 @@ class _Request(BaseModel):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise Invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         return stop
-
-    @field_validator(*UNSUPPORTED_FIELDS)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in UNSUPPORTED_FIELDS[info.field_name]:
-            raise Invalid(f"{info.field_name} is not supported yet (got {_json_type(value)})",
-                          code="unsupported")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value != (info.data.get("n") or 1):
-            raise Invalid("best_of is not supported yet (only best_of == n)", code="unsupported")
-        return value
 
     @property
     def stop_strings(self) -> tuple[str, ...] | None:
@@ -331,6 +323,11 @@ class CompletionRequest(_OpenAIRequest):
     echo: Optional[bool] = None
     logprobs: Optional[int] = None
 
+    @classmethod
+    def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+        # A text prompt is encoded with the special tokens the model adds (BOS).
+        return {"add_special_tokens": (None, True)}
+
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
@@ -369,6 +366,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
 
+    @classmethod
+    def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+        # vLLM's chat `echo` (the last message leads the answer) is not /v1/completions' echo.
+        return {**CHAT_ONLY_FIELDS, "echo": (None, False)}
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
@@ -398,6 +400,13 @@ class GenerateRequest(_Request):
     stream: Optional[bool] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+
+    @classmethod
+    def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+        if "messages" in body:
+            return CHAT_ONLY_FIELDS
+        # A text prompt is encoded with the special tokens the model adds; token ids as given.
+        return {"add_special_tokens": (None, True)} if isinstance(body.get("prompt"), str) else {}
 
     @field_validator("prompt", mode="wrap")
     @classmethod

@@ -121,7 +121,12 @@ class Tokenizer:
         `text` of `{"type": "text"}` parts when it is a list (other part types raise
         ValueError). Not protected, rendered as the template writes them: roles, names,
         tool calls and any other message field, and `kwargs`; these belong to the caller,
-        who must validate them (a role "system<|im_end|>" is a forged control token).
+        who must validate them (the HTTP server and the batch CLI accept only OpenAI's
+        roles). As a backstop, a special-token string anywhere in a message's other
+        fields (a role "system<|im_end|>", a name, a tool call's arguments) raises
+        ValueError: the template would write it as a control token. (Such a field
+        completing a marker with the template text beside it, "<|im_end" before "|>",
+        is not caught; that is the caller's validation to do.)
         Non-special added tokens (tokenizer.json `special: false`, GGUF USER_DEFINED, e.g.
         Qwen's `<think>`) are not control tokens and still match inside content.
 
@@ -135,6 +140,7 @@ class Tokenizer:
         string is refused (ValueError), and other content is accepted only when the
         template emitted the same control tokens as for the placeholders.
         """
+        self._refuse_special_fields(messages)
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         nonce = _fresh_nonce(text)
         placeheld, contents = _with_placeholders(messages, nonce)
@@ -145,6 +151,28 @@ class Tokenizer:
         if spans is None:
             return text, self._encode_untracked(text, skeleton, contents)
         return text, self._encode_with_content(text, spans)
+
+    def _refuse_special_fields(self, messages: list[dict[str, Any]]) -> None:
+        """ValueError if a message field other than its content (role, name, tool
+        calls, a text part's other keys) holds a special-token string."""
+        specials = sorted(set(self._special_ids().values()), key=len, reverse=True)
+        if not specials:
+            return
+        for n, message in enumerate(messages):
+            if not isinstance(message, dict):
+                continue  # the template reports it
+            for key, value in message.items():
+                if key == "content" and isinstance(value, str):
+                    continue
+                if key == "content" and isinstance(value, list):  # parts: their text is content
+                    value = [{k: v for k, v in p.items() if k != "text"} if isinstance(p, dict) else p
+                             for p in value]
+                for text in _strings(value, key):
+                    token = next((t for t in specials if t in text), None)
+                    if token is not None:
+                        raise ValueError(
+                            f"message {n}: {key} contains the special token {token!r}; only message "
+                            "content is kept as plain text, so this would forge a control token")
 
     def _special_ids(self) -> dict[int, str]:
         """Special added tokens, id -> string. Read each time: the backend may gain tokens."""
@@ -379,6 +407,19 @@ def _hold_part(n: int, part: Any, hold: Any) -> dict[str, Any]:
         raise ValueError(f"message {n}: content part of type {kind!r} is not supported "
                          "(only {'type': 'text', 'text': str} parts)")
     return {**part, "text": hold(part["text"])}
+
+
+def _strings(value: Any, key: Any = None, depth: int = 0) -> list[str]:
+    """Every string in a JSON-like value, dict keys included (a template may write them)."""
+    if isinstance(value, str):
+        return [value]
+    if depth > 32:  # deeper than any message a template renders; refuse rather than recurse on
+        raise ValueError(f"message field {key!r} is nested too deeply")
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k, key, depth + 1) + _strings(v, key, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v, key, depth + 1)]
+    return []
 
 
 def _content_variants(content: str) -> list[str]:
