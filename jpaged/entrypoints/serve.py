@@ -13,11 +13,20 @@ SIGINT) it stops accepting connections, gives the requests in flight
 shutdown_grace_seconds to finish while GET /health and new requests get 503
 (it keeps listening meanwhile, so a load balancer sees the 503 and moves on),
 aborts what is left and exits 0.
+
+--api_key (or the environment's JPAGED_API_KEY) makes every route but /health
+(and /metrics, unless --metrics_require_key) ask for `Authorization: Bearer
+<key>`; serving a non-loopback address without one logs a warning.  The request
+and connection limits (--max_request_body_bytes, --max_prompt_bytes,
+--body_timeout_seconds, --header_timeout_seconds, --timeout_keep_alive,
+--limit_concurrency, --backlog) are jpaged.entrypoints.server.ServerOptions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import os
 import signal
 import sys
 import time
@@ -38,6 +47,15 @@ class Args:
     precompile: bool = False
     served_model_name: str | None = None
     access_log: bool = True
+    api_key: str | None = None              # None: JPAGED_API_KEY if set, else no key
+    metrics_require_key: bool = False
+    max_request_body_bytes: int | None = None
+    max_prompt_bytes: int | None = None
+    body_timeout_seconds: float = 30.0
+    header_timeout_seconds: float = 10.0
+    timeout_keep_alive: float = 5.0
+    limit_concurrency: int | None = None
+    backlog: int = 2048
 
 
 def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
@@ -51,6 +69,26 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
         "served_model_name": flags.DEFINE_string("served_model_name", None, "The model name clients send "
                                                  "(default: the config's model)."),
         "access_log": flags.DEFINE_bool("access_log", True, "Log one line per HTTP request."),
+        "api_key": flags.DEFINE_string("api_key", None, "Clients must send 'Authorization: Bearer <key>' on "
+                                       "every route but /health (default: the environment's JPAGED_API_KEY; "
+                                       "neither: no key)."),
+        "metrics_require_key": flags.DEFINE_bool("metrics_require_key", False, "/metrics asks for the key too."),
+        "max_request_body_bytes": flags.DEFINE_integer("max_request_body_bytes", None, "Larger bodies get a 413 "
+                                                       "(default: max(16 MiB, 4 * max_prompt_bytes))."),
+        "max_prompt_bytes": flags.DEFINE_integer("max_prompt_bytes", None, "Bytes of text per prompt (a chat: "
+                                                 "its messages) before tokenizing; more is a 400 (default: "
+                                                 "max(64 KiB, 64 * max_model_len))."),
+        "body_timeout_seconds": flags.DEFINE_float("body_timeout_seconds", Args.body_timeout_seconds,
+                                                   "A body not all received within this is a 408."),
+        "header_timeout_seconds": flags.DEFINE_float("header_timeout_seconds", Args.header_timeout_seconds,
+                                                     "A connection whose request line and headers take longer "
+                                                     "is closed."),
+        "timeout_keep_alive": flags.DEFINE_float("timeout_keep_alive", Args.timeout_keep_alive,
+                                                 "Idle keep-alive connections are closed after this."),
+        "limit_concurrency": flags.DEFINE_integer("limit_concurrency", None, "Connections + requests before "
+                                                  "new ones get 503 (default: 2 * (max_queued_requests + "
+                                                  "max_num_seqs * data_parallel_size) + 64)."),
+        "backlog": flags.DEFINE_integer("backlog", Args.backlog, "The listening socket's accept queue."),
     }
     cli.register_key_flags([config, *holders.values()])
     return config, holders
@@ -68,6 +106,36 @@ def build_engine(config: Any, precompile: bool) -> Any:
     return llm
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def open_address_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for serving a non-loopback address without a key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"serving {host} without an API key: anyone who can reach this address can use the model "
+            "(set --api_key or JPAGED_API_KEY)")
+
+
+def server_options(args: Args, environ: Any = os.environ) -> Any:
+    """The ServerOptions of these arguments (the API key from JPAGED_API_KEY if
+    --api_key is not given; an empty key is no key)."""
+    from jpaged.entrypoints.server import ServerOptions
+    key = args.api_key if args.api_key is not None else environ.get("JPAGED_API_KEY")
+    return ServerOptions(api_key=key or None, metrics_require_key=args.metrics_require_key,
+                         max_request_body_bytes=args.max_request_body_bytes, max_prompt_bytes=args.max_prompt_bytes,
+                         body_timeout_seconds=args.body_timeout_seconds,
+                         header_timeout_seconds=args.header_timeout_seconds,
+                         timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                         backlog=args.backlog)
+
+
 def run(config_file: Any, args: Args = Args()) -> int:
     """The command: `config_file` (a ConfigDict or mapping of fields) over
     default_config(); returns the exit status once the server has stopped."""
@@ -76,7 +144,7 @@ def run(config_file: Any, args: Args = Args()) -> int:
     validate_config(config)
     import uvicorn
 
-    from jpaged.entrypoints.server import DrainingServer, create_app
+    from jpaged.entrypoints.server import DrainingServer, create_app, uvicorn_config
 
     server: uvicorn.Server | None = None
 
@@ -84,9 +152,13 @@ def run(config_file: Any, args: Args = Args()) -> int:
         if server is not None:
             server.should_exit = True
 
+    options = server_options(args)
+    warning = open_address_warning(args.host, options.api_key)
+    if warning:
+        logging.warning(warning)
     application = create_app(lambda: build_engine(config, args.precompile), config,
-                             model_name=args.served_model_name, on_load_failure=stop)
-    server = DrainingServer(uvicorn.Config(application, host=args.host, port=args.port, lifespan="on",
+                             model_name=args.served_model_name, on_load_failure=stop, options=options)
+    server = DrainingServer(uvicorn_config(application, args.host, args.port,
                                            timeout_graceful_shutdown=config.shutdown_grace_seconds,
                                            access_log=args.access_log),
                             application.state.jpaged, config.shutdown_grace_seconds)

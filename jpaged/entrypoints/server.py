@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP server over the engine: `create_app(engine)`.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST
-/v1/chat/completions, POST /generate and GET /metrics (Prometheus, vLLM's
-names).  Streaming responses are server-sent events, `data: {json}` per chunk
+Routes: GET /health, GET /v1/models (and /v1/models/{id}), POST
+/v1/completions, POST /v1/chat/completions, POST /generate, POST /tokenize,
+POST /detokenize, GET /tokenizer_info and GET /metrics (Prometheus, vLLM's
+names); any other path is a 404 in OpenAI's error shape.  Streaming responses are server-sent events, `data: {json}` per chunk
 and `data: [DONE]` at the end.
 
 The engine runs in one background thread (jpaged.engine.async_engine); each HTTP
@@ -16,30 +17,49 @@ aborted; both free their KV blocks.  Bad input is a 400 with an
 OpenAI-style error body; a full queue is a 429 with Retry-After; a request that
 fails inside the engine fails alone.  Logprobs travel with the text: each
 streamed chunk carries those of the tokens consumed since the previous one.
+
+Hardening (ServerOptions): the event loop never runs the model's host work
+(JSON parsing, chat templating, tokenizing, echo's detokenizing, building a
+whole answer's body): that runs in a small thread pool.  Before any of it, a
+pure-ASGI guard (RequestGuard) checks the API key, refuses a body larger than
+max_request_body_bytes (413, from Content-Length or while reading a chunked
+body), Transfer-Encoding together with Content-Length (400), and a body not
+read within body_timeout_seconds (408); each prompt's bytes are capped by
+max_prompt_bytes (400) before it is tokenized.  `uvicorn_config` adds the
+connection limits (concurrency, backlog, header size and header timeout,
+keep-alive timeout).  The vLLM tokenizer routes (/tokenize, /detokenize,
+/tokenizer_info) serve the same tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import hmac
 import json
 import logging
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jpaged.engine.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
 from jpaged.tokenizer.detokenizer import SampleText
 from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
                                     chat_logprobs, completion_choice, completion_logprobs, envelope,
-                                    error_body, new_id, parse_chat, parse_completion, parse_generate,
-                                    token_logprob_json, usage)
+                                    Messages, error_body, new_id, parse_chat, parse_completion,
+                                    parse_generate,
+                                    request_error, token_logprob_json, usage)
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.sequence import TokenLogprob
 from jpaged.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
@@ -49,9 +69,42 @@ if TYPE_CHECKING:  # the engine (and jax) load when the server builds it, not on
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 * 2**20     # a request body beyond this is refused (413) before parsing
 RETRY_AFTER_SECONDS = 1         # the hint sent with a 429
 ENGINE_JOIN_SECONDS = 60.0      # at shutdown, wait this long for the step in progress
+FLUSH_SECONDS = 2.0             # after the grace period: time for cut streams to send their last chunks
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """What the HTTP layer allows (`jpaged serve` flags of the same names).
+    A None size is derived from the config (see `resolved`)."""
+
+    api_key: str | None = None              # clients send "Authorization: Bearer <key>"; None: no check
+    metrics_require_key: bool = False       # /metrics behind the key too (/health never is)
+    max_request_body_bytes: int | None = None  # None: max(16 MiB, 4 * max_prompt_bytes)
+    max_prompt_bytes: int | None = None     # per prompt (text, or a chat's contents); None: see resolved
+    body_timeout_seconds: float = 30.0      # the whole body must arrive within this (else 408)
+    header_timeout_seconds: float = 10.0    # the request line and headers must arrive within this
+    timeout_keep_alive: float = 5.0         # an idle keep-alive connection is closed after this
+    max_header_bytes: int = 16 * 1024       # request line + headers (h11_max_incomplete_event_size)
+    limit_concurrency: int | None = None    # connections + tasks before uvicorn's 503; None: see resolved
+    backlog: int = 2048                     # the listening socket's accept queue
+    host_threads: int = 4                   # threads for tokenizing / templating / detokenizing
+
+    def resolved(self, config: Any) -> "ServerOptions":
+        """These options with every None size derived from the config: prompts of
+        64 bytes per token of max_model_len (at least 64 KiB: far more than any
+        tokenizer's text per token), bodies of four such prompts (at least 16
+        MiB), and room for every queued and running request twice over plus 64."""
+        prompt = self.max_prompt_bytes or max(64 * 1024, 64 * config.max_model_len)
+        body = self.max_request_body_bytes or max(16 * 2**20, 4 * prompt)
+        running = config.max_num_seqs * config.data_parallel_size
+        concurrency = self.limit_concurrency or 2 * (config.max_queued_requests + running) + 64
+        return dataclasses.replace(self, max_prompt_bytes=prompt, max_request_body_bytes=body,
+                                   limit_concurrency=concurrency)
 
 
 class ClientGone(Exception):
@@ -62,10 +115,17 @@ class ClientGone(Exception):
 class ServerState:
     """The engine (once loaded), its status and the metrics registry of one app."""
 
-    def __init__(self, source: Any, config: Any, model_name: str):
+    def __init__(self, source: Any, config: Any, model_name: str, options: ServerOptions | None = None):
         self.source = source  # an Engine, or a callable that builds one
         self.config = config
         self.model_name = model_name
+        self.options = (options or ServerOptions()).resolved(config)
+        # The model's host work (tokenizing, chat templates, detokenizing big inputs) runs here, never
+        # on the event loop.  (A tokenizer that holds the GIL still delays the loop: max_prompt_bytes
+        # bounds how long.)
+        self.host_pool = concurrent.futures.ThreadPoolExecutor(self.options.host_threads,
+                                                               thread_name_prefix="jpaged-host")
+        self.runs: set["GenerationRun"] = set()  # in flight: the drain ends them at its deadline
         self.defaults = default_sampling_params(config)
         self.metrics = ServerMetrics(model_name, config.block_size,
                                      enable_prefix_caching=config.enable_prefix_caching,
@@ -103,12 +163,26 @@ class ServerState:
 
     @property
     def num_in_flight(self) -> int:
-        return self.engine.num_unfinished if self.engine is not None else 0
+        """Requests the engine has not finished, or whose answer is still being sent."""
+        return max(self.engine.num_unfinished if self.engine is not None else 0, len(self.runs))
+
+    def cut_runs(self) -> int:
+        """Aborts every request in flight: each choice left ends with finish_reason
+        "abort" (streams send that chunk and [DONE]).  Returns how many were cut."""
+        runs = list(self.runs)
+        for run in runs:
+            run.engine.abort(run.submission.requests)
+        return len(runs)
 
     def close(self) -> None:
         self.drain()
         if self.engine is not None:
             self.engine.close(ENGINE_JOIN_SECONDS)
+        self.host_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_host(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the host thread pool: the event loop goes on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.host_pool, functools.partial(fn, *args))
 
     def ready_engine(self) -> AsyncEngine:
         if self.status != "ready" or self.engine is None:
@@ -162,6 +236,8 @@ class GenerationRun:
         self._logprobs_sent = [0] * len(self.samples)
         self.error: str | None = None
         self._disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        self._runs = state.runs
+        self._runs.add(self)
 
     @property
     def prompt_tokens(self) -> int:
@@ -184,6 +260,7 @@ class GenerationRun:
                     yield updates
         finally:
             self._disconnect.cancel()
+            self._runs.discard(self)
             self.engine.abort(r for r in self.submission.requests if not r.finished)
 
     async def run_to_end(self) -> None:
@@ -285,6 +362,9 @@ class CompletionAnswer(Answer):
             request = self.run.submission.requests[c // self.run.n]
             prompt = self.run.prompt_logprobs[c // self.run.n] or [None] * len(request.prompt_token_ids)
             ids, entries = request.prompt_token_ids + ids, prompt + entries
+        if self.run.gen.params.logprobs == 0:  # as vLLM: the token's own entry, no alternatives
+            entries = [lp if lp is None or lp.top else dataclasses.replace(lp, top=((lp.token_id, lp.logprob),))
+                       for lp in entries]
         return completion_logprobs(ids, entries, self.state.token_text, offset)
 
     def body(self) -> dict[str, Any]:
@@ -357,7 +437,9 @@ class GenerateAnswer(Answer):
 
 
 async def _respond(answer: Answer) -> Response:
-    """A whole (non-streamed) answer; aborted if the client leaves first."""
+    """A whole (non-streamed) answer; aborted if the client leaves first.  Its
+    body (logprobs of a long echoed prompt: many token strings) is built and
+    encoded in the host pool."""
     run = answer.run
     try:
         await run.run_to_end()
@@ -365,7 +447,12 @@ async def _respond(answer: Answer) -> Response:
         return Response(status_code=499)  # nobody reads it: the connection is closed
     if run.error is not None:
         return JSONResponse(error_body(run.error, "internal_server_error"), status_code=500)
-    return JSONResponse(answer.body())
+    return Response(await answer.state.run_host(lambda: _json_bytes(answer.body())), media_type="application/json")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """As JSONResponse encodes."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 async def _stream(answer: Answer) -> AsyncIterator[str]:
@@ -395,21 +482,41 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------- handlers
-async def _json_body(request: Request) -> Any:
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413)
+def _parse_json(body: bytes) -> Any:
     try:
-        return json.loads(bytes(body))
+        return json.loads(body)
     except (ValueError, RecursionError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
 
 
-def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest) -> tuple[list[int], str]:
-    """(token ids, prompt text for echo), or a 400 naming what the engine would refuse."""
+def _utf8_len(text: str, cap: int) -> int:
+    """len(text in UTF-8), or a number above `cap` without encoding a text that
+    has more characters than `cap` (a character is at least one byte)."""
+    return len(text) if len(text) > cap else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_prompt_bytes(state: ServerState, prompt: Any, param: str) -> None:
+    """A 400 for a text prompt (or a chat's messages) over max_prompt_bytes: checked
+    before anything tokenizes it.  (Token-id prompts are counted in tokens.)"""
+    cap = state.options.max_prompt_bytes
+    if isinstance(prompt, str):
+        size = _utf8_len(prompt, cap)
+    elif isinstance(prompt, dict):
+        size = _utf8_len(json.dumps(prompt.get("messages"), ensure_ascii=False), cap)
+    else:
+        return
+    if size > cap:
+        raise RequestError(f"the {param} is {size} bytes; this server takes at most {cap} bytes of text per "
+                           "prompt (max_prompt_bytes)", param, code="prompt_too_large")
+
+
+def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest,
+               explicit_max_tokens: str | None) -> tuple[list[int], str]:
+    """(token ids, prompt text for echo), or a 400 naming what the engine would
+    refuse, or a prompt plus an explicit max_tokens (named `explicit_max_tokens`)
+    beyond max_model_len.  Runs in the host pool."""
     param = "messages" if isinstance(prompt, dict) else "prompt"
+    _check_prompt_bytes(state, prompt, param)
     try:
         ids = state.llm.tokenize(prompt)
     except ValueError as e:
@@ -417,19 +524,50 @@ def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest) -> tuple
     problem = state.llm.check_request(ids, gen.params)
     if problem:
         raise RequestError(problem, "n" if problem.startswith("n=") else param)
+    limit, asked = state.config.max_model_len, gen.params.max_tokens
+    if explicit_max_tokens is not None and len(ids) + asked > limit:
+        where = "messages" if param == "messages" else "prompt"
+        raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{len(ids) + asked} tokens ({len(ids)} in the {where}, {asked} in the completion). "
+                           f"Please reduce the length of the {where} or the completion.", explicit_max_tokens,
+                           code="context_length_exceeded")
     return ids, prompt if isinstance(prompt, str) else state.decode(ids)
 
 
+def _explicit_max_tokens(raw: Any, chat: bool) -> str | None:
+    """The body's field that set max_tokens, or None (then the config's default
+    applies, cut at max_model_len as the generation goes)."""
+    if not isinstance(raw, dict):
+        return None
+    if chat and raw.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if raw.get("max_tokens") is not None else None
+
+
+def _prepare(state: ServerState, parse: Callable[..., GenerationRequest],
+             body: bytes) -> tuple[GenerationRequest, list[tuple[list[int], str]]]:
+    """A body checked and its prompts tokenized (in the host pool, off the event loop)."""
+    raw = _parse_json(body)
+    gen = parse(raw, state.defaults, state.model_name)
+    bound = state.config.max_queued_requests
+    if len(gen.prompts) > bound:  # a 429 would invite retrying a request that can never be queued
+        raise RequestError(f"this request has {len(gen.prompts)} prompts; the server queues at most {bound} "
+                           "requests (max_queued_requests), so it can never take them all at once: send at "
+                           f"most {bound} prompts per request", "prompt", code="too_many_prompts")
+    explicit = _explicit_max_tokens(raw, parse is parse_chat)
+    return gen, [_tokenized(state, p, gen, explicit) for p in gen.prompts]
+
+
 def _error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    status = 404 if e.code == "model_not_found" else e.status  # as OpenAI and vLLM
+    return JSONResponse(e.body(), status_code=status, headers=e.headers)
 
 
 async def _handle(request: Request, state: ServerState, parse: Callable[..., GenerationRequest],
                   answer_type: type[Answer]) -> Response:
     try:
         engine = state.ready_engine()
-        gen = parse(await _json_body(request), state.defaults, state.model_name)
-        prompts = [_tokenized(state, p, gen) for p in gen.prompts]
+        gen, prompts = await state.run_host(_prepare, state, parse, await request.body())
         submission = engine.submit([(ids, gen.params, text if isinstance(p, str) else None)
                                     for p, (ids, text) in zip(gen.prompts, prompts)])
     except RequestError as e:
@@ -446,16 +584,200 @@ async def _handle(request: Request, state: ServerState, parse: Callable[..., Gen
     return await _respond(answer)
 
 
+# ------------------------------------------------------- tokenizer routes
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM: `prompt` (text; `add_special_tokens`, default true)
+    or `messages` (the chat template; `add_generation_prompt`, default true:
+    the ids /v1/chat/completions would run)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Messages] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, as vLLM: {model?, tokens} -> {prompt}."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def _tokenizer_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
+    raw = _parse_json(body)
+    if not isinstance(raw, dict):
+        raise RequestError("the body must be a JSON object")
+    try:
+        req = kind.model_validate(raw)
+    except ValidationError as e:
+        raise request_error(e) from None
+    if req.model is not None and req.model != state.model_name:
+        raise RequestError(f"model {req.model!r} is not served here; this server serves {state.model_name!r}",
+                           "model", code="model_not_found")
+    if state.llm.tokenizer is None:
+        raise RequestError("this model has no tokenizer")
+    return req
+
+
+def _tokenize(state: ServerState, body: bytes) -> dict[str, Any]:
+    req = _tokenizer_request(state, body, TokenizeRequest)
+    tokenizer = state.llm.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError('a request needs exactly one of "prompt" or "messages"', "prompt")
+    if req.prompt is not None:
+        _check_prompt_bytes(state, req.prompt, "prompt")
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tokenizer.encode(req.prompt, add_special_tokens=special)
+    else:
+        messages = [m.as_dict() for m in req.messages]
+        _check_prompt_bytes(state, {"messages": messages}, "messages")
+        try:
+            _, ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+    return {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids,
+            "token_strs": [state.token_text(t) for t in ids] if req.return_token_strs else None}
+
+
+def _detokenize(state: ServerState, body: bytes) -> dict[str, Any]:
+    req = _tokenizer_request(state, body, DetokenizeRequest)
+    vocab = state.llm.tokenizer.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}", "tokens")
+    return {"prompt": state.llm.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _tokenizer_info(state: ServerState) -> dict[str, Any]:
+    tokenizer = state.llm.tokenizer
+    if tokenizer is None:
+        raise RequestError("this model has no tokenizer")
+    special = tokenizer.special_tokens
+    return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": state.config.max_model_len,
+            "vocab_size": tokenizer.vocab_size, "bos_token": special.get("bos_token"),
+            "eos_token": special.get("eos_token"), "pad_token": special.get("pad_token"),
+            "unk_token": special.get("unk_token"), "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "eos_token_ids": tokenizer.eos_token_ids,
+            "pad_token_id": tokenizer.pad_token_id, "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": tokenizer.chat_template}
+
+
+async def _host_route(request: Request, state: ServerState, fn: Callable[[ServerState, bytes], dict[str, Any]]
+                      ) -> Response:
+    try:
+        state.ready_engine()
+        return JSONResponse(await state.run_host(fn, state, await request.body()))
+    except RequestError as e:
+        return _error_response(e)
+
+
+# ------------------------------------------------------------ the guard
+class RequestGuard:
+    """Pure ASGI, in front of the routes: the API key, then the body's framing
+    and size, then the whole body read within body_timeout_seconds and handed to
+    the app (which never reads a partial or oversized body).  Refusals close the
+    connection (an unread body is not worth reading)."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        options = self.state.options
+        refusal = self._check_headers(scope, options)
+        body: bytes | None = b""
+        if refusal is None:
+            try:
+                body = await asyncio.wait_for(_read_body(receive, options.max_request_body_bytes),
+                                              options.body_timeout_seconds)
+            except RequestError as e:
+                refusal = e
+            except asyncio.TimeoutError:
+                refusal = RequestError(f"the request body did not arrive within {options.body_timeout_seconds:g} "
+                                       "s (body_timeout_seconds)", status=408, code="body_timeout")
+        if refusal is not None:
+            headers = {**refusal.headers, "Connection": "close"}
+            return await _send_json(send, refusal.status, refusal.body(), headers)
+        if body is None:
+            return  # the client left while sending
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay() -> dict[str, Any]:
+            return pending.pop() if pending else await receive()
+        await self.app(scope, replay, send)
+
+    def _check_headers(self, scope: dict[str, Any], options: ServerOptions) -> RequestError | None:
+        headers: dict[bytes, list[bytes]] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.lower(), []).append(value)
+        if options.api_key is not None and _needs_key(scope["path"], options):
+            scheme, _, token = (headers.get(b"authorization") or [b""])[0].partition(b" ")
+            ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), options.api_key.encode())
+            if not ok:
+                return RequestError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                                    status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            return RequestError("a request must not have both Transfer-Encoding and Content-Length headers")
+        cap = options.max_request_body_bytes
+        lengths = headers.get(b"content-length", [])
+        if lengths and lengths[0].strip().isdigit() and int(lengths[0]) > cap:
+            return _too_large(int(lengths[0]), cap)
+        return None
+
+
+def _needs_key(path: str, options: ServerOptions) -> bool:
+    return path != "/health" and (path != "/metrics" or options.metrics_require_key)
+
+
+def _too_large(size: int, cap: int) -> RequestError:
+    return RequestError(f"the request body is {size} bytes or more; this server takes at most {cap} bytes "
+                        "(max_request_body_bytes)", status=413, code="body_too_large")
+
+
+async def _read_body(receive: Callable[[], Awaitable[dict[str, Any]]], cap: int) -> bytes | None:
+    """The whole body (None if the client left first); a 413 once it passes `cap`."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        part = message.get("body", b"")
+        size += len(part)
+        if size > cap:
+            raise _too_large(size, cap)
+        parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _send_json(send: Callable[[dict[str, Any]], Awaitable[None]], status: int, body: dict[str, Any],
+                     headers: dict[str, str]) -> None:
+    data = _json_bytes(body)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
 # -------------------------------------------------------------------- app
 def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = None, *,
                model_name: str | None = None,
-               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_failure: Callable[[BaseException], None] | None = None,
+               options: ServerOptions | None = None) -> FastAPI:
     """The FastAPI app serving `engine`: an Engine (an LLM or a DataParallelLLM),
     or a callable that builds one (built in the background once the server runs,
     so that /health answers 503 while it loads; `config` is then required).
-    `on_load_failure` is called if building fails (scripts/serve.py stops the server)."""
+    `on_load_failure` is called if building fails (scripts/serve.py stops the server).
+    `options`: the API key and the request limits (ServerOptions); serve the app
+    with `uvicorn_config(app, ...)` for the connection limits too."""
     config = config if config is not None else engine.config
-    state = ServerState(engine, config, model_name or config.model)
+    state = ServerState(engine, config, model_name or config.model, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -467,6 +789,15 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
 
     app = FastAPI(title="jpaged", lifespan=lifespan)
     app.state.jpaged = state
+    app.add_middleware(RequestGuard, state=state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape."""
+        message = (f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404
+                   else f"{e.detail} ({request.method} {request.url.path})")
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
@@ -479,10 +810,20 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
         ok = state.status == "ready"
         return JSONResponse({"status": state.status}, status_code=200 if ok else 503)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jpaged",
+                "max_model_len": config.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "jpaged", "max_model_len": config.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != state.model_name:
+            return _error_response(RequestError(f"The model {model_id!r} does not exist; this server serves "
+                                                f"{state.model_name!r}", "model", code="model_not_found"))
+        return JSONResponse(model_card())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -496,6 +837,18 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
     async def generate(request: Request) -> Response:
         return await _handle(request, state, parse_generate, GenerateAnswer)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _host_route(request, state, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _host_route(request, state, _detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return await _host_route(request, state, lambda state, body: _tokenizer_info(state))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -504,37 +857,98 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
 
 
 # ------------------------------------------------------------------ server
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a header timeout: a connection whose request
+    line and headers have not all arrived `header_timeout` seconds after it
+    opened (or after its previous response) is closed.  uvicorn has none of its
+    own (its keep-alive timer restarts on every byte), so a client trickling
+    header bytes would hold a connection for ever.  uvicorn_config sets the value."""
+
+    header_timeout = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        self._arm_header_timer()  # before a pipelined request may start a new cycle
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_timeout_handler, self.cycle)
+
+    def _header_timeout_handler(self, cycle: Any) -> None:
+        if self.cycle is cycle and not self.transport.is_closing():  # no request has begun since
+            log.debug("closing a connection without a whole request head after %g s", self.header_timeout)
+            self.transport.close()
+
+
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's config for `app` with its ServerOptions' connection limits: at most
+    limit_concurrency connections and tasks (then 503s), a listen backlog, request
+    line + headers of at most max_header_bytes arriving within
+    header_timeout_seconds, idle keep-alive connections closed after
+    timeout_keep_alive.  `kwargs` go to uvicorn.Config as they are."""
+    options: ServerOptions = app.state.jpaged.options
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout": options.header_timeout_seconds})
+    settings = dict(host=host, port=port, http=protocol, lifespan="on", limit_concurrency=options.limit_concurrency,
+                    backlog=options.backlog, timeout_keep_alive=options.timeout_keep_alive,
+                    h11_max_incomplete_event_size=options.max_header_bytes)
+    return uvicorn.Config(app, **{**settings, **kwargs})
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn with a drain before its shutdown.  uvicorn alone stops listening on
     SIGTERM, so a load balancer's health check gets "connection refused" and new
     requests fail while in-flight ones finish.  Here the first SIGTERM or SIGINT
     drains instead: the server keeps listening, answers /health and new requests
-    with 503, and lets the requests in flight finish; once none is left, or the
-    grace period is over, uvicorn shuts down as usual within what is left of the
-    period (requests still running then are cancelled, which aborts them).  A
-    second signal ends the drain at once."""
+    with 503, and lets the requests in flight finish.  Once none is left it shuts
+    down; if some are still running when the grace period is over, they are cut:
+    aborted in the engine, so that each stream ends with a chunk whose
+    finish_reason is "abort" and `data: [DONE]` (a whole answer with that
+    reason), one log line says how many, and the server shuts down once they are
+    sent (at most FLUSH_SECONDS later).  A second signal ends the grace period at
+    once; a third stops without waiting."""
 
     def __init__(self, config: uvicorn.Config, app_state: ServerState, grace_seconds: float):
         super().__init__(config)
         self.app_state = app_state
         self.grace_seconds = grace_seconds
         self._drain_deadline: float | None = None
+        self._cut_at: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # (a signal handler: only sets state; on_tick does the rest)
         if self._drain_deadline is None and not self.should_exit:
             self._drain_deadline = time.monotonic() + self.grace_seconds
-            self.app_state.drain()  # (a signal handler: only sets state; on_tick does the rest)
+            self.app_state.drain()
+        elif self._cut_at is None and not self.should_exit:
+            self._drain_deadline = time.monotonic()
         else:
             super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
         """Called by uvicorn's main loop every 0.1 s; True stops the server."""
-        if self._drain_deadline is not None:
-            left = self._drain_deadline - time.monotonic()
-            if left <= 0 or self.app_state.num_in_flight == 0:
-                if not self.should_exit:
-                    log.info("drain over (%d requests in flight): shutting down", self.app_state.num_in_flight)
+        if self._drain_deadline is not None and not self.should_exit:
+            now, busy = time.monotonic(), self.app_state.num_in_flight
+            if busy == 0:
+                log.info("drain over: no request in flight; shutting down")
+                self.should_exit = True
+            elif self._cut_at is None and now >= self._drain_deadline:
+                self._cut_at = now
+                self.app_state.cut_runs()
+                log.warning("shutdown grace period over (%g s): %d requests still in flight cut with "
+                            "finish_reason abort", self.grace_seconds, busy)
+            elif self._cut_at is not None and now - self._cut_at > FLUSH_SECONDS:
                 self.should_exit = True
             if self.should_exit:
-                self.config.timeout_graceful_shutdown = max(left, 0.0)
+                self.config.timeout_graceful_shutdown = FLUSH_SECONDS  # for answers still being sent
         return await super().on_tick(counter)
