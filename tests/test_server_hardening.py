@@ -222,6 +222,9 @@ def test_framing_and_size_limits(served):
                                                               "Transfer-Encoding": "chunked"})
                          + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
     assert status_of(reply) == 400, reply[:300]
+    # A head over 16 KiB: 400.
+    reply = raw_exchange(served.port, head("/v1/completions", {"X-Big": "y" * 20_000, "Content-Length": "0"}))
+    assert status_of(reply) == 400, reply[:300]
     # A Content-Length over the cap: 413 before a byte of the body is read.
     reply = raw_exchange(served.port, head("/v1/completions", {"Content-Length": str(cap + 1)}))
     assert status_of(reply) == 413 and b"max_request_body_bytes" in reply, reply[:300]
