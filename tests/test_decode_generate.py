@@ -18,8 +18,8 @@ STATIC = ("max_new_tokens", "eos_token_id", "block_size", "attention_impl", "kv_
 
 
 @pytest.fixture(scope="module")
-def llm(make_tiny_llm):
-    return make_tiny_llm()
+def llm(tiny_llm):
+    return tiny_llm  # the session's engine on TINY_ENGINE: these tests only call generate()
 
 
 @pytest.fixture(scope="module")
