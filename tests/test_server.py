@@ -274,6 +274,19 @@ def test_completion_logprobs_of_a_greedy_completion(ready, llm):
     assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == n_prompt
 
 
+def test_echo_of_token_ids_keeps_special_tokens_as_its_logprobs_do(ready, llm):
+    """The echoed text of a token-id prompt shows its special tokens, so that
+    text_offset points at each echoed token."""
+    ids = llm.tokenizer.encode("<|im_start|>user\nhi", add_special_tokens=False)
+    assert ids[0] == llm.tokenizer.token_to_id("<|im_start|>")
+    got = ready.client().completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=2,
+                                            temperature=0)
+    choice = got.choices[0]
+    assert choice.text.startswith("<|im_start|>user")
+    for token, offset in zip(choice.logprobs.tokens, choice.logprobs.text_offset):
+        assert choice.text[offset:].startswith(token), (token, offset, choice.text)
+
+
 def test_streamed_chat_logprobs_concatenate_to_the_whole_ones(ready):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     client = ready.client()

@@ -531,6 +531,9 @@ def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest,
                            f"{len(ids) + asked} tokens ({len(ids)} in the {where}, {asked} in the completion). "
                            f"Please reduce the length of the {where} or the completion.", explicit_max_tokens,
                            code="context_length_exceeded")
+    if isinstance(prompt, list) and state.llm.tokenizer is not None:
+        # Token ids: their text with special tokens, as the echoed logprobs' tokens show them.
+        return ids, state.llm.tokenizer.decode(ids, skip_special_tokens=False)
     return ids, prompt if isinstance(prompt, str) else state.decode(ids)
 
 

@@ -83,7 +83,9 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a server's
+        # event loop keeps running while another thread tokenizes a long prompt.
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
@@ -197,7 +199,7 @@ class Tokenizer:
     def _encode_with_content(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
         """Encodes `text`; special tokens are control tokens only outside the content `spans`."""
         special = self._special_ids()
-        enc = self.backend.encode(text, add_special_tokens=False)
+        enc = self.backend.encode_batch([text], add_special_tokens=False)[0]  # GIL released, as in encode
         if not any(i in special and _overlaps(_strip_span(text, off), spans)
                    for i, off in zip(enc.ids, enc.offsets)):
             return enc.ids  # the common case, and exactly today's ids
