@@ -20,8 +20,11 @@ engine's own step: the same forward + sample over one `StepInputs` pytree
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jpaged.core.block_manager import NULL_BLOCK
@@ -98,6 +101,15 @@ def generate_step_with_logprobs(
     in its sequence), the LM head runs on every token and the prompt logprobs
     are those of the targets (always raw: nothing is sampled there).
     """
+    *out, _ = _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets,
+                                           num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
+                                           attention_impl=attention_impl)
+    return tuple(out)
+
+
+def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets, *,
+                                 num_logprobs, logprobs_mode, attention_impl):
+    """generate_step_with_logprobs, also returning the last-token logits [S, vocab]."""
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
@@ -111,7 +123,7 @@ def generate_step_with_logprobs(
         next_tokens = sample_processed(last, processed, sampling)
     source = processed if logprobs_mode == "processed" else last
     prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
-    return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool
+    return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool, last
 
 
 def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inputs: StepInputs, *,
@@ -125,16 +137,17 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
     logprobs, else `generate_step_with_logprobs` (top `num_logprobs`, in
     `logprobs_mode`), over every token's logits when `inputs.prompt_targets` is
     given.  A feature that adds a field to StepInputs consumes it here.
+    `StepResult.nan_rows` flags the rows whose logits hold a NaN (one reduction).
     """
     if inputs.logprobs or inputs.prompt_targets is not None:
-        tokens, logprobs, prompt, kv_pool = generate_step_with_logprobs(
+        tokens, logprobs, prompt, kv_pool, logits = _generate_step_with_logprobs(
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
             attention_impl=attention_impl)
-        return StepResult(tokens, logprobs, prompt), kv_pool
-    tokens, kv_pool = generate_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
-                                    inputs.sampling, attention_impl=attention_impl)
-    return StepResult(tokens), kv_pool
+        return StepResult(tokens, logprobs, prompt, jnp.isnan(logits).any(axis=-1)), kv_pool
+    logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
+                                   attention_impl=attention_impl)
+    return StepResult(sample(logits, inputs.sampling), nan_rows=jnp.isnan(logits).any(axis=-1)), kv_pool
 
 
 def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array
@@ -150,9 +163,17 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     rounding), and its gradient is a plain transformer's: no K/V gather through
     block tables, no pool scatter.  Tokens at or past
     lengths[b] are padding: causality keeps them out of the real ones.
+
+    Checked (ValueError naming the argument): token_ids is [B, L] with B >= 1 and
+    L >= 1, lengths is [B]; when the arrays are concrete (not traced), every
+    1 <= lengths[b] <= L and every token before lengths[b] is in [0, vocab_size).
+    Under jit / grad only the shapes are checked: an id outside the vocabulary is
+    then clamped by the embedding gather, and a length outside [1, L] masks
+    nothing or everything, silently.
     """
-    B, L = token_ids.shape
     cfg = nnx.merge(graphdef, params).cfg
+    check_batch(token_ids, lengths, cfg.vocab_size, ids_name="token_ids", lens_name="lengths")
+    B, L = token_ids.shape
     zeros = jnp.zeros(B * L, jnp.int32)
     meta = StepMetadata(positions=jnp.tile(jnp.arange(L, dtype=jnp.int32), B), write_blocks=zeros,
                         write_offsets=zeros, block_tables=jnp.zeros((B, 1), jnp.int32),
@@ -165,6 +186,38 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     chosen = jnp.take_along_axis(logits, token_ids[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     chosen = chosen - jax.nn.logsumexp(logits, axis=-1)  # log_softmax at the chosen token only
     return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
+
+
+def check_batch(ids: Any, lengths: Any, vocab_size: int, *, ids_name: str, lens_name: str) -> None:
+    """ValueError (naming `ids_name` / `lens_name`) for a batch of right-padded
+    rows ids [B, L] with lengths [B] that is malformed: wrong ranks or sizes,
+    no rows or columns, and, for concrete (untraced) arrays, a length outside
+    [1, L] or a token before its row's length outside [0, vocab_size)."""
+    shape, lens_shape = np.shape(ids), np.shape(lengths)
+    if len(shape) != 2:
+        raise ValueError(f"{ids_name} must be [batch, length], got shape {tuple(shape)}")
+    B, L = shape
+    if B < 1 or L < 1:
+        raise ValueError(f"{ids_name} is empty (shape {tuple(shape)}): at least one row of one token is needed")
+    if tuple(lens_shape) != (B,):
+        raise ValueError(f"{lens_name} must be [{B}] (one length per row of {ids_name}), got shape "
+                         f"{tuple(lens_shape)}")
+    for name, x in ((ids_name, ids), (lens_name, lengths)):
+        dtype = getattr(x, "dtype", None) or np.asarray(x).dtype
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integers, got {dtype}")
+    if isinstance(ids, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+        return  # traced: values unknown until run (see the callers' docstrings)
+    ids, lengths = np.asarray(ids), np.asarray(lengths)
+    bad = np.flatnonzero((lengths < 1) | (lengths > L))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{lens_name}[{b}] = {int(lengths[b])} is outside [1, {L}] ({ids_name} has {L} columns)")
+    real = np.arange(L)[None, :] < lengths[:, None]
+    out = real & ((ids < 0) | (ids >= vocab_size))
+    if out.any():
+        b, t = map(int, np.argwhere(out)[0])
+        raise ValueError(f"{ids_name}[{b}, {t}] = {int(ids[b, t])} is outside the vocabulary [0, {vocab_size})")
 
 
 def _dense_write_kv(kv: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
@@ -246,15 +299,25 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prom
     max_new_tokens), and tokens[b, lengths[b]:] are filled with eos_token_id.
     The loop exits early once every sequence has finished.  Without it,
     lengths is max_new_tokens everywhere.
+
+    Checked (ValueError naming the argument): prompts is [B, P] with B >= 1 and
+    P >= 1, prompt_lens is [B], eos_token_id is in the vocabulary; when prompts
+    and prompt_lens are concrete (not traced), every 1 <= prompt_lens[b] <= P and
+    every prompt token before prompt_lens[b] is in [0, vocab_size).  Under jit
+    only the shapes are checked: out-of-range ids or lengths then give garbage
+    tokens, not an error.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    model = nnx.merge(graphdef, params)  # for its config and dtype (static)
+    check_batch(prompts, prompt_lens, model.cfg.vocab_size, ids_name="prompts", lens_name="prompt_lens")
+    if eos_token_id is not None and not 0 <= eos_token_id < model.cfg.vocab_size:
+        raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {model.cfg.vocab_size})")
     prompts = jnp.asarray(prompts, jnp.int32)
     prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
     B, P = prompts.shape
     N = max_new_tokens
     width = -(-(P + N) // block_size)
-    model = nnx.merge(graphdef, params)  # for its config and dtype (static)
     pool = create_kv_pool(model.cfg, num_blocks=1 + B * width, block_size=block_size,
                           dtype=model.embed[...].dtype if kv_dtype is None else kv_dtype)
     tables = 1 + jnp.arange(B * width, dtype=jnp.int32).reshape(B, width)

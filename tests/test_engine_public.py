@@ -80,5 +80,29 @@ def test_finish_sample_ends_one_sample_and_frees_its_blocks(llm):
     assert llm.block_manager.num_used_blocks < used  # its own blocks are free now, not at max_tokens
     assert first in llm.step() and not group[1].is_done  # returned as finished; the sibling goes on
     llm.abort([rid])  # sample 0 has left the engine's books: the abort still reaches sample 1
-    assert group[1].finish_reason == "abort" and not llm.has_unfinished_requests()
-    assert llm.block_manager.num_used_blocks == 0
+    assert group[1].finish_reason == "abort" and llm.block_manager.num_used_blocks == 0
+    assert llm.has_unfinished_requests()  # until step() has returned it
+    assert llm.step() == [group[1]] and not llm.has_unfinished_requests()
+
+
+def test_step_returns_each_aborted_request_once(llm):
+    """A driver that loops on step() until has_unfinished_requests() is False sees
+    every request it added come back, aborted ones included (LLM.abort and
+    update_params(in_flight="abort")), each exactly once."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for how in ("abort", "update_params"):
+        ids = [llm.add_request([1, 2, 3 + i], params) for i in range(3)]
+        llm.step()
+        if how == "abort":
+            llm.abort(ids[:2])
+            llm.abort(ids[:1])  # twice: still returned once
+        else:
+            llm.update_params(llm.params, in_flight="abort")
+        returned = []
+        while llm.has_unfinished_requests():
+            returned += llm.step()
+        assert sorted(s.seq_id for s in returned) == ids, how
+        reasons = [s.finish_reason for s in sorted(returned, key=lambda s: s.seq_id)]
+        assert reasons == (["abort", "abort", "length"] if how == "abort" else ["abort"] * 3), how
+        assert llm.request_output(returned[0]).finish_reason == "abort"
+        assert llm.get_sequence(ids[0]) is None and llm.block_manager.num_used_blocks == 0

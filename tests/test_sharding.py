@@ -161,12 +161,13 @@ def test_data_parallel_engine_speaks_global_request_ids(tiny_llama_dir, one_devi
     assert snap.num_blocks == dp.num_blocks and snap.totals.steps == 2  # one step of each replica
     assert snap.outstanding_tokens == sum(r.snapshot().outstanding_tokens for r in dp.replicas)
     dp.abort([ids[0]])
-    assert dp.get_sequence(ids[0]) is None and dp.replicas[homes[ids[0]]].get_sequence(ids[0]) is None
+    assert dp.get_sequence(ids[0]).finish_reason == "abort"  # until step() returns it
     dp.finish_sample(ids[1], 0)
     finished = {}
     while dp.has_unfinished_requests():
         finished.update({s.seq_id: s for s in dp.step()})
-    assert set(finished) == set(ids[1:])
+    assert set(finished) == set(ids) and finished[ids[0]].finish_reason == "abort"
+    assert dp.get_sequence(ids[0]) is None and dp.replicas[homes[ids[0]]].get_sequence(ids[0]) is None
     assert finished[ids[1]].finish_reason == "stop" and len(finished[ids[1]].output_token_ids) <= 2
     for i in ids[2:]:
         assert finished[i].output_token_ids[:16] == expected[i].token_ids

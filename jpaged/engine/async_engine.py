@@ -231,7 +231,6 @@ class AsyncEngine:
                 self._dequeue(request)
             if delta.finished:
                 del self._tracked[rid]
-                self.llm.abort([rid])  # drops an engine that failed it from its active set; no-op otherwise
                 self._mark_finished(request, delta, now)
             elif any(delta.new_token_ids):
                 request.submission.deliver(delta)

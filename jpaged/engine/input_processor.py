@@ -83,6 +83,9 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
         if params.n > self.max_num_seqs:
             return f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}"
         if cdiv(len(ids) + 1, self.block_size) > self.num_blocks - 1:
@@ -91,6 +94,9 @@ class InputProcessor:
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None, str | None]:
         """(prompt text, token ids, error)."""
+        error = _check_prompt_type(prompt)
+        if error:
+            return None, None, error
         try:
             if isinstance(prompt, dict):
                 messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
@@ -109,6 +115,42 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         return self.tokenizer
+
+
+def _check_prompt_type(prompt: Any) -> str | None:
+    """Why `prompt` is not a prompt generate() takes, or None: bytes are not token
+    ids (list(b"hi") would read as [104, 105]), and text must be valid Unicode
+    (a lone surrogate, e.g. from a JSON "\\ud800", has no UTF-8 encoding)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        return (f"prompt is {type(prompt).__name__}: pass a str (decode it first) or a list of "
+                "integer token ids")
+    if isinstance(prompt, str):
+        return unicode_error(prompt, "prompt")
+    if isinstance(prompt, dict):
+        texts = [("prompt", prompt.get("prompt"))]
+        messages = prompt.get("messages")
+        if isinstance(messages, list):
+            texts += [(f"messages[{i}].content", m.get("content")) for i, m in enumerate(messages)
+                      if isinstance(m, dict)]
+        for where, text in texts:
+            error = unicode_error(text, where) if isinstance(text, str) else None
+            if error:
+                return error
+        return None
+    if isinstance(prompt, (int, float, type(None))) or not hasattr(prompt, "__iter__"):
+        return (f"prompt is {type(prompt).__name__}: a prompt is a str, a list of integer token ids, "
+                "or a dict with \"prompt\" or \"messages\"")
+    return None
+
+
+def unicode_error(text: str, where: str = "prompt") -> str | None:
+    """An error naming the first lone surrogate of `text`, or None when it is valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"{where} is not valid Unicode (lone surrogate {ascii(text[e.start])} at character "
+                f"{e.start})")
+    return None
 
 
 def _check_token_ids(ids: list) -> str | None:

@@ -38,7 +38,7 @@ from jpaged.engine.setup import (engine_mesh, load_model, resolve_attention_impl
 from jpaged.engine.step_stats import StepStats
 from jpaged.runtime.kv_pool import block_shape, bytes_per_block
 from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
-from jpaged.runtime.params import check_same_structure
+from jpaged.runtime.params import check_finite_params, check_same_structure
 from jpaged.runtime.sharding import Mesh, bytes_per_device, tensor_parallel_size
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,9 @@ class LLM:
         return self.inputs.tokenize(prompt)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether step() has requests left to run (waiting, running or swapped out)."""
-        return self.scheduler.has_work
+        """Whether step() has requests left to run (waiting, running or swapped out)
+        or to return (failed at admission, aborted): loop on step() while it is True."""
+        return self.scheduler.has_work or any(s.is_done for s in self._active.values())
 
     def get_sequence(self, request_id: int) -> Sequence | None:
         """The live Sequence of a request added with add_request() (its tokens and block
@@ -212,13 +213,13 @@ class LLM:
         return self._active.get(request_id)
 
     def abort(self, request_ids: Iterable[int]) -> None:
-        """Ends the given requests (every sample) now and frees what they hold;
-        they finish with finish_reason "abort"."""
-        for rid in request_ids:
+        """Ends the given requests (every sample not finished yet) now and frees what
+        they hold: they finish with finish_reason "abort", and the next step()
+        returns each of them once, like any finished request."""
+        for rid in list(request_ids):
             for s in self._group(rid):
                 if not s.is_done:
                     self.scheduler.fail(s, "aborted", reason="abort")
-                self._active.pop(s.seq_id, None)
 
     def finish_sample(self, request_id: int, index: int, reason: str = "stop") -> None:
         """Ends sample `index` of a request now with `reason` and frees what it
@@ -256,9 +257,10 @@ class LLM:
         return self.outputs.request_output(seq, index)
 
     # -------------------------------------------------------------- weights
-    def update_params(self, params: nnx.State, *, in_flight: str = "abort") -> None:
+    def update_params(self, params: nnx.State, *, in_flight: str = "abort", check_finite: bool = True) -> None:
         """Swaps in new weights: the same tree, shapes, dtypes and shardings as
-        `self.params` (else ValueError), so no step recompiles.
+        `self.params` (else ValueError), so no step recompiles; with `check_finite`
+        (one reduction per array) NonFiniteParamsError names an array holding NaN/Inf.
 
         The prefix cache is dropped: its K/V came from the old weights (new
         requests key the cache by a new weights version, so nothing computed
@@ -271,6 +273,8 @@ class LLM:
         if in_flight not in ("abort", "keep"):
             raise ValueError(f"in_flight must be 'abort' or 'keep', got {in_flight!r}")
         check_same_structure(self.params, params)
+        if check_finite:
+            check_finite_params(params)
         if in_flight == "abort":
             self.abort([rid for rid, seq in self._active.items() if seq.group[0] is seq])
         self.params = self.runner.params = params
@@ -315,6 +319,9 @@ class LLM:
         except Exception as e:  # noqa: BLE001 - one bad step must not poison the engine
             self._recover(out, e)
             result = StepResult(np.zeros(0, np.int32))
+        if result.nan_rows is not None and result.nan_rows.any():
+            log.warning("NaN logits in this step for requests %s: their tokens are garbage (NaN weights?)",
+                        [s.seq.group[0].seq_id for s, nan in zip(out.scheduled, result.nan_rows) if nan][:8])
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         offset = 0  # of the sequence's first token in the step's flat batch
         for row, (s, token) in enumerate(zip(out.scheduled, result.tokens)):

@@ -5,8 +5,10 @@ they share (`generate_iter`, `generate`).
 Callers (the HTTP server's AsyncEngine, the batch CLI, the run summary) take
 an `Engine` and use nothing else: request ids are the engine's own (a router
 hands out global ones), `step()` returns finished `Sequence`s whose
-`group[0].seq_id` is the request id `add_request` returned, and `snapshot()`
-is the one look at gauges and counters.
+`group[0].seq_id` is the request id `add_request` returned (every request
+once, whether it ran to the end, failed, or was aborted: `abort` ends a
+request now and the next `step()` returns it with finish_reason "abort"), and
+`snapshot()` is the one look at gauges and counters.
 """
 
 from __future__ import annotations
@@ -122,4 +124,6 @@ def generate_iter(engine: Engine, prompts: Prompts, sampling_params: PerPrompt =
                         bar.update(1)
                         yield engine.request_output(seq.group[0], index[rid])
     finally:
-        engine.abort(pending)  # closed early, or an exception: nothing stays queued
+        # Closed early, or an exception: nothing stays queued.  The aborted requests
+        # are returned by the engine's next step() (any later loop skips them).
+        engine.abort(pending)

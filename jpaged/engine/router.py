@@ -104,11 +104,11 @@ class DataParallelLLM:
         return replica.get_sequence(request_id) if replica is not None else None
 
     def abort(self, request_ids: Iterable[int]) -> None:
+        """LLM.abort on each request's replica: the next step() returns them once."""
         for rid in request_ids:
             replica = self._replica(rid)
             if replica is not None:
                 replica.abort([rid])
-                del self._requests[rid]
 
     def finish_sample(self, request_id: int, index: int, reason: str = "stop") -> None:
         replica = self._replica(request_id)

@@ -23,7 +23,7 @@ from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weight
 from jpaged.models import build_model
 from jpaged.models.base import split_model
 from jpaged.runtime.distributed import broadcast_step
-from jpaged.runtime.kv_pool import num_blocks_for
+from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for
 from jpaged.runtime.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
                                      tensor_parallel_size)
 
@@ -114,11 +114,16 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
 
 def size_pool(cfg: ml_collections.ConfigDict, model: LoadedModel, kv_dtype: jnp.dtype, num_shards: int) -> int:
     """The KV pool's block count: cfg.num_blocks, or what kv_memory_fraction of the
-    free device memory holds; in a multi-process run, process 0's count for all."""
+    free device memory holds; in a multi-process run, process 0's count for all.
+    Every memory setting is checked here, after the weights are on the devices
+    and before the pool (or the host swap space) is allocated: ConfigError when
+    num_blocks, kv_memory_fraction or swap_space_gb does not fit this machine."""
     num_blocks = num_blocks_for(
         model.model_config, block_size=cfg.block_size, dtype=kv_dtype, num_blocks=cfg.num_blocks,
         kv_memory_fraction=cfg.kv_memory_fraction, weight_bytes=model.weight_bytes,
         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_shards=num_shards)
+    if cfg.preemption_mode == "swap":  # host memory, checked before anything is allocated
+        check_swap_space(cfg.swap_space_gb, num_blocks * bytes_per_block(model.model_config, cfg.block_size, kv_dtype))
     if jax.process_count() > 1:  # free memory differs by host
         num_blocks = int(broadcast_step(num_blocks))
         if cfg.preemption_mode == "swap":

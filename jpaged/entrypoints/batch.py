@@ -14,11 +14,17 @@ stop_token_ids, n (parallel samples), ignore_eos, cache_salt (prefix-cache
 namespace: no KV reuse across salts), logprobs and prompt_logprobs.
 
 Nothing is lost to bad input or an interruption: the config and every request
-line are checked before the model loads (a bad config exits 2 with one line; a
+line are checked before the model loads (a bad config, or a --prompts /
+--output / --summary_json that is not a regular file, exits 2 with one line; a
 bad request line becomes that line's error result), each result is written and
-flushed to --output as it finishes, SIGINT/SIGTERM stop the batch after the
-current step and keep what finished, and --resume skips the requests already in
---output.
+flushed to --output as it finishes, a result the terminal cannot show is
+echoed with escapes (a failure to print is said on stderr, and the run goes
+on), a failed write (a full disk) stops the run with one line saying how many
+results were written (exit 1), SIGINT/SIGTERM stop the batch after the current
+step and keep what finished, and --resume skips the requests already in
+--output.  Memory settings (num_blocks, kv_memory_fraction, swap_space_gb) are
+checked against this machine once the weights are loaded, before the KV pool
+is allocated.
 
 Multi-host (JAX's distributed runtime): start the same command on every host with
 --num_processes, --process_id and --coordinator_address (host:port of process 0),
@@ -34,6 +40,7 @@ import importlib.resources
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -83,6 +90,72 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
     }
     cli.register_key_flags([config, *holders.values()])
     return config, holders
+
+
+# ------------------------------------------------------------------ files
+PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")  # their "files" are the kernel's, not data
+
+
+def check_regular_file(flag: str, path: str | None) -> None:
+    """UsageError unless `path` is missing (to be created, or reported by the read)
+    or a regular file outside /proc, /sys and /dev: a FIFO would block the open,
+    /dev/zero never ends, /proc/version is the kernel's.  Checked before any
+    file is opened and before the model loads."""
+    if path is None:
+        return
+    try:
+        mode = os.stat(path).st_mode
+        real = os.path.realpath(path)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag}: cannot use {path}: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISDIR(mode):
+        kind = "a directory"
+    elif stat.S_ISFIFO(mode):
+        kind = "a FIFO (named pipe)"
+    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        kind = "a device"
+    elif stat.S_ISSOCK(mode):
+        kind = "a socket"
+    elif not stat.S_ISREG(mode):
+        kind = "not a regular file"
+    elif any(real == d or real.startswith(d + "/") for d in PSEUDO_FILESYSTEMS):
+        kind = f"a file of the kernel's {real.split('/')[1]} filesystem"
+    else:
+        return
+    raise UsageError(f"{flag}: {printable(path)} is {kind}; a regular file is needed")
+
+
+class OutputFailed(Exception):
+    """--output could not be written (a full disk, say): one line, exit status 1."""
+
+
+class ResultWriter:
+    """--output: one JSON line per result, flushed as it is written; counts them.
+    A failed write raises OutputFailed saying how many results are safe on disk."""
+
+    def __init__(self, f: TextIO | None, path: str | None):
+        self.f, self.path, self.written = f, path, 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.f is None:
+            return
+        try:
+            write_result(self.f, record)
+        except OSError as e:
+            n = self.written
+            raise OutputFailed(f"--output: cannot write {self.path}: {e.strerror or e}; {n} result"
+                               f"{'' if n == 1 else 's'} of this run written there (free space, then rerun "
+                               "with --resume to finish the rest)") from None
+        self.written += 1
+
+    def close(self) -> None:
+        if self.f is not None:
+            try:
+                self.f.close()
+            except OSError:  # the unflushed tail of a failed write: OutputFailed said so
+                pass
 
 
 # ------------------------------------------------------------------ output
@@ -135,7 +208,12 @@ def _finished_indices(path: str) -> set[int]:
 
 def write_result(f: TextIO | None, record: dict[str, Any]) -> None:
     if f is not None:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        line = json.dumps(record, ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from a prompt's "\\ud800"): JSON escapes it
+            line = json.dumps(record)
+        f.write(line + "\n")
         f.flush()  # on disk (in the OS) now: a kill later loses nothing written
 
 
@@ -165,16 +243,42 @@ def read_requests(path: str | None, llm_defaults: Any) -> list[ParsedRequest]:
         raise UsageError(f"--prompts: cannot read {path}: {e.strerror}") from None
 
 
+def echo(text: str, file: TextIO | None = None) -> None:
+    """print(), with control characters escaped (neither a prompt nor an answer may
+    move the cursor or recolour the terminal) and what the terminal's encoding
+    cannot show (a lone surrogate, or any non-ASCII on an ASCII terminal) written
+    as a backslash escape rather than raising."""
+    file = sys.stdout if file is None else file
+    encoding = getattr(file, "encoding", None) or "utf-8"
+    try:
+        text = printable(text).encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:  # an encoding Python does not know
+        text = ascii(printable(text))[1:-1]
+    print(text, file=file)
+
+
 def print_result(index: int, request: ParsedRequest, out: Any = None) -> None:
-    """Echoes a request and its answer with control characters escaped: neither
-    may move the cursor or recolour the terminal."""
+    """Echoes a request and its answer (see `echo`)."""
     if out is None:
-        print(f"\n--- line {index + 1} [error]\n>>> ERROR: {printable(request.error or '')}")
+        echo(f"\n--- line {index + 1} [error]\n>>> ERROR: {request.error or ''}")
         return
-    print(f"\n--- line {index + 1} [{out.finish_reason}, {len(out.token_ids)} tokens, "
-          f"TTFT {out.ttft_ms or 0:.0f} ms, latency {out.latency_ms or 0:.0f} ms]")
-    print(printable(request.text))
-    print(">>> " + printable(out.text if out.error is None else f"ERROR: {out.error}"))
+    echo(f"\n--- line {index + 1} [{out.finish_reason}, {len(out.token_ids)} tokens, "
+         f"TTFT {out.ttft_ms or 0:.0f} ms, latency {out.latency_ms or 0:.0f} ms]")
+    echo(request.text)
+    echo(">>> " + (out.text if out.error is None else f"ERROR: {out.error}"))
+
+
+def report_result(index: int, request: ParsedRequest, out: Any = None) -> None:
+    """print_result; a failure to print (a closed or broken terminal) is that line's
+    problem alone, said on stderr: the result is already in --output."""
+    try:
+        print_result(index, request, out)
+    except (OSError, ValueError) as e:
+        try:
+            print(f"error: line {index + 1}: its result could not be printed: {type(e).__name__}: "
+                  f"{ascii(str(e))[1:-1]}", file=sys.stderr)
+        except (OSError, ValueError):
+            pass
 
 
 # -------------------------------------------------------------------- main
@@ -204,17 +308,31 @@ def run(config_file: Any, args: Args = Args()) -> int:
     validate_config(config)
     if process_id(args) != 0:
         return follow(config, args)
+    for flag, path in (("--prompts", args.prompts), ("--output", args.output), ("--summary_json", args.summary_json)):
+        check_regular_file(flag, path)
     requests = read_requests(args.prompts, default_sampling_params(config))
     out_file, done = open_output(args.output, args.prompts, args.resume)
+    writer = ResultWriter(out_file, args.output)
+    try:
+        return _run(config, args, requests, writer, done, t_start)
+    except OutputFailed as e:  # every result written before it is whole on disk
+        echo(f"error: {e}", sys.stderr)
+        return 1
+    finally:
+        writer.close()
+
+
+def _run(config: Any, args: Args, requests: list[ParsedRequest], writer: ResultWriter, done: set[int],
+         t_start: float) -> int:
     summary_file = open_summary(args.summary_json)
     stopper = StopOnSignal()  # from here on a signal stops the batch cleanly, even mid-load
     todo = [r for r in requests if r.index not in done]
     for r in todo:
         for w in r.warnings:
-            print(f"warning: {printable(w)}", file=sys.stderr)
+            echo(f"warning: {w}", sys.stderr)
         if r.error:
-            print(f"error: {printable(r.error)}", file=sys.stderr)
-            write_result(out_file, error_record(r))
+            echo(f"error: {r.error}", sys.stderr)
+            writer.write(error_record(r))
     good = [r for r in todo if not r.error]
     if done:
         print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {args.output}")
@@ -243,14 +361,16 @@ def run(config_file: Any, args: Args = Args()) -> int:
         print(f"precompiled {n} step buckets {llm.token_buckets} in {time.perf_counter() - t0:.1f} s")
 
     try:
-        return run_batch(llm, config, good, out_file, summary_file, stopper, len(todo), t_start, args.output)
+        return run_batch(llm, config, good, writer, summary_file, stopper, len(todo), t_start, args.output)
     finally:
         llm.close()  # a multi-process run: the other processes stop following
 
 
-def run_batch(llm: Any, config: Any, good: list[ParsedRequest], out_file: TextIO | None,
+def run_batch(llm: Any, config: Any, good: list[ParsedRequest], writer: ResultWriter,
               summary_file: TextIO | None, stopper: StopOnSignal, num_todo: int, t_start: float,
               output: str | None = None) -> int:
+    """Runs the good requests, writing and echoing each result as it finishes;
+    OutputFailed when --output cannot be written (the rest are aborted)."""
     from jpaged.core.progress import EngineStalled
     from jpaged.entrypoints.metrics import format_summary, summarize
     outputs = []
@@ -261,15 +381,14 @@ def run_batch(llm: Any, config: Any, good: list[ParsedRequest], out_file: TextIO
         for out in stream:
             request = good[out.index]
             outputs.append(out)
-            write_result(out_file, {**out.to_json(), "index": request.index, "warnings": request.warnings})
-            print_result(request.index, request, out)
+            writer.write({**out.to_json(), "index": request.index, "warnings": request.warnings})
+            report_result(request.index, request, out)
     except EngineStalled as e:  # every result that finished is already on disk
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         stream.close()
-        if out_file is not None:
-            out_file.close()
+        writer.close()
     wall = time.perf_counter() - t0
     if stopper.signum is not None:
         name = signal.Signals(stopper.signum).name

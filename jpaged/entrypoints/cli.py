@@ -29,7 +29,13 @@ class UsageError(Exception):
 
 
 def exit_usage(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
+    line = f"error: {message}"
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    try:  # a path from argv may hold undecodable bytes (surrogate escapes): escaped, never raised
+        line = line.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:
+        line = ascii(line)[1:-1]
+    print(line, file=sys.stderr)
     sys.exit(2)
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.core.config import ConfigError
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
 
@@ -39,9 +40,11 @@ def free_device_memory(weight_bytes: int) -> int:
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes))
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return int(info["MemAvailable"])
+    available = available_host_memory()
+    if available is None:
+        raise RuntimeError("cannot tell the memory available for the KV pool (no /proc/meminfo): "
+                           "set num_blocks")
+    return available
 
 
 def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_blocks: int,
@@ -49,16 +52,61 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
                    max_model_len: int, num_shards: int = 1) -> int:
     """Pool size: explicit `num_blocks`, else a fraction of the memory left after the
     weights, capped at what max_num_seqs sequences of max_model_len can ever use.
+    ConfigError when an explicit num_blocks does not fit in that memory, or the
+    fraction holds fewer than 2 blocks (checked before the pool is allocated).
     With the pool split over num_shards devices, each holds 1/num_shards of a
     block (weight_bytes: one device's share)."""
+    block_bytes = bytes_per_block(cfg, block_size, dtype)
+    platform = jax.devices()[0].platform
+    free = free_device_memory(weight_bytes)
+    # What one memory holds of each block: CPU "devices" share one memory (no per-device budget).
+    share = block_bytes if platform == "cpu" else cdiv(block_bytes, num_shards)
+    where = "available system memory" if platform == "cpu" else f"free {platform} memory per device"
     if num_blocks > 0:
+        if num_blocks * share > free:
+            raise ConfigError("num_blocks", f"{num_blocks} KV blocks of {_mib(share)} need "
+                              f"{_mib(num_blocks * share)}, more than the {_mib(free)} of {where} "
+                              "after the weights", f"at most {max(free // share, 0)}, or 0 to size the pool "
+                              "from kv_memory_fraction")
         return num_blocks
-    budget = int(free_device_memory(weight_bytes) * kv_memory_fraction)
-    if jax.devices()[0].platform != "cpu":  # CPU "devices" share one memory: no per-device budget
-        budget *= num_shards
-    by_budget = budget // bytes_per_block(cfg, block_size, dtype)
+    by_budget = int(free * kv_memory_fraction) // share
+    if by_budget < 2:
+        raise ConfigError("kv_memory_fraction", f"{kv_memory_fraction:g} of the {_mib(free)} of {where} "
+                          f"after the weights holds {by_budget} KV blocks of {_mib(share)}",
+                          "a fraction that holds at least 2 blocks, or an explicit num_blocks")
     useful = max_num_seqs * cdiv(max_model_len, block_size) + 1
-    return int(max(2, min(by_budget, useful)))
+    return int(min(by_budget, useful))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def check_swap_space(swap_space_gb: float, pool_bytes: int) -> None:
+    """ConfigError when swap_space_gb of host memory (swap mode) is more than this
+    machine has available now; on the CPU the KV pool (pool_bytes, not allocated
+    yet) comes out of the same memory."""
+    need = int(swap_space_gb * 2**30)
+    available = available_host_memory()
+    if available is None or need == 0:
+        return
+    if jax.devices()[0].platform == "cpu":
+        available -= pool_bytes
+    if need > available:
+        raise ConfigError("swap_space_gb", f"{swap_space_gb:g} GiB of host swap space is more than the "
+                          f"{_mib(max(available, 0))} of memory available" + (" besides the KV pool"
+                          if jax.devices()[0].platform == "cpu" else ""),
+                          f"at most {max(available, 0) / 2**30:.1f}, or preemption_mode recompute")
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return int(info["MemAvailable"])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,

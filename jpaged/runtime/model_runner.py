@@ -245,6 +245,8 @@ class ModelRunner:
         result = jax.device_get(pending.outputs)
         self.timing.forward = time.perf_counter() - pending.start
         result.tokens = result.tokens[:pending.num_seqs]
+        if result.nan_rows is not None:
+            result.nan_rows = result.nan_rows[:pending.num_seqs]
         return result
 
     def _swap(self, out: SchedulerOutput) -> None:

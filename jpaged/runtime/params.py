@@ -4,6 +4,8 @@ matches what the compiled step programs were built for, so nothing recompiles.""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -26,3 +28,28 @@ def check_same_structure(old: nnx.State, new: nnx.State) -> None:
             raise ValueError(f"params{name} is {b.dtype}{list(b.shape)}, expected {a.dtype}{list(a.shape)}")
         if a.sharding != b.sharding:
             raise ValueError(f"params{name} has sharding {b.sharding}, expected {a.sharding}")
+
+
+class NonFiniteParamsError(ValueError):
+    """Weights handed to the engine hold NaN or Inf (LLM.update_params(check_finite=True))."""
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    """One bool per array: every element finite (integer arrays always are)."""
+    return jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+                      for x in leaves])
+
+
+def check_finite_params(params: nnx.State) -> None:
+    """NonFiniteParamsError naming the first array with a NaN or Inf: one jitted
+    reduction over every array (compiled once per tree structure), one bool
+    vector back to the host."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not paths:
+        return
+    ok = np.asarray(jax.device_get(_all_finite([x for _, x in paths])))
+    if not ok.all():
+        bad = [jax.tree_util.keystr(k) for (k, _), good in zip(paths, ok) if not good]
+        raise NonFiniteParamsError(f"params{bad[0]} holds NaN or Inf ({len(bad)} of {len(paths)} arrays do); "
+                                   "pass check_finite=False to load them anyway")

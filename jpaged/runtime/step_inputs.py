@@ -93,9 +93,10 @@ class StepResult:
     tokens: np.ndarray | jax.Array
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    nan_rows: np.ndarray | jax.Array | None = None  # [S] bool: the row's logits hold a NaN
 
 
-jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs"],
+jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs", "nan_rows"],
                                  meta_fields=[])
 
 
