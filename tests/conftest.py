@@ -18,17 +18,19 @@ import pytest
 # the first device as before.
 jax.config.update("jax_num_cpu_devices", 4)
 
-from helpers import SMOLLM_ENGINE, TINY_ENGINE, import_torch, with_tokenizer
+from helpers import MIN_COMPILE_SECONDS, SMOLLM_ENGINE, TINY_ENGINE, import_torch, with_tokenizer
 from jpaged.loading.weight_cache import default_cache_dir
 
 # The suite is an entry point, like the CLI: engines of the same shapes in
 # different modules (and later runs) reuse compiled steps.
 jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "xla"))
-# Every program, however quick to compile: the suite builds many engines of the
-# same shapes (make_tiny_llm in most modules), and the tiny model's step programs
-# (well under JAX's default 1 s threshold) would otherwise compile again for
-# each one; from the cache a repeat costs its tracing only (~0.3 s, not ~2 s).
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+# Programs that take over 0.1 s to compile, not only JAX's default of over 1 s:
+# the suite builds many engines of the same shapes (make_tiny_llm in most
+# modules), and the tiny model's step programs (under 1 s each) would otherwise
+# compile again for each one; from the cache a repeat costs its tracing only
+# (~0.3 s, not ~2 s).  Eager single ops (a few ms each) stay out: writing them
+# costs more than it saves.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
 
 # Tiny models: 2 layers, GQA (4 query heads over 2 KV heads), vocabulary 256.
 TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
