@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from helpers import cached_compiles_env
 from jpaged.core.sequence import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,8 +30,10 @@ GOOD_LINES = {0: 0, 2: 1, 7: 2, 8: 3}  # line index -> REQUESTS index
 BAD_LINES = {1: "not valid JSON", 3: "JSON object", 4: "temperature", 6: "UTF-8"}
 FIELDS = {"index", "prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error", "ttft_ms",
           "latency_ms"}
-SMALL = ["--config.max_tokens=8", "--config.max_model_len=256", "--config.num_blocks=48",
-         "--config.max_num_seqs=4", "--config.attention_impl=reference"]
+# The shapes of the suite's SmolLM2 engine (helpers.SMOLLM_ENGINE): the CLI's step
+# programs come from the suite's compilation cache instead of compiling a second set.
+SMALL = ["--config.max_tokens=8", "--config.max_model_len=256", "--config.num_blocks=96",
+         "--config.max_num_seqs=8", "--config.max_num_batched_tokens=256", "--config.attention_impl=reference"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def served(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
          *SMALL, f"--prompts={prompts}", f"--output={output}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400)
+        cwd=ROOT, capture_output=True, text=True, timeout=400, env=cached_compiles_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in output.read_text().splitlines()]
     by_index = {r["index"]: r for r in records}
@@ -111,7 +114,7 @@ def test_summary_table_printed(served):
                 "peak KV blocks in use", "compilations"):
         assert row in out, f"summary row {row!r} missing"
     assert re.search(r"requests \(errors\)\s+8 \(4\)", out)
-    assert "KV pool: 48 blocks x 16 tokens" in out
+    assert "KV pool: 96 blocks x 16 tokens" in out
 
 
 def test_serve_never_imports_torch(served):
@@ -131,14 +134,16 @@ def test_runtime_never_imports_torch():
         "import sys\n"
         "from jpaged.engine.llm import LLM\n"
         "from jpaged.core.sequence import SamplingParams\n"
-        "llm = LLM(max_model_len=64, num_blocks=12, max_num_seqs=2, attention_impl='reference')\n"
+        "llm = LLM(max_model_len=256, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=256,\n"
+        "          attention_impl='reference')  # the suite's SmolLM2 shapes: compiled steps cached\n"
         "out = llm.generate([{'prompt': 'Hi'}, [1, 2, 3]], SamplingParams(max_tokens=3))\n"
         "assert all(o.token_ids and o.error is None for o in out), out\n"
         f"heavy = {HEAVY!r}\n"
         "print('HEAVY_MODULES', sorted(m for m in sys.modules if m.split('.')[0] in heavy\n"
         "                              or m in ('harness', 'jpaged.bench')))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=cached_compiles_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "HEAVY_MODULES []" in proc.stdout, proc.stdout
 

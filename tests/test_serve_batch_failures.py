@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from helpers import cached_compiles_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CMD = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
        "--config.max_model_len=256", "--config.num_blocks=48", "--config.attention_impl=reference"]
@@ -59,7 +61,8 @@ def test_killed_batch_keeps_finished_lines_and_resume_completes_it(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": f"Count from 1 to {10 + i}.", "max_tokens": 12 + 2 * i,
                                            "ignore_eos": True}) + "\n" for i in range(n)))
     args = [*CMD, "--config.max_num_seqs=2", f"--prompts={prompts}", f"--output={output}"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cached_compiles_env())
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if output.exists() and output.read_text().count("\n") >= 2:
@@ -76,7 +79,8 @@ def test_killed_batch_keeps_finished_lines_and_resume_completes_it(tmp_path):
     kept = output.read_text()
     with open(output, "a") as f:
         f.write('{"index": 9, "text": "torn by a ki')  # a line cut off mid-write
-    resumed = subprocess.run([*args, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run([*args, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=cached_compiles_env())
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"{len(first)} of {n} requests already in" in resumed.stdout
     assert output.read_text().startswith(kept)  # what finished before is untouched
