@@ -37,7 +37,7 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
 def free_device_memory(weight_bytes: int) -> int:
     """Bytes left for the KV pool after the weights: device stats on GPU/TPU,
     available system memory on the CPU (where weights were already loaded)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # another process's devices have none
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes))
     available = available_host_memory()
@@ -57,7 +57,7 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
     With the pool split over num_shards devices, each holds 1/num_shards of a
     block (weight_bytes: one device's share)."""
     block_bytes = bytes_per_block(cfg, block_size, dtype)
-    platform = jax.devices()[0].platform
+    platform = jax.local_devices()[0].platform
     free = free_device_memory(weight_bytes)
     # What one memory holds of each block: CPU "devices" share one memory (no per-device budget).
     share = block_bytes if platform == "cpu" else cdiv(block_bytes, num_shards)
