@@ -90,3 +90,9 @@ bench-cpu-attention: $(STAMP)
 .PHONY: soak
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py $(ARGS)
+
+# One live `jpaged serve`, 200 concurrent mixed HTTP requests (good greedy-exact, bad, disconnecting,
+# slow), /health polled every 100 ms, idle metrics and flat RSS after (benchmarks/results/soak_http.{csv,md}).
+.PHONY: soak-http
+soak-http: $(STAMP)
+	$(PY) benchmarks/soak_http.py $(ARGS)
