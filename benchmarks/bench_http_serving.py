@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 import numpy as np
@@ -55,49 +50,16 @@ COLUMNS = ["server", "rate", "requests", "errors", "duration_s", "req_per_s", "o
 
 
 # ----------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess on 127.0.0.1, its output in a log file."""
+class Server(B.ServerProcess):
+    """A server subprocess on 127.0.0.1 serving `model`, its output in log_dir/<name>.log."""
 
     def __init__(self, name: str, cmd: list[str], port: int, model: str, log_dir: pathlib.Path):
-        self.name, self.port, self.model = name, port, model
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": str(B.REPO)}
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=B.REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float) -> float:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: see {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - t0
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy in {timeout:.0f} s: see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        super().__init__(name, cmd, port, log_dir / f"{name}.log")
+        self.model = model
 
 
 def start_jpaged(log_dir: pathlib.Path) -> Server:
-    port = free_port()
+    port = B.free_port()
     cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port", str(port),
            "--precompile", "--noaccess_log", f"--config.max_num_seqs={_MAX_RUNNING.value}",
            f"--config.max_tokens={_MAX_TOKENS.value}", "--config.max_queued_requests=100000"]
@@ -122,7 +84,7 @@ def write_hf_checkpoint(path: pathlib.Path) -> None:
 def start_transformers(log_dir: pathlib.Path) -> Server:
     ckpt = log_dir / "hf_checkpoint"
     write_hf_checkpoint(ckpt)
-    port = free_port()
+    port = B.free_port()
     exe = pathlib.Path(sys.executable).with_name("transformers")
     cmd = [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
            "--host", "127.0.0.1", "--port", str(port), "--cb-block-size", "16", "--cb-num-blocks", "1024",

@@ -17,7 +17,11 @@ import os
 import pathlib
 import platform
 import resource
+import signal
+import socket
+import subprocess
 import time
+import urllib.request
 from typing import Any, Sequence
 
 import numpy as np
@@ -447,3 +451,49 @@ def hf_continuous(model: Any, llm: Any, prompt_ids: list[list[int]], max_new_tok
     if len(outs) != len(prompt_ids):
         raise RuntimeError(f"generate_batch returned {len(outs)} of {len(prompt_ids)} requests")
     return outs, wall
+
+
+# ------------------------------------------------------------ server processes
+def free_port() -> int:
+    """A free TCP port on the loopback address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """An HTTP server subprocess on 127.0.0.1 (`cmd`, run from the repository),
+    its output in `log`."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: pathlib.Path):
+        self.name, self.cmd, self.port, self.log = name, cmd, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float) -> float:
+        """Seconds until GET /health answered 200; RuntimeError if it exits or times out."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy in {timeout:.0f} s: see {self.log}")
+
+    def stop(self) -> int | None:
+        """SIGTERM (the server drains), then kill after 60 s; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        return self.proc.returncode

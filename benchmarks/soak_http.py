@@ -47,9 +47,7 @@ import os
 import pathlib
 import random
 import re
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -88,12 +86,6 @@ CHAT_PROMPTS = ["What is the capital of Japan?", "Name three animals that live i
 
 
 # ------------------------------------------------------------------ server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def vm_rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -102,45 +94,20 @@ def vm_rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-class Server:
-    def __init__(self, log: pathlib.Path):
-        self.port = free_port()
-        self.log = log
-        cmd = [sys.executable, "scripts/serve.py", "--config", _CONFIG.value, "--host", HOST,
-               "--port", str(self.port), "--precompile", "--noaccess_log",
-               f"--config.max_num_seqs={_MAX_NUM_SEQS.value}", "--config.max_queued_requests=1000",
-               f"--max_prompt_bytes={_PROMPT_CAP.value}", f"--max_request_body_bytes={_BODY_CAP.value}",
-               f"--body_timeout_seconds={_BODY_TIMEOUT.value:g}", *_EXTRA.value]
-        self.cmd = cmd
-        env = {**os.environ, "PYTHONPATH": str(B.REPO)}
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=B.REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+class Server(B.ServerProcess):
+    """The jpaged server under soak."""
 
-    def wait_healthy(self, timeout: float) -> float:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: see {self.log}")
-            try:
-                if get_sync(self.port, "/health", 5)[0] == 200:
-                    return time.perf_counter() - t0
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not healthy in {timeout:.0f} s: see {self.log}")
+    def __init__(self, log: pathlib.Path):
+        port = B.free_port()
+        super().__init__("server", [
+            sys.executable, "scripts/serve.py", "--config", _CONFIG.value, "--host", HOST,
+            "--port", str(port), "--precompile", "--noaccess_log",
+            f"--config.max_num_seqs={_MAX_NUM_SEQS.value}", "--config.max_queued_requests=1000",
+            f"--max_prompt_bytes={_PROMPT_CAP.value}", f"--max_request_body_bytes={_BODY_CAP.value}",
+            f"--body_timeout_seconds={_BODY_TIMEOUT.value:g}", *_EXTRA.value], port, log)
 
     def rss(self) -> float:
         return vm_rss_mb(self.proc.pid)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return self.proc.returncode
 
 
 def get_sync(port: int, path: str, timeout: float) -> tuple[int, bytes]:
