@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import TINY_ENGINE
+from helpers import TINY_ENGINE, free_port
 from jpaged.engine.llm import LLM
 from jpaged.core.sequence import SamplingParams
 
@@ -22,11 +21,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = ["hello there", "paged attention splits the cache into blocks", "a", "four devices, two hosts"]
 MAX_TOKENS = 12
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_tp4_match_one_device(tiny_llama_tok_dir, tmp_path):

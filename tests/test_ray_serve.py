@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import TINY_ENGINE  # noqa: E402
+from helpers import TINY_ENGINE, free_port  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints.ray_serve import REPLICA_HEADER, deployment, replica_metrics  # noqa: E402
 
@@ -30,11 +29,6 @@ PROMPTS = ["The quick brown fox", "jumps over", "the lazy dog.", "Paged attentio
 LLM_D_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> tuple[int, dict, dict]:

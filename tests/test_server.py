@@ -12,7 +12,6 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from helpers import free_port, parse_metrics  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -39,11 +39,6 @@ PROMPTS = [f"Question {i}: name a fruit that is {c}." for i, c in enumerate(
     ["red", "yellow", "green", "orange", "purple", "blue", "brown", "pink",
      "sweet", "sour", "small", "big", "round", "long", "soft", "hard"])]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: bytes | None = None, timeout: float = 30) -> tuple[int, dict, str]:
@@ -89,12 +84,7 @@ class Server:
         """{sample name with labels: value} of /metrics, parsed by prometheus_client."""
         status, _, text = http("GET", self.url + "/metrics")
         assert status == 200
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-        return out
+        return parse_metrics(text)
 
     def client(self) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_SECONDS,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -17,9 +16,8 @@ import urllib.request
 import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import TINY_ENGINE, random_prompts  # noqa: E402
+from helpers import TINY_ENGINE, free_port, parse_metrics, random_prompts  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.engine.router import DataParallelLLM, create_engine  # noqa: E402
 from jpaged.entrypoints.server import create_app  # noqa: E402
@@ -28,11 +26,6 @@ PROMPTS = random_prompts([5, 17, 40, 3, 29, 11], seed=11)
 MAX_TOKENS = 12
 SECONDS = 120  # every wait has a deadline
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: dict | None = None) -> tuple[int, str]:
@@ -48,12 +41,7 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, str]:
 def metrics(url: str) -> dict[str, float]:
     status, text = http("GET", url + "/metrics")
     assert status == 200
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
+    return parse_metrics(text)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from helpers import TINY_ENGINE, random_prompts  # noqa: E402
+from helpers import TINY_ENGINE, free_port, random_prompts  # noqa: E402
 from jpaged.entrypoints import serve  # noqa: E402
 from jpaged.entrypoints.server import (DrainingServer, RequestGuard, ServerOptions, create_app,  # noqa: E402
                                        uvicorn_config)
@@ -30,11 +30,6 @@ MAX_QUEUED = 8
 SECONDS = 60  # any one wait
 OPTIONS = ServerOptions(api_key=KEY, body_timeout_seconds=2.0, header_timeout_seconds=1.0)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
