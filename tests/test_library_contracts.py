@@ -112,3 +112,21 @@ def test_memory_settings_are_checked_before_the_pool_is_allocated(make_tiny_llm,
     monkeypatch.setattr(kv_pool, "available_host_memory", lambda: 2**30)
     with pytest.raises(ConfigError, match="^swap_space_gb: 2 GiB of host swap space is more than"):
         make_tiny_llm(preemption_mode="swap", swap_space_gb=2.0)
+
+
+def test_explicit_memory_settings_are_checked_before_any_weight_is_read(make_tiny_llm, monkeypatch):
+    """From the model's metadata alone: a huge num_blocks or swap space fails in one
+    line before loading (seconds, not the load's minutes on a big model)."""
+    from jpaged.engine import setup
+    from jpaged.runtime import kv_pool
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were read before the memory settings were checked")
+    monkeypatch.setattr(setup, "load_weights", no_loading)
+    with pytest.raises(ConfigError, match="^num_blocks: 2147483647 KV blocks of .* more than the"):
+        make_tiny_llm(num_blocks=2**31 - 1)
+    monkeypatch.setattr(kv_pool, "available_host_memory", lambda: 2**30)
+    with pytest.raises(ConfigError, match="^swap_space_gb: 2 GiB of host swap space is more than"):
+        make_tiny_llm(preemption_mode="swap", swap_space_gb=2.0)
+    with pytest.raises(AssertionError, match="weights were read"):  # settings that fit go on to load
+        make_tiny_llm(num_blocks=16)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import pathlib
 from typing import Any
 
@@ -19,8 +20,8 @@ from flax import nnx
 import pallas_kernels
 from jpaged.core.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, ConfigError
 from jpaged.core.model_config import ModelConfig
-from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weights
-from jpaged.models import build_model
+from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weights, read_model_config
+from jpaged.models import build_model, weight_shapes
 from jpaged.models.base import split_model
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for
@@ -98,6 +99,7 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     """Loads cfg.model, builds its Flax module and places the weights on `mesh`."""
     if cfg.compilation_cache:
         use_compilation_cache(pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla")
+    check_memory_before_loading(cfg, tensor_parallel_size(mesh))
     loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
                           cache_dir=cfg.cache_dir or None)
     tp = tensor_parallel_size(mesh)
@@ -110,6 +112,24 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     weight_bytes = sum(a.nbytes for a in arrays.values()) // tp
     loaded.arrays = {}  # the device copy in params is the one we keep
     return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes)
+
+
+def check_memory_before_loading(cfg: ml_collections.ConfigDict, num_shards: int) -> None:
+    """ConfigError, before any weight is read, when an explicit num_blocks or the
+    swap space cannot fit beside the weights (both sized from the model's
+    metadata).  size_pool checks again, exactly, once the weights are in place."""
+    if cfg.num_blocks <= 0 and cfg.preemption_mode != "swap":
+        return  # a pool sized from kv_memory_fraction is checked by size_pool
+    model_config = read_model_config(cfg.model, cfg.load_format)
+    dtype = jnp.dtype(cfg.dtype)
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+    weight_bytes = sum(math.prod(s) for s in weight_shapes(model_config).values()) * dtype.itemsize // num_shards
+    num_blocks = num_blocks_for(
+        model_config, block_size=cfg.block_size, dtype=kv_dtype, num_blocks=cfg.num_blocks,
+        kv_memory_fraction=cfg.kv_memory_fraction, weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len, num_shards=num_shards, weights_loaded=False)
+    if cfg.preemption_mode == "swap":
+        check_swap_space(cfg.swap_space_gb, num_blocks * bytes_per_block(model_config, cfg.block_size, kv_dtype))
 
 
 def size_pool(cfg: ml_collections.ConfigDict, model: LoadedModel, kv_dtype: jnp.dtype, num_shards: int) -> int:

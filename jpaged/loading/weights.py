@@ -80,13 +80,9 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
     layer by layer, so peak memory stays near the size of the result.
     """
     meta, tensors = read_gguf(path)
-    rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    cfg = _gguf_config(path, meta, tensors)
     arch = meta.get("general.architecture")
     fam = models.gguf_family(str(arch))
-    try:
-        cfg = fam.config_from_gguf(meta, set(tensors), rope_freqs)
-    except (KeyError, TypeError) as e:  # a GGUF, but not of a model: keys missing or of the wrong kind
-        raise ValueError(f"{path}: GGUF metadata does not describe a model ({type(e).__name__}: {e})") from None
     out_dtype = to_numpy_dtype(dtype)
     arrays = {name: np.empty(shape, out_dtype) for name, shape in fam.weight_shapes(cfg).items()}
     filled: set[tuple[str, int]] = set()
@@ -179,6 +175,25 @@ def _hf_safetensor_files(path: pathlib.Path) -> list[pathlib.Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     return files
+
+
+def _gguf_config(path: pathlib.Path, meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    fam = models.gguf_family(str(meta.get("general.architecture")))
+    try:
+        return fam.config_from_gguf(meta, set(tensors), rope_freqs)
+    except (KeyError, TypeError) as e:  # a GGUF, but not of a model: keys missing or of the wrong kind
+        raise ValueError(f"{path}: GGUF metadata does not describe a model ({type(e).__name__}: {e})") from None
+
+
+def read_model_config(model: str, load_format: str = "auto") -> ModelConfig:
+    """`model`'s ModelConfig from its metadata alone (the GGUF header, config.json):
+    no weights are read, so settings can be checked against it before loading."""
+    fmt, path = _resolve_format(model, load_format)
+    if fmt == "gguf":
+        return _gguf_config(path, *read_gguf(path))
+    config_file = path / "config.json" if path.is_dir() else path
+    return models.config_from_hf(json.loads(config_file.read_text()))
 
 
 def load_hf_dir(path: str | os.PathLike, dtype: Any = np.float32

@@ -34,22 +34,24 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
     return math.prod(block_shape(cfg, block_size)) * jnp.dtype(dtype).itemsize
 
 
-def free_device_memory(weight_bytes: int) -> int:
+def free_device_memory(weight_bytes: int, *, weights_loaded: bool = True) -> int:
     """Bytes left for the KV pool after the weights: device stats on GPU/TPU,
-    available system memory on the CPU (where weights were already loaded)."""
+    available system memory on the CPU; `weights_loaded` False: the weights
+    (weight_bytes) are still to come out of it."""
     stats = jax.local_devices()[0].memory_stats() or {}  # another process's devices have none
+    to_come = 0 if weights_loaded else weight_bytes
     if "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes))
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes) - to_come)
     available = available_host_memory()
     if available is None:
         raise RuntimeError("cannot tell the memory available for the KV pool (no /proc/meminfo): "
                            "set num_blocks")
-    return available
+    return available - to_come
 
 
 def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_blocks: int,
                    kv_memory_fraction: float, weight_bytes: int, max_num_seqs: int,
-                   max_model_len: int, num_shards: int = 1) -> int:
+                   max_model_len: int, num_shards: int = 1, weights_loaded: bool = True) -> int:
     """Pool size: explicit `num_blocks`, else a fraction of the memory left after the
     weights, capped at what max_num_seqs sequences of max_model_len can ever use.
     ConfigError when an explicit num_blocks does not fit in that memory, or the
@@ -58,7 +60,7 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
     block (weight_bytes: one device's share)."""
     block_bytes = bytes_per_block(cfg, block_size, dtype)
     platform = jax.local_devices()[0].platform
-    free = free_device_memory(weight_bytes)
+    free = free_device_memory(weight_bytes, weights_loaded=weights_loaded)
     # What one memory holds of each block: CPU "devices" share one memory (no per-device budget).
     share = block_bytes if platform == "cpu" else cdiv(block_bytes, num_shards)
     where = "available system memory" if platform == "cpu" else f"free {platform} memory per device"
