@@ -220,6 +220,7 @@ def test_framing_and_size_limits(served):
     # A head over 16 KiB: 400.
     reply = raw_exchange(served.port, head("/v1/completions", {"X-Big": "y" * 20_000, "Content-Length": "0"}))
     assert status_of(reply) == 400, reply[:300]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
     # A Content-Length over the cap: 413 before a byte of the body is read.
     reply = raw_exchange(served.port, head("/v1/completions", {"Content-Length": str(cap + 1)}))
     assert status_of(reply) == 413 and b"max_request_body_bytes" in reply, reply[:300]
@@ -236,6 +237,24 @@ def test_framing_and_size_limits(served):
         while b"max_request_body_bytes" not in reply and (part := s.recv(65536)):
             reply += part
     assert status_of(reply) == 413 and b"max_request_body_bytes" in reply, reply[:300]
+
+
+def test_connections_past_the_limit_get_503(served):
+    """limit_concurrency live: with that many connections open, one more request
+    gets uvicorn's 503; once they close (the header timeout cuts idle ones), 200."""
+    limit = served.server.config.limit_concurrency
+    assert limit is not None and limit < 200
+    idle = [socket.create_connection(("127.0.0.1", served.port), timeout=SECONDS) for _ in range(limit)]
+    try:
+        time.sleep(0.1)  # let the server accept them all
+        assert status_of(raw_exchange(served.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")) == 503
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + SECONDS
+    while served.request("GET", "/health", timeout=5, quiet=True)[0] != 200:
+        assert time.monotonic() < deadline, "the server did not take connections again"
+        time.sleep(0.1)
 
 
 def test_slow_bodies_and_slow_headers_are_cut(served):

@@ -46,6 +46,7 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -887,6 +888,16 @@ class GuardedH11Protocol(H11Protocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
         self._header_timer = self.loop.call_later(self.header_timeout, self._header_timeout_handler, self.cycle)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request head h11 cannot take (malformed, or over max_header_bytes):
+        the 400 in OpenAI's error shape, like every other refusal."""
+        body = json.dumps(error_body(f"invalid HTTP request: {msg}", "invalid_request_error")).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _header_timeout_handler(self, cycle: Any) -> None:
         if self.cycle is cycle and not self.transport.is_closing():  # no request has begun since
