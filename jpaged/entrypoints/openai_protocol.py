@@ -121,6 +121,14 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def _parsed(handler: Callable[[Any], Any], value: Any, refusal: str) -> Any:
+    """pydantic's parse of `value`, or Invalid("<refusal> <its JSON type>")."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise Invalid(f"{refusal} {_json_type(value)}") from None
+
+
 def _json_type(x: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
              int: "a number", float: "a number", type(None): "null"}
@@ -231,10 +239,7 @@ class _Request(BaseModel):
     @field_validator("stop", mode="wrap")
     @classmethod
     def _stop(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
-        try:
-            stop = handler(value)
-        except ValidationError:
-            raise Invalid(f"stop must be a string or a list of strings, got {_json_type(value)}") from None
+        stop = _parsed(handler, value, "stop must be a string or a list of strings, got")
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise Invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         return stop
@@ -331,10 +336,7 @@ class CompletionRequest(_OpenAIRequest):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
-        try:
-            prompt = handler(value)
-        except ValidationError:
-            raise Invalid(f"prompt must be {_PROMPT_FORMS}; got {_json_type(value)}") from None
+        prompt = _parsed(handler, value, f"prompt must be {_PROMPT_FORMS}; got")
         if not prompt:
             raise Invalid("prompt must not be empty")
         if isinstance(prompt, list) and not _is_token_ids(prompt):
@@ -411,11 +413,7 @@ class GenerateRequest(_Request):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
-        try:
-            prompt = handler(value)
-        except ValidationError:
-            raise Invalid(f"prompt must be a non-empty string or a non-empty list of token ids; "
-                          f"got {_json_type(value)}") from None
+        prompt = _parsed(handler, value, "prompt must be a non-empty string or a non-empty list of token ids; got")
         if not prompt:
             raise Invalid("prompt must not be empty")
         return prompt
