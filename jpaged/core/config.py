@@ -51,6 +51,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.max_num_seqs = 16             # sequences running at once
     c.max_num_batched_tokens = 1024 # tokens per step, decodes and prefill chunks (>= max_num_seqs)
     c.max_model_len = 2048          # prompt + generated tokens per sequence
+    # Step sizes: powers of two up to 16 tokens, then this many buckets per octave
+    # (8: no step above 16 tokens pads by more than 1/8; 1: powers of two only).
+    c.buckets_per_octave = 8
     # Oversubscription: sequences are admitted while blocks are free; when a running
     # one needs a block and none is left, the latest-arrived running sequence is
     # preempted: "recompute" drops its K/V (it prefills prompt + output again on
@@ -175,6 +178,7 @@ FIELDS: dict[str, FieldSpec] = {
     "max_num_batched_tokens": _ints(1, INT32_MAX),
     # A prompt must leave room for one generated token.
     "max_model_len": _ints(2, INT32_MAX),
+    "buckets_per_octave": _ints(1, 64),
     "preemption_mode": _choice(*PREEMPTION_MODES),
     "logprobs_mode": _choice(*LOGPROBS_MODES),
     "swap_space_gb": _reals(0, math.inf, allowed="a finite number of GiB >= 0"),

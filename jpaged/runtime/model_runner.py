@@ -42,13 +42,23 @@ from jpaged.core.swap_space import HostSwapSpace
 __all__ = ["ModelRunner", "PendingStep", "StepResult", "StepTiming", "token_buckets"]
 
 
-def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
-    """The step-size ladder: powers of two from min(8, max_num_seqs rounded up), then
-    the budget itself.  Steps of up to 8 tokens cost about the same on every
-    backend (the weights' memory traffic dominates), so they share one program."""
+def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, per_octave: int = 8) -> tuple[int, ...]:
+    """The step-size ladder, each bucket one compiled program.
+
+    Up to 16 tokens: powers of two from min(8, max_num_seqs rounded up), because a
+    step that small costs what a step of 8 costs (the weights' memory traffic
+    dominates on every backend).  Above 16 a step's cost grows with its tokens (on
+    this CPU a decode at 32-64 tokens is bound by its matmuls), so each octave
+    [2^k, 2^(k+1)) is cut into `per_octave` equal rungs: 16, 18, ..., 32, 36, ...,
+    64, 72, ... and no step above 16 tokens pads by more than 1/per_octave.  Only
+    the buckets a run's steps land on are ever built.  The budget itself closes
+    the ladder.  per_octave=1 is the plain power-of-two ladder."""
     min_tokens = min(8, next_pow2(max_num_seqs))
     top = max(max_num_batched_tokens, 1)
-    ladder = [b for b in (1 << i for i in range(top.bit_length() + 1)) if min_tokens <= b < top]
+    ladder, b = [], min_tokens
+    while b < top:
+        ladder.append(b)
+        b += b if b < 16 else max(1, (1 << (b.bit_length() - 1)) // per_octave)
     return tuple(ladder + [top])
 
 
@@ -78,14 +88,14 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
+                 buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
                  mesh: Mesh | None = None):
         self.params = params
         self.mesh = mesh
         self.block_size = block_size
         self.table_width = cdiv(max_model_len, block_size)
         self.max_num_seqs = max_num_seqs
-        self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs)
+        self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs, buckets_per_octave)
         self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype,
                                            sharding=None if mesh is None else pool_sharding(mesh))
         self.kv_pool = self._new_pool()
