@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/smollm2_135m.py
 
-.PHONY: install serve test bench-kernels kernels-sm90 clean
+.PHONY: install serve test bench-kernels kernels-sm90 device-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -33,6 +33,13 @@ bench-kernels: $(STAMP)
 # Registers / spills / shared memory of the GPU kernels compiled for sm_90 (no GPU needed).
 kernels-sm90: $(STAMP)
 	$(PY) scripts/report_triton_sm90.py $(ARGS)
+
+# A lent GPU's minutes (<= 8): environment + copy bandwidth, the GPU kernel tests,
+# a small kernel benchmark, serve_batch pallas_gpu vs reference, and 8B-shaped
+# bf16 decode at batch 1/32/128; report in benchmarks/results/device/.  On a CPU
+# (CI) it skips the GPU parts, says why, and runs the rest small (~10 s).
+device-check: $(STAMP)
+	$(PY) benchmarks/device_check.py $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache
