@@ -20,6 +20,8 @@ engine's own step: the same forward + sample over one `StepInputs` pytree
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import jax
@@ -138,16 +140,26 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
     `logprobs_mode`), over every token's logits when `inputs.prompt_targets` is
     given.  A feature that adds a field to StepInputs consumes it here.
     `StepResult.nan_rows` flags the rows whose logits hold a NaN (one reduction).
+    With `inputs.prev_rows` (asynchronous scheduling) some tokens come from the
+    previous step's `token_buffer`, and the step returns its own.
     """
+    if inputs.prev_rows is not None:  # tokens the previous step sampled, still on the device
+        prev = inputs.prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
+        inputs = dataclasses.replace(inputs, tokens=jnp.where(inputs.prev_rows >= 0, prev, inputs.tokens))
     if inputs.logprobs or inputs.prompt_targets is not None:
         tokens, logprobs, prompt, kv_pool, logits = _generate_step_with_logprobs(
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
             attention_impl=attention_impl)
-        return StepResult(tokens, logprobs, prompt, jnp.isnan(logits).any(axis=-1)), kv_pool
-    logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
-                                   attention_impl=attention_impl)
-    return StepResult(sample(logits, inputs.sampling), nan_rows=jnp.isnan(logits).any(axis=-1)), kv_pool
+        result = StepResult(tokens, logprobs, prompt, jnp.isnan(logits).any(axis=-1))
+    else:
+        logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
+                                       attention_impl=attention_impl)
+        result = StepResult(sample(logits, inputs.sampling), nan_rows=jnp.isnan(logits).any(axis=-1))
+    if inputs.prev_tokens is not None:  # the next step's prev_tokens: one fixed shape for every bucket
+        result.token_buffer = jax.lax.dynamic_update_slice(jnp.zeros_like(inputs.prev_tokens),
+                                                           result.tokens.astype(jnp.int32), (0,))
+    return result, kv_pool
 
 
 def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array

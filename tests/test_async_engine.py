@@ -125,13 +125,13 @@ def test_a_stop_string_ends_the_sample_in_the_engine(llm, expected, monkeypatch)
 
 def test_a_failure_pinned_to_one_request_fails_it_alone(llm, expected, monkeypatch):
     bad = [3, 4, 5]
-    real = llm._advance
+    real = llm._resolve
 
-    def advance(seq, *args):
-        if seq.prompt_token_ids == bad:
+    def resolve(s, *args):
+        if s.seq.prompt_token_ids == bad:
             raise RuntimeError("injected per-request failure")
-        return real(seq, *args)
-    monkeypatch.setattr(llm, "_advance", advance)
+        return real(s, *args)
+    monkeypatch.setattr(llm, "_resolve", resolve)
 
     async def scenario(engine):
         return await collect(engine.submit([(bad, GREEDY, None)] + [(p, GREEDY, None) for p in PROMPTS]))

@@ -250,11 +250,12 @@ class BlockManager:
         return handles, blocks
 
     def cache_full_blocks(self, seq) -> None:
-        """Registers the blocks of seq that are full and computed (prefill or decode)."""
+        """Registers the blocks of seq that are full and computed (prefill or decode)
+        and whose tokens are all known (not a step's PLACEHOLDER still on the device)."""
         if not self.enable_prefix_caching:
             return
         table, keys = seq.block_table.block_ids, seq.block_keys
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        num_full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(table))
         if len(keys) >= num_full:
             return
         token_ids, extra = seq.token_ids, seq.extra_keys

@@ -54,6 +54,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Step sizes: powers of two up to 16 tokens, then this many buckets per octave
     # (8: no step above 16 tokens pads by more than 1/8; 1: powers of two only).
     c.buckets_per_octave = 8
+    # The host schedules and prepares step n+1 while the device runs step n (the
+    # tokens step n samples reach step n+1 on the device); false: one after the other.
+    c.async_scheduling = True
     # Oversubscription: sequences are admitted while blocks are free; when a running
     # one needs a block and none is left, the latest-arrived running sequence is
     # preempted: "recompute" drops its K/V (it prefills prompt + output again on
@@ -179,6 +182,7 @@ FIELDS: dict[str, FieldSpec] = {
     # A prompt must leave room for one generated token.
     "max_model_len": _ints(2, INT32_MAX),
     "buckets_per_octave": _ints(1, 64),
+    "async_scheduling": _BOOL,
     "preemption_mode": _choice(*PREEMPTION_MODES),
     "logprobs_mode": _choice(*LOGPROBS_MODES),
     "swap_space_gb": _reals(0, math.inf, allowed="a finite number of GiB >= 0"),

@@ -46,9 +46,18 @@ from jpaged.core.swap_space import HostSwapSpace
 
 @dataclasses.dataclass
 class ScheduledSeq:
-    """num_new tokens of seq, from its num_computed_tokens on: a prefill chunk, or 1 to decode."""
+    """num_new tokens of seq from position `start` (its num_computed_tokens when
+    scheduled): a prefill chunk, or 1 to decode.  `output_index`: where the token
+    this row samples goes in seq's output (set when the step is launched; None for
+    a prefill chunk that does not reach the end of the sequence)."""
     seq: Sequence
     num_new: int
+    start: int = -1
+    output_index: int | None = None
+
+    def __post_init__(self):
+        if self.start < 0:
+            self.start = self.seq.num_computed_tokens
 
 
 @dataclasses.dataclass
@@ -122,13 +131,15 @@ class Scheduler:
         if self.policy == "static" and self.running and all(s.is_done for s in self.running):
             self._end_static_batch()
         for seq in list(self.running):
-            if seq.forks and seq.status is Status.PREFILLING and seq.num_computed_tokens >= seq.prefill_target:
+            # (prompt logprobs of a prefill still on the device are not in yet: the forks copy them)
+            if (seq.forks and seq.status is Status.PREFILLING and seq.num_computed_tokens >= seq.prefill_target
+                    and not seq.needs_prompt_logprobs):
                 self._fork(seq)
         budget = self.max_num_batched_tokens
         scheduled = []
         for status in (Status.DECODING, Status.PREFILLING):
             for seq in list(self.running):
-                if seq.status is not status or budget <= 0:
+                if seq.status is not status or budget <= 0 or seq.awaits_last_token:
                     continue  # (also skips what an earlier grow preempted)
                 n = 1 if status is Status.DECODING else min(seq.prefill_target - seq.num_computed_tokens, budget)
                 if n > 0 and self._grow_or_preempt(seq, seq.num_computed_tokens + n):
@@ -270,6 +281,13 @@ class Scheduler:
                 # Alone in the pool and still short (copy-on-write needs a spare block).
                 self._fail(seq, f"sequence of {num_tokens} tokens cannot fit in the KV pool "
                                 f"({self.block_manager.num_blocks - 1} blocks) even alone")
+                return False
+            # Asynchronous scheduling: a sequence whose last token is on the device
+            # frees its blocks when that step completes; it is no victim, and when
+            # seq would be its own, seq waits a step for those blocks instead.
+            finishing = [s for s in others if s.awaits_last_token]
+            others = [s for s in others if not s.awaits_last_token]
+            if finishing and max(others + [seq], key=lambda s: s.arrival_time) is seq:
                 return False
             # Finished static-batch members hold blocks until their batch ends:
             # then seq waits for them (preempting itself) instead of failing.

@@ -76,6 +76,10 @@ class SamplingParams:
 UINT32_MAX = 2**32 - 1  # per-sample seeds are uint32 on the device
 MAX_STOP_STRINGS = 16  # per request (the OpenAI API allows 4; vLLM any number)
 MAX_LOGPROBS = 20  # alternatives a step computes per token (vLLM's default max_logprobs)
+# Asynchronous scheduling: an output token whose step is still on the device.  It
+# holds the token's place (counts, positions, blocks) until the step's result
+# replaces it; the next step reads the real value on the device.
+PLACEHOLDER = -1
 
 
 def _check_int(name: str, value: object, low: int, high: int, allowed: str | None = None) -> None:
@@ -133,6 +137,11 @@ class Sequence:
         # Stop strings: the output's text as it grows (a SampleText, made by the
         # engine's output processor on the first token of a sample with params.stop).
         self.stop_text = None
+        # Asynchronous scheduling: the row that samples this sequence's last token in
+        # the step launched last (read while that token is a PLACEHOLDER), and
+        # whether that token is its last one (max_tokens or max_model_len reached).
+        self.sample_row = 0
+        self.awaits_last_token = False
         # Preemption.
         self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
         self.swap_status: Status | None = None  # status to resume with after swap-in
@@ -171,6 +180,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host knows: all but the trailing PLACEHOLDERs (at
+        most one per step in flight)."""
+        n, out = self.num_tokens, self.output_token_ids
+        while n > len(self.prompt_token_ids) and out[n - len(self.prompt_token_ids) - 1] == PLACEHOLDER:
+            n -= 1
+        return n
 
     @property
     def is_done(self) -> bool:

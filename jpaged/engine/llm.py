@@ -26,8 +26,8 @@ from jpaged.core.block_manager import BlockAllocator, BlockManager
 from jpaged.core.config import PREEMPTION_MODES, apply_overrides, default_config, validate_config
 from jpaged.core.progress import ProgressCheck
 from jpaged.core.request_parsing import default_sampling_params
-from jpaged.core.scheduler import Scheduler, SchedulerOutput
-from jpaged.core.sequence import SamplingParams, Sequence, Status
+from jpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jpaged.core.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
 from jpaged.engine import protocol
@@ -51,6 +51,7 @@ class StartedStep:
     pending: PendingStep | None
     error: Exception | None
     start: float
+    prefill: bool = False  # a prompt chunk ran in it (the step's statuses change when it launches)
 
 
 class LLM:
@@ -87,7 +88,7 @@ class LLM:
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space, logprobs_mode=cfg.logprobs_mode,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, chained=cfg.async_scheduling)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -103,6 +104,9 @@ class LLM:
         self._next_child_id = 0  # samples 1..n-1 get negative ids
         self.weights_version = 0  # update_params() count: part of every prefix-cache key
         self._active: dict[int, Sequence] = {}
+        # async_scheduling: the step on the device whose tokens the host does not have yet.
+        self.async_scheduling = cfg.async_scheduling
+        self._in_flight: StartedStep | None = None
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process run (jpaged.runtime.distributed): run
@@ -131,7 +135,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (only between generate() calls)."""
-        if self.scheduler.has_work:
+        if self.scheduler.has_work or self._in_flight is not None:
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
         self.block_manager.reset()
 
@@ -144,7 +148,7 @@ class LLM:
         """Experiments: an empty pool of num_blocks blocks (at most the device pool's,
         whose arrays stay) and preemption_mode, with a fresh host swap space sized by
         swap_space_gb in swap mode.  Only on an idle engine."""
-        if self.scheduler.has_work:
+        if self.scheduler.has_work or self._in_flight is not None:
             raise RuntimeError("install_pool() needs an idle engine")
         if not 2 <= num_blocks <= self.num_blocks:
             raise ValueError(f"num_blocks={num_blocks} must be in [2, {self.num_blocks}]")
@@ -205,7 +209,8 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         """Whether step() has requests left to run (waiting, running or swapped out)
         or to return (failed at admission, aborted): loop on step() while it is True."""
-        return self.scheduler.has_work or any(s.is_done for s in self._active.values())
+        return (self.scheduler.has_work or self._in_flight is not None
+                or any(s.is_done for s in self._active.values()))
 
     def get_sequence(self, request_id: int) -> Sequence | None:
         """The live Sequence of a request added with add_request() (its tokens and block
@@ -290,8 +295,10 @@ class LLM:
 
     # ---------------------------------------------------------------- steps
     def step(self) -> list[Sequence]:
-        """Runs one scheduled step; returns sequences that finished in it (with
-        finish_reason "error" for those a failed step took down).
+        """Runs one scheduled step; returns sequences that finished (with
+        finish_reason "error" for those a failed step took down).  With
+        async_scheduling the step is launched and the previous one, still on the
+        device until now, is completed: what returns is what finished in it.
 
         An exception inside the step fails only the sequences it involved (their
         blocks are freed) and the engine stays usable; see `_recover`.  A step
@@ -299,76 +306,130 @@ class LLM:
         return self.finish_step(self.start_step())
 
     def start_step(self) -> StartedStep:
-        """step()'s first half: schedules and dispatches the step to the device
-        without waiting for it.  finish_step() must follow before the next one."""
+        """step()'s first half: schedules the step and dispatches it to the device
+        without waiting for it.  finish_step() must follow before the next one.
+
+        Once dispatched, the step's tokens count as computed and each sequence it
+        completes gets a PLACEHOLDER for the token it samples: the next schedule()
+        sees the state after this step before its tokens are known."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         try:
-            return StartedStep(out, self.runner.launch(out), None, t0)
+            pending = self.runner.launch(out)
         except Exception as e:  # noqa: BLE001 - reported by finish_step
-            return StartedStep(out, None, e, t0)
+            return StartedStep(out, None, e, t0, prefill)
+        self._commit(out)
+        return StartedStep(out, pending, None, t0, prefill)
 
     def finish_step(self, started: StartedStep) -> list[Sequence]:
-        """step()'s second half: waits for the device, then appends tokens, applies
-        stop conditions and frees what finished (returned)."""
+        """step()'s second half: waits for the device, then puts the sampled tokens
+        in, applies stop conditions and frees what finished (returned).  With
+        async_scheduling a step with a forward stays on the device until the next
+        call: this one completes the step launched before it."""
+        if not self.async_scheduling:
+            return self._complete(started)
+        previous, self._in_flight = self._in_flight, None
+        finished = self._complete(previous) if previous is not None else []
+        if started.pending is not None and started.pending.outputs is not None:
+            self._in_flight = started
+            return finished
+        return finished + self._complete(started)
+
+    def _commit(self, out: SchedulerOutput) -> None:
+        """A dispatched step's effect on its sequences, known before its tokens are."""
+        for row, s in enumerate(out.scheduled):
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new
+            if seq.num_computed_tokens >= seq.num_tokens:  # else a prefill chunk: its sample is not a token
+                s.output_index = len(seq.output_token_ids)
+                seq.output_token_ids.append(PLACEHOLDER)
+                seq.sample_row = row
+                seq.status = Status.DECODING
+                seq.awaits_last_token = self.outputs.reached_length(seq, len(seq.output_token_ids))
+            self.block_manager.cache_full_blocks(seq)  # blocks whose tokens are all known
+
+    def _complete(self, started: StartedStep) -> list[Sequence]:
+        """Waits for a launched step and applies its tokens; returns what finished."""
         out = started.out
         try:
             if started.error is not None:
                 raise started.error
             result = self.runner.collect(started.pending)
         except Exception as e:  # noqa: BLE001 - one bad step must not poison the engine
-            self._recover(out, e)
+            self._recover(out, e, started.pending)
             result = StepResult(np.zeros(0, np.int32))
         if result.nan_rows is not None and result.nan_rows.any():
             log.warning("NaN logits in this step for requests %s: their tokens are garbage (NaN weights?)",
                         [s.seq.group[0].seq_id for s, nan in zip(out.scheduled, result.nan_rows) if nan][:8])
-        prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         offset = 0  # of the sequence's first token in the step's flat batch
         for row, (s, token) in enumerate(zip(out.scheduled, result.tokens)):
             try:
-                record_logprobs(s.seq, s.num_new, int(token), result, row, offset)
-                self._advance(s.seq, s.num_new, int(token))
+                self._resolve(s, int(token), result, row, offset)
             except Exception as e:  # noqa: BLE001 - pinned to this sequence
                 log.exception("request %d failed after its step", s.seq.seq_id)
+                self._drop_unknown(s)
                 self.scheduler.fail(s.seq, f"internal error: {type(e).__name__}: {e}")
             offset += s.num_new
-        self.step_stats.record(out, prefill=prefill, step_seconds=time.perf_counter() - started.start,
-                               timing=self.runner.timing, block_manager=self.block_manager,
-                               token_slots=self.runner.token_bucket(out.num_tokens) if out.scheduled else 0,
+        pending = started.pending
+        self.step_stats.record(out, prefill=started.prefill, step_seconds=time.perf_counter() - started.start,
+                               timing=pending.timing if pending is not None else self.runner.timing,
+                               block_manager=self.block_manager,
+                               token_slots=pending.num_tokens if pending is not None else 0,
                                running=self.scheduler.running, swap_space=self.swap_space)
         running = {id(s) for s in self.scheduler.running}
-        finished = [s for s in self._active.values() if s.is_done and id(s) not in running]
+        # A sequence that ended while a step of its is on the device waits for that token.
+        finished = [s for s in self._active.values()
+                    if s.is_done and id(s) not in running and s.num_known_tokens == s.num_tokens]
         for seq in finished:
             del self._active[seq.seq_id]
         self.progress.after_step(out, finished)
         return finished
 
-    def _advance(self, seq: Sequence, num_new: int, token: int) -> None:
-        seq.num_computed_tokens += num_new
-        self.block_manager.cache_full_blocks(seq)
-        if seq.num_computed_tokens < seq.num_tokens:
-            return  # a prefill chunk: its sample is not the next token
-        seq.output_token_ids.append(token)
-        seq.status = Status.DECODING
+    def _resolve(self, s: ScheduledSeq, token: int, result: StepResult, row: int, offset: int) -> None:
+        """Puts in what one row of a completed step computed: prompt logprobs, the
+        sampled token in its place, and the stop conditions it triggers."""
+        seq = s.seq
+        if s.output_index is not None and s.output_index >= len(seq.output_token_ids):
+            return  # the sequence stopped at an earlier token: this row ran past its end
+        record_logprobs(seq, s, token, result, row, offset)
+        if s.output_index is None:
+            return  # a prefill chunk
+        seq.output_token_ids[s.output_index] = token
+        if seq.is_done:
+            return  # aborted while the step ran: the token is kept, nothing else changes
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        reason = self.outputs.finish_reason(seq, token)
+        self.block_manager.cache_full_blocks(seq)
+        reason = self.outputs.finish_reason(seq, token, num_output=s.output_index + 1)
         if reason is not None:
+            del seq.output_token_ids[s.output_index + 1:]  # a later step's placeholder
             seq.finish(reason)
-            self.scheduler.finish(seq)
+            if seq in self.scheduler.running:
+                self.scheduler.finish(seq)
+            else:  # preempted while its last step ran
+                self.scheduler.fail(seq, None, reason=reason)
 
-    def _recover(self, out: SchedulerOutput, error: Exception) -> None:
+    @staticmethod
+    def _drop_unknown(s: ScheduledSeq) -> None:
+        """A failed row's sequence keeps only the tokens the host knows."""
+        if s.output_index is not None:
+            del s.seq.output_token_ids[s.output_index:]
+
+    def _recover(self, out: SchedulerOutput, error: Exception, pending: PendingStep | None = None) -> None:
         """Fails every sequence the step involved and frees their blocks.  If the
         exception struck after the donated pool was consumed, the pool is rebuilt
         empty: the prefix cache is dropped and the other running sequences
         recompute their K/V (as after a recompute preemption)."""
         message = f"step failed: {type(error).__name__}: {error}"
         log.error("%s (failing %d sequences)", message, len(out.scheduled))
+        for s in out.scheduled:
+            self._drop_unknown(s)
         involved = [s.seq for s in out.scheduled] + [r.seq for r in (*out.swap_out, *out.swap_in)]
         for seq in dict.fromkeys(involved):
             if not seq.is_done:
                 self.scheduler.fail(seq, message)
-        if self.runner.restore_pool():
+        if self.runner.restore_pool(pending):
             log.error("the KV pool was lost with the failed step: recomputing %d running sequences",
                       len(self.scheduler.running))
             self.scheduler.requeue_running()

@@ -49,19 +49,19 @@ def token_logprob(lp: TokenLogprobs, row: int, token_id: int, k: int) -> TokenLo
     return TokenLogprob(token_id, float(lp.chosen[row]), top)
 
 
-def record_logprobs(seq: Sequence, num_new: int, token: int, result: StepResult, row: int,
+def record_logprobs(seq: Sequence, s: ScheduledSeq, token: int, result: StepResult, row: int,
                     offset: int) -> None:
     """Appends what `result` holds for seq (row `row`; its tokens from flat index
-    `offset`) before the step advances it: the prompt logprobs its tokens
-    predicted, and its sampled token's logprob when the step completes it."""
-    p, start = seq.params, seq.num_computed_tokens
+    `offset`): the prompt logprobs its tokens predicted, and its sampled token's
+    logprob when the row samples one."""
+    p = seq.params
     if result.prompt_logprobs is not None and seq.needs_prompt_logprobs:
-        for j in range(num_new):
-            target = start + j + 1  # the prompt position token j predicts
+        for j in range(s.num_new):
+            target = s.start + j + 1  # the prompt position token j predicts
             if target == len(seq.prompt_logprobs) and target < len(seq.prompt_token_ids):
                 seq.prompt_logprobs.append(token_logprob(result.prompt_logprobs, offset + j,
                                                          seq.prompt_token_ids[target], p.prompt_logprobs))
-    if result.logprobs is not None and p.logprobs is not None and start + num_new >= seq.num_tokens:
+    if result.logprobs is not None and p.logprobs is not None and s.output_index is not None:
         seq.logprobs.append(token_logprob(result.logprobs, row, token, p.logprobs))
 
 
@@ -78,8 +78,8 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why seq ends with `token` (just appended to its output), or None."""
+    def finish_reason(self, seq: Sequence, token: int, num_output: int) -> str | None:
+        """Why seq ends with `token`, its num_output-th output token, or None."""
         p = seq.params
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return "stop"
@@ -88,9 +88,11 @@ class OutputProcessor:
             text.push([token])
             if text.stopped:
                 return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self.reached_length(seq, num_output) else None
+
+    def reached_length(self, seq: Sequence, num_output: int) -> bool:
+        """Whether the num_output-th output token is seq's last (max_tokens, max_model_len)."""
+        return num_output >= seq.params.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len
 
     def _stop_text(self, seq: Sequence) -> SampleText:
         if seq.stop_text is None:

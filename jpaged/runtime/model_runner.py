@@ -63,14 +63,6 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, per_octave: in
 
 
 @dataclasses.dataclass
-class PendingStep:
-    """A launched step: its device outputs (None when it ran no forward)."""
-    outputs: StepResult | None
-    num_seqs: int
-    start: float
-
-
-@dataclasses.dataclass
 class StepTiming:
     """Seconds of the last launch() + collect(): host array building, block moves, forward."""
     build: float = 0.0
@@ -78,6 +70,17 @@ class StepTiming:
     copy: float = 0.0
     forward: float = 0.0
     compile: float = 0.0
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step: its device outputs (None when it ran no forward), the
+    token slots it computed (its bucket) and its timing."""
+    outputs: StepResult | None
+    num_seqs: int
+    start: float
+    num_tokens: int = 0
+    timing: StepTiming | None = None
 
 
 class ModelRunner:
@@ -89,7 +92,7 @@ class ModelRunner:
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, chained: bool = False):
         self.params = params
         self.mesh = mesh
         self.block_size = block_size
@@ -100,6 +103,11 @@ class ModelRunner:
                                            sharding=None if mesh is None else pool_sharding(mesh))
         self.kv_pool = self._new_pool()
         self.swap_space = swap_space
+        # Asynchronous scheduling: each step reads the tokens the previous one sampled
+        # from its token buffer ([S] padded to the largest S), on the device.
+        self.chained = chained
+        self._token_buffer = self._new_token_buffer() if chained else None
+        self._last_launched: StepResult | None = None
         # One jitted step; each structure of its StepInputs is a program of its own.
         self._step = self._jit(functools.partial(run_step, graphdef, attention_impl=attention_impl,
                                                  num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode))
@@ -174,14 +182,18 @@ class ModelRunner:
         before = self.num_compilations
         for T in self.token_buckets:
             if max_num_tokens is None or T <= next_pow2(max_num_tokens):
-                self._executable(padding_step_inputs(T, self.seq_bucket(T), self.table_width))
+                self._executable(self._with_token_buffer(
+                    padding_step_inputs(T, self.seq_bucket(T), self.table_width, chained=self.chained)))
         return self.num_compilations - before
 
     # ------------------------------------------------------------------- step
-    def restore_pool(self) -> bool:
+    def restore_pool(self, failed: PendingStep | None = None) -> bool:
         """After a failed step: a pool the step had already donated is gone, so
         allocate a fresh (zeroed) one.  True when that happened (its contents,
         every sequence's K/V, are lost)."""
+        if self.chained and failed is not None and failed.outputs is self._last_launched:
+            # Its token buffer (the chain's head) may hold the failure: nothing will read its tokens.
+            self._token_buffer = self._new_token_buffer()
         if not self.kv_pool.is_deleted():
             return False
         self.kv_pool = self._new_pool()
@@ -208,7 +220,16 @@ class ModelRunner:
         """The step's numpy inputs, padded to its bucket."""
         T = self.token_bucket(sum(s.num_new for s in scheduled))
         return build_step_inputs(scheduled, num_tokens=T, num_seqs=self.seq_bucket(T),
-                                 block_size=self.block_size, table_width=self.table_width)
+                                 block_size=self.block_size, table_width=self.table_width, chained=self.chained)
+
+    def _new_token_buffer(self) -> jax.Array:
+        zeros = np.zeros(self.seq_bucket(self.token_buckets[-1]), np.int32)
+        return jnp.asarray(zeros) if self.mesh is None else put(zeros, replicated(self.mesh))
+
+    def _with_token_buffer(self, inputs: StepInputs) -> StepInputs:
+        """Chained steps read the previous step's sampled tokens (this process's own
+        buffer: it is never broadcast to the other processes of a multi-process run)."""
+        return inputs if not self.chained else dataclasses.replace(inputs, prev_tokens=self._token_buffer)
 
     def _run(self, block_copies: list[tuple[int, int]], inputs: StepInputs | None,
              num_seqs: int) -> PendingStep:
@@ -219,13 +240,17 @@ class ModelRunner:
             self.kv_pool = copy_blocks(self.kv_pool, block_copies)
             self.timing.copy = time.perf_counter() - t0
         if inputs is None:
-            return PendingStep(None, 0, time.perf_counter())
+            return PendingStep(None, 0, time.perf_counter(), timing=self.timing)
         if jax.process_count() > 1:  # every process passes the same global (replicated) arrays
             inputs = jax.tree.map(lambda x: put(x, replicated(self.mesh)), inputs)
+        inputs = self._with_token_buffer(inputs)
         exe = self._executable(inputs)
         t0 = time.perf_counter()
         outputs, self.kv_pool = exe(self.params, self.kv_pool, inputs)
-        return PendingStep(outputs, num_seqs, t0)
+        if self.chained:
+            self._token_buffer, outputs.token_buffer = outputs.token_buffer, None
+        self._last_launched = outputs
+        return PendingStep(outputs, num_seqs, t0, inputs.num_tokens, self.timing)
 
     # ------------------------------------------------------------- multi-host
     @property
@@ -253,7 +278,7 @@ class ModelRunner:
         if pending.outputs is None:
             return StepResult(np.zeros(0, np.int32))
         result = jax.device_get(pending.outputs)
-        self.timing.forward = time.perf_counter() - pending.start
+        pending.timing.forward = time.perf_counter() - pending.start
         result.tokens = result.tokens[:pending.num_seqs]
         if result.nan_rows is not None:
             result.nan_rows = result.nan_rows[:pending.num_seqs]

@@ -20,6 +20,9 @@ of its own; static fields (`logprobs`) are part of the structure too.  Today:
     logprobs=True         a row wants logprobs: the step also returns them
     prompt_targets        a prefilling row owes prompt logprobs: the LM head runs
                           on every token (implies logprobs=True)
+    prev_rows/prev_tokens asynchronous scheduling: some tokens were sampled by the
+                          step still on the device (host PLACEHOLDERs); the step
+                          reads them from that step's token buffer
 
 Programs are keyed (T, S, structure), so every field's shape must be a function
 of the bucket: T tokens, S sequences (or fixed, like the block tables' width).
@@ -48,6 +51,7 @@ import jax
 import numpy as np
 
 from jpaged.core.scheduler import ScheduledSeq
+from jpaged.core.sequence import PLACEHOLDER
 from jpaged.models.base import StepMetadata
 from jpaged.runtime.sampling import SamplingArrays, TokenLogprobs
 
@@ -62,6 +66,10 @@ class StepInputs:
     sampling           per-sequence [S] controls; None: every row is greedy
     prompt_targets[T]  int32, the token after each flat token, when a prefilling
                        row owes prompt logprobs; else None
+    prev_rows[T]       int32, asynchronous scheduling only: for a token the
+                       previous step samples, its row there (-1: tokens[t] is it)
+    prev_tokens[P]     int32, the previous step's StepResult.token_buffer (the
+                       runner attaches it: a device array, never on the host)
     logprobs           static: the step also returns the sampled tokens' logprobs
     """
 
@@ -69,6 +77,8 @@ class StepInputs:
     meta: StepMetadata
     sampling: SamplingArrays | None = None
     prompt_targets: np.ndarray | jax.Array | None = None
+    prev_rows: np.ndarray | jax.Array | None = None
+    prev_tokens: jax.Array | None = None
     logprobs: bool = False
 
     @property
@@ -80,7 +90,8 @@ class StepInputs:
         return self.meta.kv_lens.shape[0]
 
 
-jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets"],
+jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets",
+                                                          "prev_rows", "prev_tokens"],
                                  meta_fields=["logprobs"])
 
 
@@ -94,34 +105,55 @@ class StepResult:
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     nan_rows: np.ndarray | jax.Array | None = None  # [S] bool: the row's logits hold a NaN
+    # Asynchronous scheduling: `tokens` padded to the runner's largest S, which the
+    # next step reads on the device (never fetched to the host).
+    token_buffer: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs", "nan_rows"],
+jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs", "nan_rows",
+                                                          "token_buffer"],
                                  meta_fields=[])
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seqs: int,
-                      block_size: int, table_width: int) -> StepInputs:
+                      block_size: int, table_width: int, chained: bool = False) -> StepInputs:
     """The step's inputs (numpy) for the scheduled sequences, padded to the bucket:
     num_tokens (T) flat tokens, num_seqs (S) sequences, block tables
-    table_width wide."""
+    table_width wide.  `chained` (asynchronous scheduling): the step may read
+    tokens the previous step samples (prev_rows; the runner attaches prev_tokens)."""
     tokens, meta = _tokens_and_metadata(scheduled, num_tokens, num_seqs, block_size, table_width)
     logprobs = any(s.seq.params.logprobs is not None or s.seq.params.prompt_logprobs is not None
                    for s in scheduled)
     return StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
                       prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
-                      logprobs=logprobs)
+                      prev_rows=_prev_rows(scheduled, tokens) if chained else None, logprobs=logprobs)
 
 
-def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int) -> StepInputs:
-    """A greedy step of nothing but padding (all zeros): what precompile traces."""
+def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False) -> StepInputs:
+    """A greedy step of nothing but padding (all zeros): what precompile traces.
+    `chained`: with prev_rows (all -1; the runner attaches prev_tokens)."""
     def zeros(*shape):
         return np.zeros(shape, np.int32)
     meta = StepMetadata(positions=zeros(num_tokens), write_blocks=zeros(num_tokens),
                         write_offsets=zeros(num_tokens), block_tables=zeros(num_seqs, table_width),
                         kv_lens=zeros(num_seqs), cu_q_lens=zeros(num_seqs + 1),
                         logits_indices=zeros(num_seqs))
-    return StepInputs(tokens=zeros(num_tokens), meta=meta)
+    prev_rows = np.full(num_tokens, -1, np.int32) if chained else None
+    return StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows)
+
+
+def _prev_rows(scheduled: list[ScheduledSeq], tokens: np.ndarray) -> np.ndarray:
+    """For each flat token still a PLACEHOLDER (a sequence's last token, sampled by
+    the step on the device), the row that samples it there; -1 elsewhere.  The
+    placeholder itself becomes 0 in `tokens` (any id is fine: the step replaces it)."""
+    rows = np.full(tokens.shape[0], -1, np.int32)
+    end = 0
+    for s in scheduled:
+        end += s.num_new
+        if tokens[end - 1] == PLACEHOLDER:
+            rows[end - 1] = s.seq.sample_row
+            tokens[end - 1] = 0
+    return rows
 
 
 def _tokens_and_metadata(scheduled: list[ScheduledSeq], T: int, S: int, block_size: int,
@@ -138,7 +170,7 @@ def _tokens_and_metadata(scheduled: list[ScheduledSeq], T: int, S: int, block_si
     logits_indices = np.zeros(S, np.int32)
     end = 0
     for i, s in enumerate(scheduled):
-        seq, start, k = s.seq, s.seq.num_computed_tokens, s.num_new
+        seq, start, k = s.seq, s.start, s.num_new
         ids = seq.block_table.block_ids
         block_tables[i, :len(ids)] = ids
         pos = np.arange(start, start + k, dtype=np.int32)
@@ -182,8 +214,8 @@ def _prompt_targets(scheduled: list[ScheduledSeq], T: int) -> np.ndarray | None:
         return None
     targets, end = np.zeros(T, np.int32), 0
     for s in scheduled:
-        seq, start = s.seq, s.seq.num_computed_tokens
+        seq, start = s.seq, s.start
         nxt = seq.token_slice(start + 1, start + s.num_new + 1)
-        targets[end:end + len(nxt)] = nxt
+        targets[end:end + len(nxt)] = nxt  # (a PLACEHOLDER here is past the prompt: never read)
         end += s.num_new
-    return targets
+    return np.maximum(targets, 0)
