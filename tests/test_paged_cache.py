@@ -137,18 +137,22 @@ def test_compilations_are_bounded(make_tiny_llm):
 
 
 def test_precompile_covers_the_workload(make_tiny_llm):
-    """After precompile(), a greedy workload compiles nothing more, and its tokens
-    equal those of a fresh engine's: the warm-up steps (all padding) leave the
-    pool as it was."""
+    """precompile() builds the power-of-two buckets (4, 8, 16, 32 of a ladder of
+    11): after it, no step of a greedy workload waits for a build (a step between
+    two rungs runs padded to the next while its own bucket is built in the
+    background), and its tokens equal those of a fresh engine's: the warm-up steps
+    (all padding) leave the pool as it was."""
     engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
     llm = make_tiny_llm(**engine)
     n = llm.precompile()
-    assert n == llm.num_compilations == len(llm.runner.token_buckets)
+    assert n == llm.num_compilations == 4
+    assert sorted(k[0] for k in llm.runner.compiled_shapes) == [4, 8, 16, 32]
     lengths = [1, 5, 9, 16, 17, 20, 31, 32, 3, 12]
     max_tokens = [30, 2, 9, 20, 5, 31, 3, 12, 40, 7]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate(random_prompts(lengths, seed=5), params)
-    assert llm.num_compilations == n
+    assert llm.stats.compile_seconds == 0  # no step waited for a program
     fresh = make_tiny_llm(**engine).generate(random_prompts(lengths, seed=5), params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+    llm.runner.wait_for_programs()
     assert llm.precompile() == 0

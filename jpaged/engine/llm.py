@@ -33,8 +33,8 @@ from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
 from jpaged.engine import protocol
 from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.output_processor import OutputProcessor, RequestOutput, record_logprobs
-from jpaged.engine.setup import (engine_mesh, load_model, resolve_attention_impl, resolve_kv_cache_dtype,
-                                 resolve_layer_loop, size_pool)
+from jpaged.engine.setup import (engine_mesh, load_model, program_cache_dir, resolve_attention_impl,
+                                 resolve_kv_cache_dtype, resolve_layer_loop, size_pool)
 from jpaged.engine.step_stats import StepStats
 from jpaged.runtime.kv_pool import block_shape, bytes_per_block
 from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
@@ -88,7 +88,8 @@ class LLM:
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space, logprobs_mode=cfg.logprobs_mode,
-                                  mesh=self.mesh, chained=cfg.async_scheduling)
+                                  mesh=self.mesh, program_cache_dir=program_cache_dir(cfg),
+                                  chained=cfg.async_scheduling)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -286,12 +287,15 @@ class LLM:
         self.weights_version += 1
         self.block_manager.drop_cached()
 
-    def precompile(self, max_num_tokens: int | None = None) -> int:
-        """Compiles, before a workload arrives, the greedy step of every bucket of
-        the step-size ladder up to max_num_tokens tokens (default: the whole
-        ladder, up to max_num_batched_tokens).  Sampling steps compile on first
-        use.  Returns the number of new compilations."""
-        return self.runner.precompile(max_num_tokens)
+    def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
+        """Builds, before a workload arrives, the greedy step of the power-of-two
+        buckets of the step-size ladder up to max_num_tokens tokens, and the
+        bucket of max_num_tokens (default: up to max_num_batched_tokens); a step
+        in a bucket between them runs padded to the next one while its own is
+        built in the background.  Sampling steps build on first use.  Returns the
+        number of programs built (loaded ones included), or with `background`
+        the number queued on the builder thread, returning at once."""
+        return self.runner.precompile(max_num_tokens, background=background)
 
     # ---------------------------------------------------------------- steps
     def step(self) -> list[Sequence]:
@@ -375,7 +379,7 @@ class LLM:
         self.step_stats.record(out, prefill=started.prefill, step_seconds=time.perf_counter() - started.start,
                                timing=pending.timing if pending is not None else self.runner.timing,
                                block_manager=self.block_manager,
-                               token_slots=pending.num_tokens if pending is not None else 0,
+                               token_slots=pending.token_slots if pending is not None else 0,
                                running=self.scheduler.running, swap_space=self.swap_space)
         running = {id(s) for s in self.scheduler.running}
         # A sequence that ended while a step of its is on the device waits for that token.
@@ -479,8 +483,16 @@ class LLM:
 
     @property
     def compile_seconds(self) -> float:
-        """Seconds spent compiling step programs since the engine started."""
+        """Seconds spent getting step programs ready since the engine started
+        (tracing, lowering, compiling, loading from disk; in any thread)."""
         return self.runner.compile_seconds
+
+    @property
+    def program_build(self) -> dict[str, float]:
+        """compile_seconds split, and the programs compiled here vs loaded from disk."""
+        b = self.runner.build_stats
+        return {"trace_lower_s": b.trace_lower_seconds, "xla_compile_s": b.compile_seconds,
+                "load_s": b.load_seconds, "programs_compiled": b.compiled, "programs_loaded": b.loaded}
 
     @property
     def token_buckets(self) -> tuple[int, ...]:

@@ -160,8 +160,8 @@ class DataParallelLLM:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
-    def precompile(self, max_num_tokens: int | None = None) -> int:
-        return sum(r.precompile(max_num_tokens) for r in self.replicas)
+    def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
+        return sum(r.precompile(max_num_tokens, background=background) for r in self.replicas)
 
     def close(self) -> None:
         for r in self.replicas:
@@ -219,6 +219,11 @@ class DataParallelLLM:
     @property
     def compile_seconds(self) -> float:
         return sum(r.compile_seconds for r in self.replicas)
+
+    @property
+    def program_build(self) -> dict[str, float]:
+        builds = [r.program_build for r in self.replicas]
+        return {k: sum(b[k] for b in builds) for k in builds[0]}
 
     @property
     def token_buckets(self) -> tuple[int, ...]:

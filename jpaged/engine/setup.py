@@ -70,6 +70,12 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
 
 
+def program_cache_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path | None:
+    """Where serialized step programs live (jpaged.runtime.compilation): beside
+    JAX's cache, when the config's compilation_cache is on."""
+    return pathlib.Path(cfg.cache_dir or default_cache_dir()) / "programs" if cfg.compilation_cache else None
+
+
 def engine_mesh(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Mesh | None:
     """The (1, tensor_parallel_size) devices of one engine: `mesh` as given (a
     data-parallel router's replica), else the first devices (None: one device)."""

@@ -79,8 +79,12 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
                                     "and append the rest (after an interrupted run)."),
         "summary_json": flags.DEFINE_string("summary_json", None, "Write the summary table as JSON here."),
         "precompile": flags.DEFINE_bool("precompile", False,
-                                        "Compile every step bucket before the first request (default: "
-                                        "each bucket compiles the first time a step needs it)."),
+                                        "Build the power-of-two step buckets (and the largest) before the "
+                                        "first request, loading them from <cache_dir>/programs when "
+                                        "config.compilation_cache is on; a step between two of them runs "
+                                        "padded to the next while its own bucket builds in the background "
+                                        "(default: each bucket is built the first time a step needs it, "
+                                        "unless a larger one is ready)."),
         "coordinator_address": flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of "
                                                    "process 0 (default: $JAX_COORDINATOR_ADDRESS)."),
         "num_processes": flags.DEFINE_integer("num_processes", None, "Multi-host: processes in the run "
@@ -358,7 +362,7 @@ def _run(config: Any, args: Args, requests: list[ParsedRequest], writer: ResultW
     if args.precompile:
         t0 = time.perf_counter()
         n = llm.precompile()
-        print(f"precompiled {n} step buckets {llm.token_buckets} in {time.perf_counter() - t0:.1f} s")
+        print(f"precompiled {n} of the {len(llm.token_buckets)} step buckets in {time.perf_counter() - t0:.1f} s")
 
     try:
         return run_batch(llm, config, good, writer, summary_file, stopper, len(todo), t_start, args.output)

@@ -37,6 +37,7 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
         "compilations": llm.num_compilations,
         "compile_s": llm.compile_seconds,
+        **llm.program_build,
         "padding_ratio": stats.padding_ratio,
         "prefix_cache": bool(llm.config.enable_prefix_caching),
         "prompt_tokens": stats.prompt_tokens,
@@ -72,6 +73,12 @@ def format_summary(summary: dict[str, float]) -> str:
         ("KV waste", f"{summary['kv_waste_pct']:.1f} %"),
         ("steps (host share)", f"{summary['steps']} ({summary['host_pct']:.1f} % host)"),
         ("compilations (compile time)", f"{summary['compilations']} ({summary['compile_s']:.1f} s)"),
+    ]
+    if "programs_loaded" in summary:
+        rows.append(("program build", f"trace+lower {summary['trace_lower_s']:.1f} s, compile "
+                                      f"{summary['xla_compile_s']:.1f} s, loaded {summary['load_s']:.1f} s "
+                                      f"({summary['programs_loaded']} of {summary['compilations']} from disk)"))
+    rows += [
         ("token slots / real tokens", f"{summary['padding_ratio']:.3f}"),
     ]
     if "cache_hit_pct" in summary:

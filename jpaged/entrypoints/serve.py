@@ -64,8 +64,10 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
     holders = {
         "host": flags.DEFINE_string("host", Args.host, "Address to listen on (0.0.0.0: every interface)."),
         "port": flags.DEFINE_integer("port", Args.port, "Port to listen on."),
-        "precompile": flags.DEFINE_bool("precompile", False, "Compile every step bucket before /health "
-                                        "turns 200 (default: each compiles the first time a step needs it)."),
+        "precompile": flags.DEFINE_bool("precompile", False, "Build the power-of-two step buckets (and the "
+                                        "largest) before /health turns 200; the others build in the "
+                                        "background, their steps padded to the next ready bucket meanwhile "
+                                        "(default: each is built the first time a step needs it)."),
         "served_model_name": flags.DEFINE_string("served_model_name", None, "The model name clients send "
                                                  "(default: the config's model)."),
         "access_log": flags.DEFINE_bool("access_log", True, "Log one line per HTTP request."),

@@ -1,13 +1,21 @@
 """Owns the device state (weights, KV pool) and runs one scheduled step.
 
 A step's tokens are one flat ragged array `[T]` (prefill chunks and decode
-tokens mixed); T comes from one small ladder of buckets (powers of two from
-`min_tokens` up to max_num_batched_tokens) and the number of sequences S is a
-function of T, and the block-table width is fixed at max_model_len /
-block_size, so each bucket of the ladder is exactly one compiled program.
-Programs are compiled ahead of time (`jit(...).lower(...).compile()`), timed,
-and counted.  The KV pool is donated to every step: XLA writes the new K/V
-into the same buffer.
+tokens mixed); T comes from one ladder of buckets (`token_buckets`: powers of
+two up to 16 tokens, then eighths of an octave, up to max_num_batched_tokens)
+and the number of sequences S is a function of T, and the block-table width is
+fixed at max_model_len / block_size, so each bucket of the ladder is exactly
+one compiled program.  The KV pool is donated to every step: XLA writes the new
+K/V into the same buffer.
+
+The programs belong to a `StepPrograms` (jpaged.runtime.compilation): built
+ahead of time from shapes, timed and counted, and with the config's
+`compilation_cache` kept on disk, so that a warm start loads them without
+tracing.  A step whose bucket has no program yet runs padded to the smallest
+larger bucket that has one (same StepInputs structure; padding never changes a
+token) while its own bucket is built in the background; only when no larger one
+is ready does the step wait for a build.  `precompile` builds the power-of-two
+rungs of the ladder (and its top), now or in the background.
 
 Everything per request that the step consumes is one `StepInputs` pytree,
 built by `build_step_inputs` (jpaged.runtime.step_inputs, the seam a new
@@ -20,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import pathlib
 import time
 
 import jax
@@ -28,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import run_step
+from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
 from jpaged.core.model_config import ModelConfig
@@ -62,6 +72,15 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, per_octave: in
     return tuple(ladder + [top])
 
 
+def precompile_buckets(ladder: tuple[int, ...], max_num_tokens: int | None = None) -> list[int]:
+    """What precompile builds: the power-of-two rungs of the ladder up to the bucket
+    of max_num_tokens (default: the top), and that bucket.  Every step then has a
+    ready bucket at most twice its own (and its own arrives in the background),
+    for log2 of the programs a full ladder would cost."""
+    limit = ladder[-1] if max_num_tokens is None else next((b for b in ladder if b >= max_num_tokens), ladder[-1])
+    return [b for b in ladder if b < limit and b & (b - 1) == 0] + [limit]
+
+
 @dataclasses.dataclass
 class StepTiming:
     """Seconds of the last launch() + collect(): host array building, block moves, forward."""
@@ -69,17 +88,18 @@ class StepTiming:
     swap: float = 0.0
     copy: float = 0.0
     forward: float = 0.0
-    compile: float = 0.0
+    compile: float = 0.0  # waiting for a program to be built or loaded
 
 
 @dataclasses.dataclass
 class PendingStep:
     """A launched step: its device outputs (None when it ran no forward), the
-    token slots it computed (its bucket) and its timing."""
+    token slots it computed (T of the bucket it ran in: a larger one than its own
+    while that is built) and its timing."""
     outputs: StepResult | None
     num_seqs: int
     start: float
-    num_tokens: int = 0
+    token_slots: int = 0
     timing: StepTiming | None = None
 
 
@@ -92,7 +112,8 @@ class ModelRunner:
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
-                 mesh: Mesh | None = None, chained: bool = False):
+                 mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
+                 chained: bool = False):
         self.params = params
         self.mesh = mesh
         self.block_size = block_size
@@ -109,10 +130,13 @@ class ModelRunner:
         self._token_buffer = self._new_token_buffer() if chained else None
         self._last_launched: StepResult | None = None
         # One jitted step; each structure of its StepInputs is a program of its own.
-        self._step = self._jit(functools.partial(run_step, graphdef, attention_impl=attention_impl,
-                                                 num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode))
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}
-        self.compile_seconds = 0.0
+        static = dict(attention_impl=attention_impl, num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
+        self._step = self._jit(functools.partial(run_step, graphdef, **static))
+        self._programs = StepPrograms(
+            self._step, params, self.kv_pool, model_config=model_cfg, mesh=mesh, cache_dir=program_cache_dir,
+            mesh_context=self._mesh_context,
+            static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
+                    "graphdef": graphdef})
         self.timing = StepTiming()
 
     def _jit(self, step):
@@ -134,21 +158,36 @@ class ModelRunner:
     # ----------------------------------------------------------------- shapes
     @property
     def num_compilations(self) -> int:
-        return len(self._compiled)
+        """Programs ready (compiled here or loaded from disk)."""
+        return len(self._programs.ready)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent getting programs ready, in any thread (loads included)."""
+        return self._programs.stats.total_seconds
+
+    @property
+    def build_stats(self) -> BuildStats:
+        """compile_seconds split: trace+lower, XLA compile, loads; programs compiled vs loaded."""
+        return self._programs.stats
 
     @property
     def compiled_shapes(self) -> list[tuple]:
-        return sorted(self._compiled, key=str)
+        return sorted(self._programs.ready, key=str)
 
     def executables(self) -> list[jax.stages.Compiled]:
         """The compiled step programs (for memory analysis)."""
-        return list(self._compiled.values())
+        return list(self._programs.ready.values())
 
     @property
     def programs(self) -> dict[tuple, jax.stages.Compiled]:
         """Each compiled step program by its key (tokens, sequences, StepInputs
         structure): what benchmarks inspect (HLO, memory)."""
-        return dict(self._compiled)
+        return self._programs.ready
+
+    def wait_for_programs(self) -> None:
+        """Waits for the programs being built in the background."""
+        self._programs.wait()
 
     def token_bucket(self, num_tokens: int) -> int:
         for b in self.token_buckets:
@@ -163,28 +202,20 @@ class ModelRunner:
     def _executable(self, inputs: StepInputs) -> jax.stages.Compiled:
         """The program for a step's inputs: one per bucket (T, S) and pytree
         structure (which optional fields are present: sampling, its filters,
-        logprobs, prompt logprobs, ...)."""
-        key = (inputs.num_tokens, inputs.num_seqs, jax.tree.structure(inputs))
-        exe = self._compiled.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
-            with self._mesh_context():
-                exe = self._step.lower(self.params, self.kv_pool, inputs).compile()
-            dt = time.perf_counter() - t0
-            self.compile_seconds += dt
-            self.timing.compile += dt
-            self._compiled[key] = exe
+        logprobs, prompt logprobs, ...); waits for it when it is not ready."""
+        exe, waited = self._programs.program(inputs)
+        self.timing.compile += waited
         return exe
 
-    def precompile(self, max_num_tokens: int | None = None) -> int:
-        """Compiles the greedy step of every bucket up to max_num_tokens (default:
-        all) not compiled yet; returns how many were compiled."""
-        before = self.num_compilations
-        for T in self.token_buckets:
-            if max_num_tokens is None or T <= next_pow2(max_num_tokens):
-                self._executable(self._with_token_buffer(
-                    padding_step_inputs(T, self.seq_bucket(T), self.table_width, chained=self.chained)))
-        return self.num_compilations - before
+    def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
+        """Builds the greedy step of the power-of-two buckets up to max_num_tokens'
+        bucket, and that bucket (default: up to the top of the ladder), that are
+        not ready yet; returns how many it built, or with `background` queued on
+        the builder thread (returning at once)."""
+        return self._programs.precompile(
+            [self._with_token_buffer(padding_step_inputs(T, self.seq_bucket(T), self.table_width,
+                                                         chained=self.chained))
+             for T in precompile_buckets(self.token_buckets, max_num_tokens)], background)
 
     # ------------------------------------------------------------------- step
     def restore_pool(self, failed: PendingStep | None = None) -> bool:
@@ -213,14 +244,23 @@ class ModelRunner:
         inputs = self._step_inputs(out.scheduled) if out.scheduled else None
         self.timing.build = time.perf_counter() - t0
         if self.leads_followers and (inputs is not None or out.block_copies):
-            broadcast_step(("step", out.block_copies, inputs))
+            # (without this process's token buffer: each process chains its own)
+            host = inputs if inputs is None else dataclasses.replace(inputs, prev_tokens=None)
+            broadcast_step(("step", out.block_copies, host))
         return self._run(out.block_copies, inputs, len(out.scheduled))
 
     def _step_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        """The step's numpy inputs, padded to its bucket."""
+        """The step's numpy inputs, padded to its bucket, or to a larger ready one
+        while its own is not ready (see _ready_bucket)."""
         T = self.token_bucket(sum(s.num_new for s in scheduled))
-        return build_step_inputs(scheduled, num_tokens=T, num_seqs=self.seq_bucket(T),
-                                 block_size=self.block_size, table_width=self.table_width, chained=self.chained)
+        inputs = self._padded_inputs(scheduled, T)
+        larger = self._ready_bucket(inputs)
+        return inputs if larger == T else self._padded_inputs(scheduled, larger)
+
+    def _padded_inputs(self, scheduled: list[ScheduledSeq], T: int) -> StepInputs:
+        return self._with_token_buffer(build_step_inputs(
+            scheduled, num_tokens=T, num_seqs=self.seq_bucket(T), block_size=self.block_size,
+            table_width=self.table_width, chained=self.chained))
 
     def _new_token_buffer(self) -> jax.Array:
         zeros = np.zeros(self.seq_bucket(self.token_buckets[-1]), np.int32)
@@ -230,6 +270,21 @@ class ModelRunner:
         """Chained steps read the previous step's sampled tokens (this process's own
         buffer: it is never broadcast to the other processes of a multi-process run)."""
         return inputs if not self.chained else dataclasses.replace(inputs, prev_tokens=self._token_buffer)
+
+    def _ready_bucket(self, inputs: StepInputs) -> int:
+        """The bucket to run `inputs` in now: its own when ready (or loadable from
+        disk, which traces nothing), else the smallest larger ready bucket of the
+        same structure, its own queued on the builder; its own (to be built, or
+        waited for) when none is ready.  Padding is masked out of every real
+        token's attention and sampling, so the bucket never changes a token."""
+        T, S, structure = program_key(inputs)
+        if self._programs.is_ready((T, S, structure)) or self._programs.on_disk(inputs):
+            return T
+        larger = next((b for b in self.token_buckets
+                       if b > T and self._programs.is_ready((b, self.seq_bucket(b), structure))), None)
+        if larger is not None:
+            self._programs.submit(inputs)
+        return T if larger is None else larger
 
     def _run(self, block_copies: list[tuple[int, int]], inputs: StepInputs | None,
              num_seqs: int) -> PendingStep:

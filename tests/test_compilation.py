@@ -1,0 +1,142 @@
+"""Step programs (jpaged.runtime.compilation): a warm start loads every program
+from <cache_dir>/programs and traces nothing, any change to what a program
+depends on misses, a damaged entry is rebuilt, a step runs padded to a larger
+ready bucket while its own is built, and precompile can run in the background."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import pytest
+
+from helpers import random_prompts
+from jpaged.core.sequence import SamplingParams
+from jpaged.entrypoints.metrics import format_summary, summarize
+from jpaged.runtime import compilation
+
+# 61 blocks: a pool shape no other module uses, so JAX's persistent cache (the
+# suite's, see conftest.py) holds no program of these engines, and the fixture
+# below keeps it from writing one.  A compile served by JAX's cache is not
+# written to the program cache (see compilation._watch_xla_cache).
+ENGINE = dict(num_blocks=61, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+RUNGS = 4  # precompile(): buckets 4, 8, 16, 32 of (4, 8, 16, 18, ..., 32)
+PROMPTS = random_prompts([5, 9, 6, 13], seed=23)  # the first step: 33 tokens, 32 then 1 (buckets 32, 4)
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_xla_cache_writes():
+    old = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
+
+
+@pytest.fixture(scope="module")
+def reference(make_tiny_llm):
+    """Tokens of the exact buckets: an engine with no program cache, nothing precompiled."""
+    return [o.token_ids for o in make_tiny_llm(**ENGINE).generate(PROMPTS, GREEDY)]
+
+
+def cached_engine(make_tiny_llm, cache_dir, **overrides):
+    return make_tiny_llm(**{**ENGINE, "compilation_cache": True, "cache_dir": str(cache_dir), **overrides})
+
+
+def run(llm, prompts=PROMPTS):
+    tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    llm.runner.wait_for_programs()
+    return tokens
+
+
+def entries(cache_dir):
+    return sorted((cache_dir / "programs").glob("*.program"))
+
+
+def test_warm_start_loads_every_program(make_tiny_llm, tmp_path, reference):
+    first = cached_engine(make_tiny_llm, tmp_path)
+    assert run(first) == reference
+    built = first.program_build
+    assert built["programs_loaded"] == 0 and built["programs_compiled"] == first.num_compilations > 0
+    assert len(entries(tmp_path)) == first.num_compilations
+
+    second = cached_engine(make_tiny_llm, tmp_path)
+    outs = second.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    loaded = second.program_build
+    assert loaded["programs_compiled"] == 0 and loaded["trace_lower_s"] == 0
+    assert loaded["programs_loaded"] == second.num_compilations == first.num_compilations
+    text = format_summary(summarize(outs, second, 1.0))
+    assert re.search(rf"compilations \(compile time\) +{second.num_compilations} \(\d+\.\d s\)\n", text)
+    assert f"({second.num_compilations} of {second.num_compilations} from disk)" in text
+
+
+def test_changed_key_misses(make_tiny_llm, tmp_path, monkeypatch):
+    """Another pool layout, or another source of the engine's code: nothing loads."""
+    run(cached_engine(make_tiny_llm, tmp_path))
+    assert entries(tmp_path)
+    other_blocks = cached_engine(make_tiny_llm, tmp_path, block_size=8)
+    run(other_blocks)
+    assert other_blocks.program_build["programs_loaded"] == 0
+    monkeypatch.setattr(compilation, "code_fingerprint", lambda: "edited source")
+    other_code = cached_engine(make_tiny_llm, tmp_path)
+    run(other_code)
+    assert other_code.program_build["programs_loaded"] == 0 < other_code.program_build["programs_compiled"]
+
+
+def test_damaged_entries_are_rebuilt(make_tiny_llm, tmp_path, reference, caplog):
+    first = cached_engine(make_tiny_llm, tmp_path)
+    assert first.precompile() == RUNGS
+    truncated, flipped, foreign, intact = entries(tmp_path)
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    data = bytearray(flipped.read_bytes())
+    data[-10] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    foreign.write_bytes(intact.read_bytes())  # a valid entry, of another key
+    with caplog.at_level(logging.WARNING, logger=compilation.__name__):
+        second = cached_engine(make_tiny_llm, tmp_path)
+        assert second.precompile() == RUNGS
+        assert run(second) == reference
+    warnings = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(warnings) == 3, warnings
+    assert second.program_build["programs_loaded"] == 1  # the intact one
+    third = cached_engine(make_tiny_llm, tmp_path)  # the rebuilt entries were rewritten
+    third.precompile()
+    assert third.program_build == {**third.program_build, "programs_compiled": 0, "programs_loaded": RUNGS}
+
+
+def test_unserializable_program_still_runs(make_tiny_llm, tmp_path, reference, monkeypatch, caplog):
+    def refuse(exe):
+        raise ValueError("Compilation does not support serialization")
+    monkeypatch.setattr(compilation.serialize_executable, "serialize", refuse)
+    with caplog.at_level(logging.WARNING, logger=compilation.__name__):
+        assert run(cached_engine(make_tiny_llm, tmp_path)) == reference
+    assert any("cannot serialize" in r.getMessage() for r in caplog.records)
+    assert not entries(tmp_path)
+
+
+def test_larger_bucket_gives_the_same_tokens(make_tiny_llm):
+    """After precompile() only the power-of-two buckets are ready: a step of 18 to
+    30 tokens runs padded to 32 (its own bucket built meanwhile), with the tokens
+    of its own bucket (which a fresh engine builds and waits for)."""
+    llm = make_tiny_llm(**ENGINE)
+    assert llm.precompile() == RUNGS
+    prompts = random_prompts([7, 12], seed=24)  # a prefill of 19 tokens: bucket 20
+    first = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=1))]
+    assert llm.stats.token_slots == 32  # it ran padded to 32
+    llm.runner.wait_for_programs()
+    assert (20, 4) in [k[:2] for k in llm.runner.compiled_shapes]  # and its own bucket was built
+    exact = run(make_tiny_llm(**ENGINE), prompts)
+    assert first == [t[:1] for t in exact]
+    assert run(llm, prompts) == exact
+
+
+def test_background_precompile(make_tiny_llm, reference):
+    llm = make_tiny_llm(**ENGINE)
+    assert llm.precompile(background=True) == RUNGS
+    assert llm.num_compilations < RUNGS  # it returned before building them
+    assert llm.precompile(background=True) == 0  # in flight already
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    llm.runner.wait_for_programs()
+    assert llm.num_compilations >= RUNGS
