@@ -92,6 +92,12 @@ bench-http-serving: $(STAMP)
 bench-cpu-attention: $(STAMP)
 	$(PY) benchmarks/bench_cpu_attention.py $(ARGS)
 
+# Where each millisecond of a batch-1 decode step goes: host pieces of llm.step(), the
+# server's per-token path, the jitted program in pieces (benchmarks/results/decode_profile.{csv,md}).
+.PHONY: bench-decode-profile
+bench-decode-profile: $(STAMP)
+	$(PY) benchmarks/bench_decode_profile.py $(ARGS)
+
 # 2,000 mixed requests, 10% bad, a pool that preempts, both preemption modes:
 # isolation, no leaked blocks, flat memory (benchmarks/results/soak.{csv,md}).
 .PHONY: soak

@@ -17,13 +17,33 @@ The client streams chat completions with the `openai` client, greedy, up to
 (Poisson) send time; ITL = the gaps between a request's content chunks; e2e =
 the last chunk - the send time; throughput = output tokens (the servers'
 usage counts) / the time from the first send to the last answer.
+
+Closed loop (`--streams=N`, N > 0): N concurrent streams, each sending its next
+request when its previous one finished, --num_requests in all; fresh prompts of
+--prompt_tokens tokens (the user message, before the chat template), exactly
+--max_tokens new tokens (EOS ignored: jpaged's `ignore_eos`, transformers'
+per-request `generation_config` with min_new_tokens), greedy.  Reports per
+server ITL mean / median / p90, TTFT mean / median and output tok/s, in
+benchmarks/results/http_itl.{csv,md}.  `--load_generator=guidellm` drives both
+servers with guidellm instead (--guidellm: its executable, e.g. in its own venv;
+profile synchronous for 1 stream, else concurrent; synthetic data of
+--prompt_tokens / --max_tokens tokens; offline, with the tokenizer written from
+jpaged's) and reads its JSON report: its ITL is per request ((latency - TTFT) /
+(tokens - 1)), summarised over requests; the openai loop's is every chunk gap.
+
+    python benchmarks/bench_http_serving.py --streams=1 --num_requests=16 --max_tokens=64
+    python benchmarks/bench_http_serving.py --streams=1 --load_generator=guidellm \
+        --guidellm=/tmp/guidellm-venv/bin/guidellm
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +63,13 @@ _SEED = flags.DEFINE_integer("seed", 0, "Arrival-time seed.")
 _START_TIMEOUT = flags.DEFINE_float("start_timeout", 600, "Seconds a server may take to turn healthy.")
 _REQUEST_TIMEOUT = flags.DEFINE_float("request_timeout", 900, "Seconds one request may take.")
 _WARMUP_ROUNDS = flags.DEFINE_integer("warmup_rounds", 2, "Untimed bursts of max_running requests first.")
+_STREAMS = flags.DEFINE_integer("streams", 0, "Closed loop with this many concurrent streams (0: Poisson rates).")
+_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 158, "Closed loop: tokens of each fresh user message.")
+_LOAD_GENERATOR = flags.DEFINE_enum("load_generator", "openai", ["openai", "guidellm"],
+                                    "Closed loop: the client that drives the servers.")
+_GUIDELLM = flags.DEFINE_string("guidellm", "/tmp/guidellm-venv/bin/guidellm", "guidellm's executable.")
+_JPAGED_ARGS = flags.DEFINE_list("jpaged_args", [], "Extra `jpaged serve` arguments, e.g. "
+                                 "--config.async_scheduling=false.")
 _TTFT_SLO = 2.0  # seconds: "sustains a rate" = p99 TTFT under this
 
 COLUMNS = ["server", "rate", "requests", "errors", "duration_s", "req_per_s", "out_tok_per_s",
@@ -62,17 +89,30 @@ def start_jpaged(log_dir: pathlib.Path) -> Server:
     port = B.free_port()
     cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port", str(port),
            "--precompile", "--noaccess_log", f"--config.max_num_seqs={_MAX_RUNNING.value}",
-           f"--config.max_tokens={_MAX_TOKENS.value}", "--config.max_queued_requests=100000"]
+           f"--config.max_tokens={_MAX_TOKENS.value}", "--config.max_queued_requests=100000", *_JPAGED_ARGS.value]
     return Server("jpaged", cmd, port, "smollm2-135m", log_dir)
+
+
+@functools.cache
+def small_llm():
+    """A jpaged engine whose weights and tokenizer only are used."""
+    from jpaged.engine.llm import LLM
+    return LLM(num_blocks=4, max_num_seqs=1, max_model_len=64)
 
 
 def write_hf_checkpoint(path: pathlib.Path) -> None:
     """jpaged's weights and tokenizer as a transformers checkpoint directory."""
-    from jpaged.engine.llm import LLM
-    llm = LLM(num_blocks=4, max_num_seqs=1, max_model_len=64)  # only its weights and tokenizer are used
+    llm = small_llm()
     model = B.hf_model(llm)
     model.generation_config = B.hf_generation_config(model, llm, _MAX_TOKENS.value)
     model.save_pretrained(path)
+    write_tokenizer(path)
+
+
+def write_tokenizer(path: pathlib.Path) -> None:
+    """jpaged's tokenizer as a transformers tokenizer directory (guidellm loads it offline)."""
+    llm = small_llm()
+    path.mkdir(parents=True, exist_ok=True)
     tok = llm.tokenizer
     tok.backend.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,
@@ -159,6 +199,155 @@ def measure(name: str, log_dir: pathlib.Path, rates: list[float], workloads: lis
     return rows
 
 
+# ------------------------------------------------------------- closed loop
+def fresh_prompts(n: int) -> list[str]:
+    """n user messages of --prompt_tokens tokens each, distinct from their first
+    tokens on (no prefix-cache reuse between requests)."""
+    tok = small_llm().tokenizer
+    body = " ".join(B.mixed_prompts(64))
+    out = []
+    for i in range(n):
+        ids = tok.encode(f"Request {i}: {body}", add_special_tokens=False)[:_PROMPT_TOKENS.value]
+        out.append(tok.decode(ids))
+    return out
+
+
+def ignore_eos_body(name: str) -> dict[str, Any]:
+    """Extra request fields that make each server generate exactly --max_tokens tokens."""
+    if name == "jpaged":
+        return {"ignore_eos": True}
+    n = _MAX_TOKENS.value  # transformers serve: a whole GenerationConfig per request
+    return {"generation_config": json.dumps({"max_new_tokens": n, "min_new_tokens": n, "do_sample": False})}
+
+
+async def closed_stream(client: Any, server: Server, queue: list[str], t0: float) -> list[dict]:
+    """One stream: the next prompt as soon as the previous answer ended."""
+    results = []
+    while queue:
+        prompt = queue.pop()
+        send = time.perf_counter() - t0
+        stamps, usage, error = [], None, None
+        try:
+            stream = await client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=_MAX_TOKENS.value,
+                temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body=ignore_eos_body(server.name))
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+                if any(c.delta.content for c in chunk.choices):
+                    stamps.append(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+            error = f"{type(e).__name__}: {e}"
+        results.append({"send": send, "stamps": stamps, "error": error,
+                        "tokens": usage if usage is not None else len(stamps)})
+    return results
+
+
+async def run_closed(server: Server, prompts: list[str]) -> tuple[list[dict], float]:
+    import openai
+    queue = list(reversed(prompts))
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=_REQUEST_TIMEOUT.value) as client:
+        t0 = time.perf_counter()
+        per_stream = await asyncio.gather(*(closed_stream(client, server, queue, t0)
+                                            for _ in range(_STREAMS.value)))
+        return [r for rs in per_stream for r in rs], time.perf_counter() - t0
+
+
+ITL_COLUMNS = ["server", "load_generator", "streams", "requests", "errors", "out_tokens_mean", "duration_s",
+               "out_tok_per_s", "ttft_mean_s", "ttft_p50_s", "itl_mean_ms", "itl_p50_ms", "itl_p90_ms"]
+
+
+def summarize_closed(server: str, results: list[dict], span: float) -> dict[str, Any]:
+    ok = [r for r in results if r["error"] is None and r["stamps"]]
+    ttft = [r["stamps"][0] - r["send"] for r in ok]
+    itl = [1000 * g for r in ok for g in np.diff(r["stamps"])]
+    tokens = [r["tokens"] for r in ok]
+    return {"server": server, "load_generator": "openai", "streams": _STREAMS.value, "requests": len(results),
+            "errors": len(results) - len(ok), "out_tokens_mean": float(np.mean(tokens)) if tokens else float("nan"),
+            "duration_s": span, "out_tok_per_s": sum(tokens) / span,
+            "ttft_mean_s": float(np.mean(ttft)) if ttft else float("nan"), "ttft_p50_s": B.pct(ttft, 50),
+            "itl_mean_ms": float(np.mean(itl)) if itl else float("nan"), "itl_p50_ms": B.pct(itl, 50),
+            "itl_p90_ms": B.pct(itl, 90)}
+
+
+def guidellm_command(server: Server, tokenizer: pathlib.Path, out: pathlib.Path) -> list[str]:
+    n = _STREAMS.value
+    profile = "kind=synchronous" if n == 1 else f"kind=concurrent,streams={n}"
+    return [_GUIDELLM.value, "run", "--backend",
+            f"kind=openai_http,target={server.url},model={server.model},request_format=/v1/chat/completions",
+            "--profile", profile,
+            "--data", f"kind=synthetic_text,prompt_tokens={_PROMPT_TOKENS.value},output_tokens={_MAX_TOKENS.value}",
+            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+            "--constraint", f"kind=max_requests,count={_N.value}",
+            "--output", f"kind=json,path={out}", "--disable-progress"]
+
+
+def run_guidellm(server: Server, log_dir: pathlib.Path) -> dict[str, Any]:
+    """guidellm against the live server (offline: no hub); its report's summary."""
+    tokenizer, out = log_dir / "tokenizer", log_dir / f"guidellm_{server.name}.json"
+    if not (tokenizer / "tokenizer.json").exists():
+        write_tokenizer(tokenizer)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with open(log_dir / f"guidellm_{server.name}.log", "w") as f:
+        subprocess.run(guidellm_command(server, tokenizer, out), cwd=log_dir, env=env, stdout=f,
+                       stderr=subprocess.STDOUT, check=True)
+    return parse_guidellm(server.name, json.loads(out.read_text()))
+
+
+def parse_guidellm(server: str, report: dict[str, Any]) -> dict[str, Any]:
+    bench = report["benchmarks"][0]
+    m, reqs = bench["metrics"], bench["requests"]
+    ok = lambda name: m[name]["successful"]  # noqa: E731
+    tokens = [r["output_tokens"] for r in reqs["successful"]]
+    if reqs["errored"]:  # the report's own words: e.g. a field the server refuses
+        print(f"{server}: {len(reqs['errored'])} guidellm requests failed; first: {reqs['errored'][0].get('error')}")
+    return {"server": server, "load_generator": "guidellm", "streams": _STREAMS.value,
+            "requests": len(reqs["successful"]) + len(reqs["errored"]) + len(reqs["incomplete"]),
+            "errors": len(reqs["errored"]) + len(reqs["incomplete"]),
+            "out_tokens_mean": float(np.mean(tokens)) if tokens else float("nan"),
+            "duration_s": bench["duration"], "out_tok_per_s": sum(tokens) / bench["duration"],
+            "ttft_mean_s": ok("time_to_first_token_ms")["mean"] / 1000,
+            "ttft_p50_s": ok("time_to_first_token_ms")["median"] / 1000,
+            "itl_mean_ms": ok("inter_token_latency_ms")["mean"], "itl_p50_ms": ok("inter_token_latency_ms")["median"],
+            "itl_p90_ms": ok("inter_token_latency_ms")["percentiles"]["p90"]}
+
+
+def measure_closed(name: str, log_dir: pathlib.Path, prompts: list[str], warmup: list[str]) -> dict[str, Any]:
+    server = STARTERS[name](log_dir)
+    try:
+        ready_s = server.wait_healthy(_START_TIMEOUT.value)
+        print(f"{name}: healthy after {ready_s:.1f} s; warming up")
+        for _ in range(_WARMUP_ROUNDS.value):  # compiles and allocator growth stay out of the timing
+            asyncio.run(run_closed(server, warmup))
+        if _LOAD_GENERATOR.value == "guidellm":
+            row = run_guidellm(server, log_dir)
+        else:
+            row = summarize_closed(name, *asyncio.run(run_closed(server, prompts)))
+        print(B.table([row], ITL_COLUMNS, ITL_FORMATS))
+        return row
+    finally:
+        server.stop()
+
+
+ITL_FORMATS = {"out_tokens_mean": ".1f", "duration_s": ".1f", "out_tok_per_s": ".1f", "ttft_mean_s": ".3f",
+               "ttft_p50_s": ".3f", "itl_mean_ms": ".1f", "itl_p50_ms": ".1f", "itl_p90_ms": ".1f"}
+
+
+def closed_loop_main() -> None:
+    prompts = fresh_prompts(_N.value + _STREAMS.value)
+    warmup, prompts = prompts[:_STREAMS.value], prompts[_STREAMS.value:]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [measure_closed(name, pathlib.Path(tmp), prompts, warmup) for name in _SERVERS.value]
+    title = (f"HTTP inter-token latency, closed loop: {_STREAMS.value} stream(s), {_N.value} requests per server "
+             f"({_LOAD_GENERATOR.value}), fresh {_PROMPT_TOKENS.value}-token prompts, {_MAX_TOKENS.value} new "
+             f"tokens (EOS ignored), greedy; jpaged max_num_seqs={_MAX_RUNNING.value} {' '.join(_JPAGED_ARGS.value)}")
+    B.report("http_itl", rows, ITL_COLUMNS, ITL_FORMATS, title=title)
+    B.write_markdown("http_itl", f"{title}; {B.machine()}, {B.today()}\n\n"
+                     + B.markdown_table(rows, ITL_COLUMNS, ITL_FORMATS))
+
+
 # ------------------------------------------------------------------ report
 def sustained(rows: list[dict], server: str) -> str:
     ok = [r["rate"] for r in rows if r["server"] == server and r["errors"] == 0 and r["ttft_p99_s"] < _TTFT_SLO]
@@ -197,6 +386,9 @@ def plot(rows: list[dict]) -> None:
 def main(argv: list[str]) -> None:
     del argv
     B.header("http serving")
+    if _STREAMS.value > 0:
+        closed_loop_main()
+        return
     rates = [float(r) for r in _RATES.value]
     prompts = B.mixed_prompts(_N.value * len(rates) + _MAX_RUNNING.value)
     warmup = prompts[:_MAX_RUNNING.value]
