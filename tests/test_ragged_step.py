@@ -83,9 +83,12 @@ def test_mixed_steps_equal_each_request_alone(make_tiny_llm):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = make_tiny_llm(max_num_batched_tokens=24, max_num_seqs=4)
     together = [o.token_ids for o in llm.generate(prompts, params)]
-    assert llm.stats.padding_ratio < 2.0
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
+    # (the first run pads more: a step whose bucket is still being built runs in a larger one)
+    llm.runner.wait_for_programs()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == together
+    assert llm.stats.padding_ratio < 1.5
 
 
 def test_shared_prefix_engine_hits_and_matches(make_tiny_llm):

@@ -159,6 +159,7 @@ def test_data_parallel_engine_speaks_global_request_ids(tiny_llama_dir, one_devi
     homes = {i: next(j for j, r in enumerate(dp.replicas) if r.get_sequence(i) is not None) for i in ids}
     assert len(set(homes.values())) == 2  # spread over both replicas
     dp.step()
+    dp.step()  # (asynchronous scheduling: a step counts once it completes, at the next one)
     snap = dp.snapshot()
     assert snap.running == len(PROMPTS) and snap.used_blocks > 0
     assert snap.num_blocks == dp.num_blocks and snap.totals.steps == 2  # one step of each replica

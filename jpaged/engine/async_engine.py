@@ -240,7 +240,9 @@ class AsyncEngine:
         new, new_logprobs, reasons = [], [], []
         for i, seq in enumerate(request.samples):
             sent = request.num_sent[i]
-            tokens = seq.output_token_ids[sent:]
+            # (only tokens the host knows: not a PLACEHOLDER of a step still on the device)
+            known = seq.num_known_tokens - len(seq.prompt_token_ids)
+            tokens = seq.output_token_ids[sent:known]
             if tokens:
                 first = sent == 0 and i == 0
                 gap = None if request.last_token_time[i] is None else now - request.last_token_time[i]
@@ -249,7 +251,7 @@ class AsyncEngine:
                 request.last_token_time[i] = now
             new.append(list(tokens))
             new_logprobs.append(seq.logprobs[sent:sent + len(tokens)])  # [] unless asked for
-            reasons.append(seq.finish_reason if seq.is_done else None)
+            reasons.append(seq.finish_reason if seq.is_done and known == len(seq.output_token_ids) else None)
         error = next((s.error for s in request.samples if s.error), None)
         delta = Delta(request.index, new, reasons, error, request.samples[0].num_cached_tokens, now,
                       new_logprobs)
@@ -281,6 +283,8 @@ class AsyncEngine:
     def _abort_all(self) -> None:
         """At close: every request still tracked finishes with "abort"."""
         self.llm.abort(list(self._tracked))
+        while self.llm.has_unfinished_requests():  # a step still on the device brings their last tokens
+            self._step()
         self._publish()
 
     def _fail_all(self, error: str) -> None:
