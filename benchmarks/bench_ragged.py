@@ -352,6 +352,7 @@ class Runner:
                 shutil.rmtree(cache_dir, ignore_errors=True)
         s = json.loads(summary.read_text())
         outputs = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        outputs.sort(key=lambda o: o["index"])  # the CLI writes each result as it finishes
         print(f"  -> {wall:.1f} s subprocess, generate {s['wall_s']:.1f} s, {s['output_tokens']} tokens, "
               f"{s['compilations']} programs ({s['compile_s']:.1f} s compiling), padding "
               f"{s['padding_ratio']:.3f}", flush=True)

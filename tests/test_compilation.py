@@ -51,7 +51,7 @@ def run(llm, prompts=PROMPTS):
 
 
 def entries(cache_dir):
-    return sorted((cache_dir / "programs").glob("*.program"))
+    return sorted((cache_dir / "programs").glob("*/*.program"))  # a folder per engine
 
 
 def test_warm_start_loads_every_program(make_tiny_llm, tmp_path, reference):
@@ -62,7 +62,9 @@ def test_warm_start_loads_every_program(make_tiny_llm, tmp_path, reference):
     assert len(entries(tmp_path)) == first.num_compilations
 
     second = cached_engine(make_tiny_llm, tmp_path)
+    assert second.num_compilations == first.num_compilations  # preloaded when the engine was built
     outs = second.generate(PROMPTS, GREEDY)
+    assert second.stats.compile_seconds == 0  # the run itself waited for no program
     assert [o.token_ids for o in outs] == reference
     loaded = second.program_build
     assert loaded["programs_compiled"] == 0 and loaded["trace_lower_s"] == 0
@@ -95,8 +97,8 @@ def test_damaged_entries_are_rebuilt(make_tiny_llm, tmp_path, reference, caplog)
     flipped.write_bytes(bytes(data))
     foreign.write_bytes(intact.read_bytes())  # a valid entry, of another key
     with caplog.at_level(logging.WARNING, logger=compilation.__name__):
-        second = cached_engine(make_tiny_llm, tmp_path)
-        assert second.precompile() == RUNGS
+        second = cached_engine(make_tiny_llm, tmp_path)  # preloads the intact entry, skips the others
+        assert second.precompile() == RUNGS - 1
         assert run(second) == reference
     warnings = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
     assert len(warnings) == 3, warnings

@@ -37,6 +37,7 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "host_pct": 100 * stats.host_seconds / step_seconds if step_seconds else 0.0,
         "compilations": llm.num_compilations,
         "compile_s": llm.compile_seconds,
+        "compile_wait_s": stats.compile_seconds,  # of it, what this run's steps waited for
         **llm.program_build,
         "padding_ratio": stats.padding_ratio,
         "prefix_cache": bool(llm.config.enable_prefix_caching),
@@ -77,7 +78,8 @@ def format_summary(summary: dict[str, float]) -> str:
     if "programs_loaded" in summary:
         rows.append(("program build", f"trace+lower {summary['trace_lower_s']:.1f} s, compile "
                                       f"{summary['xla_compile_s']:.1f} s, loaded {summary['load_s']:.1f} s "
-                                      f"({summary['programs_loaded']} of {summary['compilations']} from disk)"))
+                                      f"({summary['programs_loaded']} of {summary['compilations']} from disk); "
+                                      f"steps waited {summary['compile_wait_s']:.1f} s"))
     rows += [
         ("token slots / real tokens", f"{summary['padding_ratio']:.3f}"),
     ]

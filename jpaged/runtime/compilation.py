@@ -271,7 +271,7 @@ class StepPrograms:
                 log.info("a step program came from JAX's persistent compilation cache, whose executables do "
                          "not survive a second serialization: not written to %s", path.parent)
             else:
-                self._save(path, key_text, exe)
+                self._save(path, key_text, exe, (inputs.num_tokens, inputs.num_seqs))
             self._count(compile_seconds=time.perf_counter() - t0)
         return exe
 
@@ -293,14 +293,19 @@ class StepPrograms:
                 setattr(self.stats, name, getattr(self.stats, name) + amount)
 
     # ------------------------------------------------------------------ disk
+    @property
+    def _engine_dir(self) -> pathlib.Path:
+        """One folder per engine (base key), so that preload finds its entries."""
+        return self.cache_dir / hashlib.sha256(self._base_key.encode()).hexdigest()[:32]
+
     def _path(self, key_text: str) -> pathlib.Path:
-        return self.cache_dir / (hashlib.sha256(key_text.encode()).hexdigest() + ".program")
+        return self._engine_dir / (hashlib.sha256(key_text.encode()).hexdigest() + ".program")
 
     def _load(self, path: pathlib.Path, key_text: str) -> jax.stages.Compiled | None:
         """The entry's program, or None (missing; or unusable: logged, to be rebuilt)."""
         t0 = time.perf_counter()
         try:
-            exe = self._decode(path.read_bytes(), key_text)
+            exe = self._decode(path.read_bytes(), key_text)[0]
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - any damage means: rebuild it
@@ -311,25 +316,57 @@ class StepPrograms:
         self._count(loaded=1, load_seconds=time.perf_counter() - t0)
         return exe
 
-    def _decode(self, data: bytes, key_text: str) -> jax.stages.Compiled:
+    def _decode(self, data: bytes, key_text: str | None) -> tuple[jax.stages.Compiled, dict[str, Any]]:
+        """The entry's program and header; `key_text` None (a preload) accepts any
+        key of this engine (the base key's, hashed to the file's own name)."""
         if not data.startswith(MAGIC):
             raise ProgramCacheError("not a step program entry")
         head, sep, payload = data[len(MAGIC):].partition(b"\n")
         if not sep:
             raise ProgramCacheError("truncated header")
         header = json.loads(head)
-        if header["key"] != key_text:
+        if key_text is not None and header["key"] != key_text:
             raise ProgramCacheError("written for another key")
+        if key_text is None and not header["key"].startswith(self._base_key + "\n"):
+            raise ProgramCacheError("written for another engine")
         if len(payload) != header["payload_bytes"]:
             raise ProgramCacheError(f"payload of {len(payload)} bytes, expected {header['payload_bytes']}")
         if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
             raise ProgramCacheError("payload checksum mismatch")
         serialized, in_tree, out_tree = pickle.loads(payload)
-        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
-                                                         backend=self._devices[0].client,
-                                                         execution_devices=self._devices)
+        exe = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                        backend=self._devices[0].client,
+                                                        execution_devices=self._devices)
+        header["inputs_tree"] = in_tree.children()[0].children()[2]  # of ((params, pool, inputs), {})
+        return exe, header
 
-    def _save(self, path: pathlib.Path, key_text: str, exe: jax.stages.Compiled) -> None:
+    def preload(self) -> int:
+        """Loads every entry this engine (its base key) has on disk, so that a warm
+        run's steps find their programs ready: the cost moves to start-up, before
+        the first request.  Returns how many were loaded; an unusable entry is
+        skipped here (the step that needs it rebuilds it)."""
+        if self.cache_dir is None or not self._engine_dir.is_dir():
+            return 0
+        loaded = 0
+        for path in sorted(self._engine_dir.glob("*.program")):
+            t0 = time.perf_counter()
+            try:
+                exe, header = self._decode(path.read_bytes(), None)
+                key = (header["num_tokens"], header["num_seqs"], header["inputs_tree"])
+                if hashlib.sha256(header["key"].encode()).hexdigest() != path.stem:
+                    raise ProgramCacheError("file name is not its key's hash")
+            except Exception as e:  # noqa: BLE001 - any damage: left for the step that needs it
+                log.info("step program cache entry %s not preloaded (%s: %s)", path, type(e).__name__, e)
+                continue
+            finally:
+                self._count(load_seconds=time.perf_counter() - t0)
+            with self._lock:
+                self._ready.setdefault(key, exe)
+            self._count(loaded=1)
+            loaded += 1
+        return loaded
+
+    def _save(self, path: pathlib.Path, key_text: str, exe: jax.stages.Compiled, bucket: tuple[int, int]) -> None:
         """Writes the entry atomically (tmp file + os.replace); a program that
         cannot be serialized or written is logged and kept in memory only."""
         try:
@@ -338,7 +375,8 @@ class StepPrograms:
             log.warning("cannot serialize the step program (%s: %s): compiled it, kept in memory only",
                         type(e).__name__, e)
             return
-        header = json.dumps({"key": key_text, "payload_bytes": len(payload),
+        header = json.dumps({"key": key_text, "num_tokens": bucket[0], "num_seqs": bucket[1],
+                             "payload_bytes": len(payload),
                              "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

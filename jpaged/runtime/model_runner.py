@@ -137,6 +137,7 @@ class ModelRunner:
             mesh_context=self._mesh_context,
             static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
                     "graphdef": graphdef})
+        self._programs.preload()  # a warm start: every program this engine built before, before any step
         self.timing = StepTiming()
 
     def _jit(self, step):
