@@ -108,6 +108,7 @@ class LLM:
         # async_scheduling: the step on the device whose tokens the host does not have yet.
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: StartedStep | None = None
+        self._last_completed = 0.0  # perf_counter when the last step completed
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process run (jpaged.runtime.distributed): run
@@ -376,7 +377,11 @@ class LLM:
                 self.scheduler.fail(s.seq, f"internal error: {type(e).__name__}: {e}")
             offset += s.num_new
         pending = started.pending
-        self.step_stats.record(out, prefill=started.prefill, step_seconds=time.perf_counter() - started.start,
+        # A step's wall: since it began, or (a step launched while the one before ran)
+        # since that one completed, so overlapped steps are not counted twice.
+        now = time.perf_counter()
+        step_seconds, self._last_completed = now - max(started.start, self._last_completed), now
+        self.step_stats.record(out, prefill=started.prefill, step_seconds=step_seconds,
                                timing=pending.timing if pending is not None else self.runner.timing,
                                block_manager=self.block_manager,
                                token_slots=pending.token_slots if pending is not None else 0,

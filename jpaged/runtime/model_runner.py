@@ -129,6 +129,7 @@ class ModelRunner:
         self.chained = chained
         self._token_buffer = self._new_token_buffer() if chained else None
         self._last_launched: StepResult | None = None
+        self._last_collected = 0.0  # perf_counter when the last step's result arrived
         # One jitted step; each structure of its StepInputs is a program of its own.
         static = dict(attention_impl=attention_impl, num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
         self._step = self._jit(functools.partial(run_step, graphdef, **static))
@@ -334,7 +335,11 @@ class ModelRunner:
         if pending.outputs is None:
             return StepResult(np.zeros(0, np.int32))
         result = jax.device_get(pending.outputs)
-        pending.timing.forward = time.perf_counter() - pending.start
+        # The device's share: from the launch, or (a chained step queued behind the
+        # one before it) from when that one's result was in.
+        done = time.perf_counter()
+        pending.timing.forward = done - max(pending.start, self._last_collected)
+        self._last_collected = done
         result.tokens = result.tokens[:pending.num_seqs]
         if result.nan_rows is not None:
             result.nan_rows = result.nan_rows[:pending.num_seqs]
