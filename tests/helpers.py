@@ -19,12 +19,14 @@ def import_torch():
     return torch
 
 
-# Engine settings for the tiny Llama: small pool and lengths keep compiles cheap.
+# Engine settings for the tiny Llama: small pool and lengths keep compiles cheap, and
+# so does the power-of-two ladder (buckets_per_octave=1: a few programs per engine;
+# tests of the finer default ladder ask for it).
 # Prefix caching is off so that these tests exercise plain paging (tests turn it on
 # where they mean to; tests/test_prefix_cache.py covers it in depth).
 TINY_ENGINE = dict(load_format="hf", max_model_len=128, block_size=16, num_blocks=64,
                    max_num_seqs=8, max_num_batched_tokens=128, attention_impl="reference",
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, buckets_per_octave=1)
 
 
 def assert_all_blocks_free(llm) -> None:
@@ -47,7 +49,8 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 256) -> list[list[int]]:
 
 # The embedded SmolLM2: one engine for the whole session.
 SMOLLM_ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=96,
-                     max_num_seqs=8, max_num_batched_tokens=256, attention_impl="reference")
+                     max_num_seqs=8, max_num_batched_tokens=256, attention_impl="reference",
+                     buckets_per_octave=1)
 
 
 def with_tokenizer(model_dir: str, dest: pathlib.Path) -> pathlib.Path:

@@ -20,8 +20,8 @@ BS = 8
 SMALL = dict(block_size=BS, num_blocks=21, max_num_seqs=8, max_num_batched_tokens=64)
 
 _rng = np.random.default_rng(3)
-LENGTHS = _rng.integers(3, 40, size=16).tolist()
-MAX_TOKENS = _rng.integers(4, 33, size=16).tolist()
+LENGTHS = _rng.integers(3, 40, size=12).tolist()
+MAX_TOKENS = _rng.integers(4, 33, size=12).tolist()
 SYSTEM = random_prompts([16], seed=98)[0]
 PROMPTS = [(SYSTEM + p if i % 2 else p)[:64] for i, p in enumerate(random_prompts(LENGTHS, seed=4))]
 
@@ -72,8 +72,8 @@ def engines(make_tiny_llm):
     return pair
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("caching", [False, True], ids=["no cache", "prefix cache"])
+@pytest.mark.parametrize("mode, caching", [("recompute", False), ("swap", True)],
+                         ids=["recompute, no cache", "swap, prefix cache"])
 def test_async_equals_sync_under_preemption(engines, mode, caching):
     sync, async_ = engines(preemption_mode=mode, enable_prefix_caching=caching, **SMALL)
     params = mixed_params()

@@ -20,7 +20,7 @@ from jpaged.runtime import compilation
 # suite's, see conftest.py) holds no program of these engines, and the fixture
 # below keeps it from writing one.  A compile served by JAX's cache is not
 # written to the program cache (see compilation._watch_xla_cache).
-ENGINE = dict(num_blocks=61, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+ENGINE = dict(num_blocks=61, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, buckets_per_octave=8)
 RUNGS = 4  # precompile(): buckets 4, 8, 16, 32 of (4, 8, 16, 18, ..., 32)
 PROMPTS = random_prompts([5, 9, 6, 13], seed=23)  # the first step: 33 tokens, 32 then 1 (buckets 32, 4)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -122,7 +122,7 @@ def test_compilations_are_bounded(make_tiny_llm):
     """One compiled program per step-size bucket: with max_num_seqs 4 and
     max_num_batched_tokens 32 the ladder is T in {4, 8, 16, 18, ..., 32} (eighths
     of an octave above 16), whatever the mix of prompts and decodes."""
-    llm = make_tiny_llm(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    llm = make_tiny_llm(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, buckets_per_octave=8)
     assert llm.runner.token_buckets == (4, 8, 16, 18, 20, 22, 24, 26, 28, 30, 32)
     lengths = [1, 2, 5, 7, 8, 9, 13, 20, 31, 33, 40, 47, 50, 60, 62]
     max_tokens = [3, 17, 1, 9, 30, 2, 12, 7, 25, 4, 11, 16, 5, 8, 10]

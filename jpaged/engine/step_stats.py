@@ -44,7 +44,9 @@ class StepStats:
         device_seconds = timing.swap + timing.copy + timing.forward
         s.device_seconds += device_seconds
         s.compile_seconds += timing.compile
-        s.host_seconds += step_seconds - device_seconds - timing.compile
+        # (asynchronously, a step may wait for its program while the step before runs:
+        # that wait lies in the earlier step's wall, so this one's remainder may be < 0)
+        s.host_seconds += max(0.0, step_seconds - device_seconds - timing.compile)
         s.swap_seconds += timing.swap
         s.swapped_out_bytes += sum(len(r.block_ids) for r in out.swap_out) * swap_space.block_bytes
         s.swapped_in_bytes += sum(len(r.block_ids) for r in out.swap_in) * swap_space.block_bytes
