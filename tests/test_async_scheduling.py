@@ -21,7 +21,7 @@ SMALL = dict(block_size=BS, num_blocks=21, max_num_seqs=8, max_num_batched_token
 
 _rng = np.random.default_rng(3)
 LENGTHS = _rng.integers(3, 40, size=12).tolist()
-MAX_TOKENS = _rng.integers(4, 33, size=12).tolist()
+MAX_TOKENS = _rng.integers(4, 25, size=12).tolist()
 SYSTEM = random_prompts([16], seed=98)[0]
 PROMPTS = [(SYSTEM + p if i % 2 else p)[:64] for i, p in enumerate(random_prompts(LENGTHS, seed=4))]
 

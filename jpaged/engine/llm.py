@@ -87,7 +87,8 @@ class LLM:
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space, logprobs_mode=cfg.logprobs_mode,
+                                  buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space,
+                                  logprobs_mode=cfg.logprobs_mode,
                                   mesh=self.mesh, program_cache_dir=program_cache_dir(cfg),
                                   chained=cfg.async_scheduling)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
