@@ -72,8 +72,9 @@ def engines(make_tiny_llm):
     return pair
 
 
-@pytest.mark.parametrize("mode, caching", [("recompute", False), ("swap", True)],
-                         ids=["recompute, no cache", "swap, prefix cache"])
+# (swap preemption and the prefix cache under asynchronous scheduling, the default,
+# are checked against unpreempted runs in test_preemption.py and test_prefix_cache.py)
+@pytest.mark.parametrize("mode, caching", [("recompute", False)], ids=["recompute, no cache"])
 def test_async_equals_sync_under_preemption(engines, mode, caching):
     sync, async_ = engines(preemption_mode=mode, enable_prefix_caching=caching, **SMALL)
     params = mixed_params()
