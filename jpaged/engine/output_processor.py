@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jpaged.core.scheduler import ScheduledSeq
 from jpaged.core.sequence import Sequence, TokenLogprob
 from jpaged.runtime.model_runner import StepResult
 from jpaged.runtime.sampling import TokenLogprobs
