@@ -136,14 +136,15 @@ STARTERS = {"jpaged": start_jpaged, "transformers": start_transformers}
 
 
 # ------------------------------------------------------------------ client
-async def one_request(client: Any, model: str, prompt: str, send_at: float, t0: float) -> dict[str, Any]:
-    """Streams one chat completion sent at t0 + send_at; its timestamps (seconds from t0)."""
-    await asyncio.sleep(max(0.0, t0 + send_at - time.perf_counter()))
+async def stream_chat(client: Any, model: str, prompt: str, t0: float,
+                      extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Streams one chat completion now: each content chunk's time (seconds from t0),
+    the server's completion-token count (else the chunks counted) and any error."""
     stamps, usage, error = [], None, None
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=_MAX_TOKENS.value,
-            temperature=0, stream=True, stream_options={"include_usage": True})
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
         async for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
@@ -151,8 +152,13 @@ async def one_request(client: Any, model: str, prompt: str, send_at: float, t0: 
                 stamps.append(time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         error = f"{type(e).__name__}: {e}"
-    return {"send": send_at, "stamps": stamps, "tokens": usage if usage is not None else len(stamps),
-            "error": error}
+    return {"stamps": stamps, "tokens": usage if usage is not None else len(stamps), "error": error}
+
+
+async def one_request(client: Any, model: str, prompt: str, send_at: float, t0: float) -> dict[str, Any]:
+    """Streams one chat completion sent at t0 + send_at; its timestamps (seconds from t0)."""
+    await asyncio.sleep(max(0.0, t0 + send_at - time.perf_counter()))
+    return {"send": send_at, **await stream_chat(client, model, prompt, t0)}
 
 
 async def run_load(server: Server, prompts: list[str], arrivals: np.ndarray) -> tuple[list[dict], float]:
@@ -226,21 +232,8 @@ async def closed_stream(client: Any, server: Server, queue: list[str], t0: float
     while queue:
         prompt = queue.pop()
         send = time.perf_counter() - t0
-        stamps, usage, error = [], None, None
-        try:
-            stream = await client.chat.completions.create(
-                model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=_MAX_TOKENS.value,
-                temperature=0, stream=True, stream_options={"include_usage": True},
-                extra_body=ignore_eos_body(server.name))
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage.completion_tokens
-                if any(c.delta.content for c in chunk.choices):
-                    stamps.append(time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-            error = f"{type(e).__name__}: {e}"
-        results.append({"send": send, "stamps": stamps, "error": error,
-                        "tokens": usage if usage is not None else len(stamps)})
+        results.append({"send": send, **await stream_chat(client, server.model, prompt, t0,
+                                                          ignore_eos_body(server.name))})
     return results
 
 
