@@ -109,20 +109,33 @@ def generate_step_with_logprobs(
     return tuple(out)
 
 
+def apply_logit_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """logits[S, vocab] with -inf where the row's bitmask mask[S, ceil(vocab / 32)]
+    (int32, bit j of word w allows token 32 w + j) forbids the token; None: unchanged."""
+    if mask is None:
+        return logits
+    vocab = logits.shape[-1]
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(mask.shape[0], -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets, *,
-                                 num_logprobs, logprobs_mode, attention_impl):
-    """generate_step_with_logprobs, also returning the last-token logits [S, vocab]."""
+                                 num_logprobs, logprobs_mode, attention_impl, logit_mask=None):
+    """generate_step_with_logprobs, also returning the last-token logits [S, vocab]
+    (raw: before `logit_mask`, which only what is sampled and processed logprobs see)."""
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
     logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
                                    attention_impl=attention_impl, logits="all" if every else "last")
     last = logits[meta.logits_indices] if every else logits
+    allowed = apply_logit_mask(last, logit_mask)
     if sampling is None:
-        next_tokens, processed = greedy(last), last
+        next_tokens, processed = greedy(allowed), allowed
     else:  # the processed logits serve both the draw and "processed" logprobs
-        processed = processed_logits(last, sampling)
-        next_tokens = sample_processed(last, processed, sampling)
+        processed = processed_logits(allowed, sampling)
+        next_tokens = sample_processed(allowed, processed, sampling)
     source = processed if logprobs_mode == "processed" else last
     prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
     return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool, last
@@ -141,7 +154,9 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
     given.  A feature that adds a field to StepInputs consumes it here.
     `StepResult.nan_rows` flags the rows whose logits hold a NaN (one reduction).
     With `inputs.prev_rows` (asynchronous scheduling) some tokens come from the
-    previous step's `token_buffer`, and the step returns its own.
+    previous step's `token_buffer`, and the step returns its own.  With
+    `inputs.logit_mask` (structured outputs) each row samples among the tokens
+    its bitmask allows (raw logprobs stay the model's; processed ones are masked).
     """
     if inputs.prev_rows is not None:  # tokens the previous step sampled, still on the device
         prev = inputs.prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
@@ -150,12 +165,13 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
         tokens, logprobs, prompt, kv_pool, logits = _generate_step_with_logprobs(
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
-            attention_impl=attention_impl)
+            attention_impl=attention_impl, logit_mask=inputs.logit_mask)
         result = StepResult(tokens, logprobs, prompt, jnp.isnan(logits).any(axis=-1))
     else:
         logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
                                        attention_impl=attention_impl)
-        result = StepResult(sample(logits, inputs.sampling), nan_rows=jnp.isnan(logits).any(axis=-1))
+        result = StepResult(sample(apply_logit_mask(logits, inputs.logit_mask), inputs.sampling),
+                            nan_rows=jnp.isnan(logits).any(axis=-1))
     if inputs.prev_tokens is not None:  # the next step's prev_tokens: one fixed shape for every bucket
         result.token_buffer = jax.lax.dynamic_update_slice(jnp.zeros_like(inputs.prev_tokens),
                                                            result.tokens.astype(jnp.int32), (0,))

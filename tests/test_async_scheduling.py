@@ -161,8 +161,8 @@ def test_placeholders_read_on_the_device(make_tiny_llm):
     other = Sequence(1, [8, 8], SamplingParams())
     other.block_table.block_ids = [2]
     inputs = build_step_inputs([ScheduledSeq(other, 2), ScheduledSeq(seq, 1)], num_tokens=8, num_seqs=4,
-                               block_size=BS, table_width=2, chained=True)
+                               block_size=BS, table_width=2, vocab_size=64, chained=True)
     assert inputs.prev_rows.tolist() == [-1, -1, 3, -1, -1, -1, -1, -1]
     assert inputs.tokens.tolist()[:3] == [8, 8, 0]
     assert build_step_inputs([ScheduledSeq(other, 2)], num_tokens=8, num_seqs=4, block_size=BS,
-                             table_width=2).prev_rows is None  # synchronous: no field, another program
+                             table_width=2, vocab_size=64).prev_rows is None  # synchronous: no field, another program

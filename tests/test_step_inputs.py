@@ -35,7 +35,8 @@ def schedule(*params: SamplingParams):
 
 
 def build(scheduled, T=16, S=4):
-    return build_step_inputs(scheduled, num_tokens=T, num_seqs=S, block_size=BLOCK, table_width=WIDTH)
+    return build_step_inputs(scheduled, num_tokens=T, num_seqs=S, block_size=BLOCK, table_width=WIDTH,
+                             vocab_size=64)
 
 
 def test_tokens_and_metadata():

@@ -13,6 +13,7 @@ import time
 
 from jpaged.core.block_manager import BlockTable
 from jpaged.core.config import FLOAT32_MAX, INT32_MAX, is_finite, is_int
+from jpaged.structured.spec import StructuredOutputs
 
 
 class Status(enum.Enum):
@@ -44,6 +45,9 @@ class SamplingParams:
     # alternatives, and of each prompt token plus `prompt_logprobs` alternatives.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # A constraint on the output (JSON schema, regex, choice, grammar): every
+    # sample's tokens are masked to those the constraint allows next.
+    structured: StructuredOutputs | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field: its type, range and, for
@@ -68,6 +72,10 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
                            allowed=f"null or an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise ValueError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
+            self.structured.validate()
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__} "
                              f"{self.cache_salt!r}")
@@ -137,6 +145,9 @@ class Sequence:
         # Stop strings: the output's text as it grows (a SampleText, made by the
         # engine's output processor on the first token of a sample with params.stop).
         self.stop_text = None
+        # Structured outputs: this sample's grammar matcher (jpaged.structured.grammar),
+        # advanced by each of its tokens; None when unconstrained.
+        self.grammar = None
         # Asynchronous scheduling: the row that samples this sequence's last token in
         # the step launched last (read while that token is a PLACEHOLDER), and
         # whether that token is its last one (max_tokens or max_model_len reached).

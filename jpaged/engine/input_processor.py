@@ -14,6 +14,7 @@ import numpy as np
 
 from jpaged.core.rounding import cdiv
 from jpaged.core.sequence import SamplingParams
+from jpaged.structured.grammar import GrammarCompiler
 
 PROMPT_KEYS = {"prompt", "messages", "cache_salt"}  # of a chat prompt dict given to generate()
 
@@ -31,8 +32,11 @@ class InputProcessor:
     """Turns what generate() takes into token ids and says why a request cannot run."""
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 block_size: int, num_blocks: int):
+                 block_size: int, num_blocks: int, grammars: GrammarCompiler | None = None):
+        """`grammars`: compiles structured-output constraints (None: the model has no
+        tokenizer, and a constrained request is refused)."""
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -90,6 +94,10 @@ class InputProcessor:
             return f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}"
         if cdiv(len(ids) + 1, self.block_size) > self.num_blocks - 1:
             return f"prompt needs more KV blocks than the pool has ({self.num_blocks - 1})"
+        if params.structured is not None:
+            if self.grammars is None:
+                return "structured outputs need a tokenizer, and this model has none"
+            return self.grammars.check(params.structured)
         return None
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None, str | None]:

@@ -40,6 +40,7 @@ from jpaged.runtime.kv_pool import block_shape, bytes_per_block
 from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
 from jpaged.runtime.params import check_finite_params, check_same_structure
 from jpaged.runtime.sharding import Mesh, bytes_per_device, tensor_parallel_size
+from jpaged.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class StartedStep:
     error: Exception | None
     start: float
     prefill: bool = False  # a prompt chunk ran in it (the step's statuses change when it launches)
+    # What finished in the step before it, completed first because a constrained
+    # sample's next mask needed its token (finish_step returns them too).
+    finished: list[Sequence] = dataclasses.field(default_factory=list)
 
 
 class LLM:
@@ -96,9 +100,12 @@ class LLM:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    preemption_mode=cfg.preemption_mode, swap_space=self.swap_space,
                                    token_buckets=self.runner.token_buckets, stats=self.totals)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                         if self.tokenizer is not None else None)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=self.model_config.vocab_size,
                                      max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                     block_size=cfg.block_size, num_blocks=self.num_blocks)
+                                     block_size=cfg.block_size, num_blocks=self.num_blocks,
+                                     grammars=self.grammars)
         self.progress = ProgressCheck(self.scheduler, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer, max_model_len=cfg.max_model_len)
         self._rng = np.random.default_rng(cfg.seed)
@@ -178,6 +185,11 @@ class LLM:
         seq = Sequence(request_id, prompt_token_ids, params, prompt=prompt, seed=seed,
                        weights_version=self.weights_version)
         self._active[request_id] = seq
+        if not error and params.structured is not None:
+            try:
+                seq.grammar = self.grammars.grammar(params.structured)
+            except ValueError as e:
+                error = str(e)
         if error:
             seq.finish("error", error)
             return request_id
@@ -185,6 +197,7 @@ class LLM:
             self._next_child_id -= 1
             child = Sequence(self._next_child_id, seq.prompt_token_ids, params, prompt=prompt,
                              seed=seed + i, weights_version=self.weights_version)
+            child.grammar = seq.grammar.fork() if seq.grammar is not None else None
             child.group = seq.group
             seq.group.append(child)
             seq.forks.append(child)
@@ -319,14 +332,15 @@ class LLM:
         completes gets a PLACEHOLDER for the token it samples: the next schedule()
         sees the state after this step before its tokens are known."""
         t0 = time.perf_counter()
+        early = self._complete_constrained()
         out = self.scheduler.schedule()
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         try:
             pending = self.runner.launch(out)
         except Exception as e:  # noqa: BLE001 - reported by finish_step
-            return StartedStep(out, None, e, t0, prefill)
+            return StartedStep(out, None, e, t0, prefill, early)
         self._commit(out)
-        return StartedStep(out, pending, None, t0, prefill)
+        return StartedStep(out, pending, None, t0, prefill, early)
 
     def finish_step(self, started: StartedStep) -> list[Sequence]:
         """step()'s second half: waits for the device, then puts the sampled tokens
@@ -334,13 +348,24 @@ class LLM:
         async_scheduling a step with a forward stays on the device until the next
         call: this one completes the step launched before it."""
         if not self.async_scheduling:
-            return self._complete(started)
+            return started.finished + self._complete(started)
         previous, self._in_flight = self._in_flight, None
-        finished = self._complete(previous) if previous is not None else []
+        finished = started.finished + (self._complete(previous) if previous is not None else [])
         if started.pending is not None and started.pending.outputs is not None:
             self._in_flight = started
             return finished
         return finished + self._complete(started)
+
+    def _complete_constrained(self) -> list[Sequence]:
+        """Asynchronous scheduling: completes the step in flight now when it samples
+        for a constrained sequence, whose next mask needs that token (such steps
+        run one at a time); returns what finished in it."""
+        started = self._in_flight
+        if started is None or not any(s.seq.grammar is not None and s.output_index is not None
+                                      for s in started.out.scheduled):
+            return []
+        self._in_flight = None
+        return self._complete(started)
 
     def _commit(self, out: SchedulerOutput) -> None:
         """A dispatched step's effect on its sequences, known before its tokens are."""
@@ -412,6 +437,10 @@ class LLM:
             seq.first_token_time = time.perf_counter()
         self.block_manager.cache_full_blocks(seq)
         reason = self.outputs.finish_reason(seq, token, num_output=s.output_index + 1)
+        if reason is None and seq.grammar is not None:
+            reason = self._advance_grammar(seq, token)
+            if seq.is_done:
+                return
         if reason is not None:
             del seq.output_token_ids[s.output_index + 1:]  # a later step's placeholder
             seq.finish(reason)
@@ -419,6 +448,16 @@ class LLM:
                 self.scheduler.finish(seq)
             else:  # preempted while its last step ran
                 self.scheduler.fail(seq, None, reason=reason)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> str | None:
+        """Moves a constrained sample's matcher past its new token: "stop" when the
+        constraint is complete.  A token the constraint refuses (only a NaN row
+        can sample one) fails the sample with an error."""
+        if seq.grammar.accept(token):
+            return "stop" if seq.grammar.is_finished else None
+        self.scheduler.fail(seq, f"token {token} broke the {seq.grammar.spec.kind} constraint: "
+                                 f"{seq.grammar.error or 'not allowed'}")
+        return None
 
     @staticmethod
     def _drop_unknown(s: ScheduledSeq) -> None:

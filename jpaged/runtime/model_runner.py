@@ -119,6 +119,7 @@ class ModelRunner:
         self.block_size = block_size
         self.table_width = cdiv(max_model_len, block_size)
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = model_cfg.vocab_size  # the logit masks' width
         self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs, buckets_per_octave)
         self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype,
                                            sharding=None if mesh is None else pool_sharding(mesh))
@@ -262,7 +263,7 @@ class ModelRunner:
     def _padded_inputs(self, scheduled: list[ScheduledSeq], T: int) -> StepInputs:
         return self._with_token_buffer(build_step_inputs(
             scheduled, num_tokens=T, num_seqs=self.seq_bucket(T), block_size=self.block_size,
-            table_width=self.table_width, chained=self.chained))
+            table_width=self.table_width, vocab_size=self.vocab_size, chained=self.chained))
 
     def _new_token_buffer(self) -> jax.Array:
         zeros = np.zeros(self.seq_bucket(self.token_buckets[-1]), np.int32)

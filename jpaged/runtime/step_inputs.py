@@ -27,14 +27,15 @@ of its own; static fields (`logprobs`) are part of the structure too.  Today:
 Programs are keyed (T, S, structure), so every field's shape must be a function
 of the bucket: T tokens, S sequences (or fixed, like the block tables' width).
 
-Adding a feature adds a field.  A structured-output logit mask, say:
+    logit_mask            a row samples under a structured-output constraint: the
+                          step masks its logits with the grammar's bitmask
 
-  1. here: `logit_mask: np.ndarray | None = None` on StepInputs, a [S, vocab/32]
-     uint32 bitmask (bit j of word w allows token 32 * w + j), in
-     `build_step_inputs` filled from the rows that carry a grammar and left None
-     when no scheduled row does (so the other steps keep their programs);
-  2. in `jpaged.decode.run_step`: `if inputs.logit_mask is not None:` unpack it and
-     set the disallowed logits to -inf before sampling (and before logprobs);
+Adding a feature adds a field (the logit mask went in this way):
+
+  1. here: a field on StepInputs whose shape is a function of the bucket, filled
+     in `build_step_inputs` and left None when no scheduled row needs it (so the
+     other steps keep their programs);
+  2. in `jpaged.decode.run_step`: `if inputs.<field> is not None:` consume it;
   3. nothing else: the runner's jit, program keys, shardings, the broadcast and
      `follow` take the new field as they take the others.
 LoRA adapter ids ([S] int32, None when no row uses an adapter) and speculative
@@ -70,6 +71,10 @@ class StepInputs:
                        previous step samples, its row there (-1: tokens[t] is it)
     prev_tokens[P]     int32, the previous step's StepResult.token_buffer (the
                        runner attaches it: a device array, never on the host)
+    logit_mask[S, W]   int32 bitmask, W = ceil(vocab / 32): bit j of word w allows
+                       token 32 w + j at the row's sample (a constrained row's
+                       grammar wrote it; every other row all ones); None when
+                       no scheduled row is constrained
     logprobs           static: the step also returns the sampled tokens' logprobs
     """
 
@@ -79,6 +84,7 @@ class StepInputs:
     prompt_targets: np.ndarray | jax.Array | None = None
     prev_rows: np.ndarray | jax.Array | None = None
     prev_tokens: jax.Array | None = None
+    logit_mask: np.ndarray | jax.Array | None = None
     logprobs: bool = False
 
     @property
@@ -91,7 +97,7 @@ class StepInputs:
 
 
 jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets",
-                                                          "prev_rows", "prev_tokens"],
+                                                          "prev_rows", "prev_tokens", "logit_mask"],
                                  meta_fields=["logprobs"])
 
 
@@ -116,17 +122,19 @@ jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", 
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seqs: int,
-                      block_size: int, table_width: int, chained: bool = False) -> StepInputs:
+                      block_size: int, table_width: int, vocab_size: int, chained: bool = False) -> StepInputs:
     """The step's inputs (numpy) for the scheduled sequences, padded to the bucket:
     num_tokens (T) flat tokens, num_seqs (S) sequences, block tables
-    table_width wide.  `chained` (asynchronous scheduling): the step may read
-    tokens the previous step samples (prev_rows; the runner attaches prev_tokens)."""
+    table_width wide, logit masks vocab_size wide.  `chained` (asynchronous
+    scheduling): the step may read tokens the previous step samples (prev_rows;
+    the runner attaches prev_tokens)."""
     tokens, meta = _tokens_and_metadata(scheduled, num_tokens, num_seqs, block_size, table_width)
     logprobs = any(s.seq.params.logprobs is not None or s.seq.params.prompt_logprobs is not None
                    for s in scheduled)
     return StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
                       prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
-                      prev_rows=_prev_rows(scheduled, tokens) if chained else None, logprobs=logprobs)
+                      prev_rows=_prev_rows(scheduled, tokens) if chained else None,
+                      logit_mask=_logit_mask(scheduled, num_seqs, vocab_size), logprobs=logprobs)
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False) -> StepInputs:
@@ -140,6 +148,21 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chaine
                         logits_indices=zeros(num_seqs))
     prev_rows = np.full(num_tokens, -1, np.int32) if chained else None
     return StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows)
+
+
+def _logit_mask(scheduled: list[ScheduledSeq], S: int, vocab_size: int) -> np.ndarray | None:
+    """[S, ceil(vocab / 32)] int32: each constrained row that samples in this step
+    gets its grammar's bitmask, every other row all ones (-1); None when no row
+    samples under a constraint.  A row samples when its chunk reaches the end of
+    its tokens (a prefill chunk short of it samples nothing)."""
+    rows = [(i, s.seq.grammar) for i, s in enumerate(scheduled)
+            if s.seq.grammar is not None and s.start + s.num_new == s.seq.num_tokens]
+    if not rows:
+        return None
+    mask = np.full((S, (vocab_size + 31) // 32), -1, np.int32)
+    for i, grammar in rows:
+        grammar.fill(mask, i)
+    return mask
 
 
 def _prev_rows(scheduled: list[ScheduledSeq], tokens: np.ndarray) -> np.ndarray:

@@ -1,0 +1,185 @@
+"""What a request asks its output to be: `StructuredOutputs`, and how the
+request fields of every entry point map to it (one place for all of them).
+
+Field names follow vLLM's `StructuredOutputsParams` (`json`, `regex`, `choice`,
+`grammar`, `json_object`); the OpenAI `response_format` and vLLM's older
+`guided_*` extras map onto the same object (`from_request`).  Host code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json as _json
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's pre-0.10 extras, each the StructuredOutputs field it means.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+# Extras that shape how a constraint is enforced rather than what it is: accepted
+# only at the values that leave jpaged's enforcement as it is.
+NEUTRAL_EXTRAS = {"guided_decoding_backend": (None, "", "auto", "guidance", "llguidance"),
+                  "guided_whitespace_pattern": (None,)}
+MAX_SPEC_CHARS = 1 << 20  # a schema / grammar / regex larger than 1 MiB is refused
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint on a sample's text.
+
+    json         a JSON schema (a dict, or its JSON text; stored as canonical text)
+    json_object  True: any JSON object
+    regex        a regular expression the whole output matches (Rust regex syntax)
+    choice       one of these strings, exactly
+    grammar      a Lark grammar as llguidance takes it, or GBNF (llama.cpp's)
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):  # as text: hashable (key order kept: it is the order generated)
+            object.__setattr__(self, "json", _json.dumps(self.json, ensure_ascii=False))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is (one of KINDS)."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        """ValueError naming the field when this is not exactly one well-typed
+        constraint (whether it compiles is the grammar compiler's check)."""
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of {', '.join(KINDS)}, got "
+                             f"{', '.join(given) or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if not isinstance(value, str):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {_type(value)}")
+            try:
+                schema = _json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {_type(schema)}")
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(f"structured_outputs.json_object must be true, got {_type(value)}")
+        elif kind == "choice":
+            if (not isinstance(value, tuple) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {_type(value)}")
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {_type(value)}")
+        if len(self.source()) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{kind} is larger than {MAX_SPEC_CHARS} characters")
+
+    def source(self) -> str:
+        """The constraint as text (the JSON schema's text, the regex, the grammar, ...)."""
+        value = getattr(self, self.kind)
+        if self.kind == "choice":
+            return _json.dumps(list(value), ensure_ascii=False)
+        return "" if value is True else value
+
+    def describe(self) -> str:
+        """A short human name ("regex '[a-z]+'"), for errors and logs."""
+        text = self.source()
+        return f"{self.kind} {text[:60]!r}{'...' if len(text) > 60 else ''}" if text else self.kind
+
+
+def from_dict(obj: Any, where: str = "structured_outputs") -> StructuredOutputs:
+    """vLLM's `structured_outputs` request object ({"json": schema} / {"regex": ...} /
+    {"choice": [...]} / {"grammar": ...} / {"json_object": true}); ValueError
+    naming `where` for anything else."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} must be an object with one of {', '.join(KINDS)}, got {_type(obj)}")
+    unknown = [k for k in obj if k not in KINDS and obj[k] is not None]
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]} is not supported (jpaged takes {', '.join(KINDS)})")
+    fields = {k: obj[k] for k in KINDS if obj.get(k) is not None}
+    if isinstance(fields.get("json"), str):  # the schema's JSON text
+        fields["json"] = _canonical_json(fields["json"], f"{where}.json")
+    spec = StructuredOutputs(**fields)
+    _validate(spec, where)
+    return spec
+
+
+def from_response_format(value: Any, where: str = "response_format") -> StructuredOutputs | None:
+    """OpenAI's `response_format`: {"type": "text"} (None), {"type": "json_object"},
+    or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ValueError(f'{where} must be an object with a "type", got {_type(value)}')
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f'{where}.type must be "text", "json_object" or "json_schema", got {_type(kind)}')
+    body = value.get("json_schema")
+    if not isinstance(body, dict):
+        raise ValueError(f"{where}.json_schema must be an object with a schema, got {_type(body)}")
+    schema = body.get("schema", body.get("json_schema"))
+    if schema is None:  # OpenAI: no schema means any JSON object
+        return StructuredOutputs(json_object=True)
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}.json_schema.schema must be an object, got {_type(schema)}")
+    spec = StructuredOutputs(json=schema)
+    _validate(spec, f"{where}.json_schema.schema")
+    return spec
+
+
+def from_request(obj: dict[str, Any]) -> StructuredOutputs | None:
+    """The one constraint a request asks for through any of its fields
+    (`structured_outputs`, `response_format`, vLLM's `guided_*`), or None;
+    ValueError naming the field when a field is malformed, a neutral extra is
+    not neutral, or two fields ask for constraints at once."""
+    for name, neutral in NEUTRAL_EXTRAS.items():
+        if obj.get(name) not in neutral:
+            raise ValueError(f"{name} is not supported (got {_type(obj[name])}; jpaged enforces constraints "
+                             f"with llguidance and its own whitespace rules)")
+    found: list[tuple[str, StructuredOutputs]] = []
+    if obj.get("structured_outputs") is not None:
+        found.append(("structured_outputs", from_dict(obj["structured_outputs"])))
+    if obj.get("guided_decoding") is not None:  # vLLM's older name of the same object
+        found.append(("guided_decoding", from_dict(obj["guided_decoding"], "guided_decoding")))
+    spec = from_response_format(obj.get("response_format"))
+    if spec is not None:
+        found.append(("response_format", spec))
+    for name, kind in GUIDED_FIELDS.items():
+        if obj.get(name) is not None:
+            found.append((name, from_dict({kind: obj[name]}, name)))
+    if len(found) > 1:
+        raise ValueError(f"{found[0][0]} and {found[1][0]} both constrain the output: give one")
+    return found[0][1] if found else None
+
+
+def _canonical_json(text: str, where: str) -> str:
+    try:
+        return _json.dumps(_json.loads(text), ensure_ascii=False)
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}") from None
+
+
+def _validate(spec: StructuredOutputs, where: str) -> None:
+    try:
+        spec.validate()
+    except ValueError as e:  # say which request field it came from
+        raise ValueError(str(e).replace("structured_outputs", where, 1)) from None
+
+
+def _type(x: Any) -> str:
+    names = {dict: "an object", list: "an array", tuple: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    kind = names.get(type(x), type(x).__name__)
+    return kind if kind in ("an object", "an array") else f"{kind} {str(x)[:60]!r}"
