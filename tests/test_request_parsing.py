@@ -93,10 +93,9 @@ def test_unknown_fields_warn_with_the_nearest_name():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("min_p", 0.05), ("bad_words", ["x"]), ("include_stop_str_in_output", True), ("guided_json", {}),
-    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"), ("guided_decoding_backend", "outlines"),
-    ("guided_decoding", {"choice": ["a"]}), ("structured_outputs", {"regex": "a"}), ("tool_choice", "required"),
-    ("tools", [{}]), ("response_format", {"type": "json_object"}), ("min_tokens", 2), ("repetition_penalty", 1.1),
+    ("min_p", 0.05), ("bad_words", ["x"]), ("include_stop_str_in_output", True),
+    ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "), ("tool_choice", "required"),
+    ("tools", [{}]), ("min_tokens", 2), ("repetition_penalty", 1.1),
     ("presence_penalty", 0.1), ("frequency_penalty", 0.1), ("logit_bias", {"1": 1}), ("length_penalty", 2),
     ("use_beam_search", True), ("best_of", 2), ("skip_special_tokens", False),
     ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 8), ("allowed_token_ids", [1]),

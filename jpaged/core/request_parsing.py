@@ -14,11 +14,17 @@ import os
 from typing import Any
 
 from jpaged.core.sequence import SamplingParams
+from jpaged.structured import spec as structured_spec
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
                    "cache_salt", "ignore_eos", "logprobs", "prompt_logprobs")
+# The fields that constrain the output, all mapped to SamplingParams.structured
+# (jpaged.structured.spec.from_request): vLLM's `structured_outputs` (and its older
+# `guided_decoding` / `guided_*` extras) and OpenAI's `response_format`.
+STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_decoding",
+                     *structured_spec.GUIDED_FIELDS, *structured_spec.NEUTRAL_EXTRAS)
 PROMPT_FIELDS = ("prompt", "messages")
-REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS
+REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS + STRUCTURED_FIELDS
 
 # Request fields of vLLM (SamplingParams, its OpenAI server's extra_body) and of
 # OpenAI that would change the answer and that jpaged does not implement, each
@@ -43,16 +49,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "repetition_detection": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
-    # structured output and tool calling
-    "structured_outputs": (None,),
-    "guided_decoding": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,),
-    "response_format": (None, {"type": "text"}),
+    # tool calling (the HTTP chat route implements tools and tool_choice)
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),       # with no tools, nothing to call
     "functions": (None, []),
@@ -237,6 +234,9 @@ def role_problem(role: Any) -> str | None:
 
 def _sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
     overrides = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+    structured = structured_spec.from_request(obj)
+    if structured is not None:
+        overrides["structured"] = structured
     if isinstance(overrides.get("stop_token_ids"), list):
         overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
     stop = overrides.get("stop")

@@ -437,8 +437,8 @@ class LLM:
             seq.first_token_time = time.perf_counter()
         self.block_manager.cache_full_blocks(seq)
         reason = self.outputs.finish_reason(seq, token, num_output=s.output_index + 1)
-        if reason is None and seq.grammar is not None:
-            reason = self._advance_grammar(seq, token)
+        if seq.grammar is not None and reason in (None, "length"):  # a structure complete at the limit: "stop"
+            reason = self._advance_grammar(seq, token) or reason
             if seq.is_done:
                 return
         if reason is not None:

@@ -16,6 +16,7 @@ so preemption (recompute or swap) leaves it as it is.  Host code: no jax.
 from __future__ import annotations
 
 import collections
+import re
 import threading
 from typing import Any
 
@@ -141,5 +142,7 @@ class GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    return " ".join(lines[:3])[:300] if lines else "unknown error"
+    """llguidance's multi-line message on one line, without its caret drawings."""
+    lines = [" ".join(line.split()) for line in message.strip().splitlines()]
+    lines = [line for line in lines if line.strip("^ ") and not re.match(r"\d+ \|", line)]
+    return "; ".join(dict.fromkeys(lines))[:400] if lines else "unknown error"

@@ -56,7 +56,7 @@ class StructuredOutputs:
         constraint (whether it compiles is the grammar compiler's check)."""
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured outputs need exactly one of {', '.join(KINDS)}, got "
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got "
                              f"{', '.join(given) or 'none'}")
         kind = given[0]
         value = getattr(self, kind)
