@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLM": "jpaged.engine.llm",
     "RequestOutput": "jpaged.engine.output_processor",
     "SamplingParams": "jpaged.core.sequence",
+    "StructuredOutputs": "jpaged.structured.spec",
     "DataParallelLLM": "jpaged.engine.router",
     "create_engine": "jpaged.engine.router",
 }
