@@ -33,3 +33,24 @@ def test_readme_decode_example_matches_full_recompute():
         expected.append(int(np.argmax(recompute(pool, padded, jnp.int32(len(tokens)))[0])))
         tokens.append(expected[-1])
     assert generated == expected
+
+
+def readme_blocks(heading: str) -> list[str]:
+    """The ```python blocks of the README section under `heading`."""
+    section = README.read_text().split(heading + "\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_readme_structured_outputs_python_example(smollm_llm, monkeypatch, capsys):
+    import json
+
+    import jsonschema
+
+    import jpaged
+    monkeypatch.setattr(jpaged, "LLM", lambda **overrides: smollm_llm, raising=False)  # the session's engine
+    scope: dict = {}
+    exec(compile(readme_blocks("## Structured outputs and tool calls")[0], "README.md", "exec"), scope)
+    city, outs = scope["city"], scope["outs"]
+    assert outs[0].finish_reason == "stop" and outs[1].text in ("yes", "no")
+    jsonschema.validate(json.loads(outs[0].text), city)
+    assert outs[1].text in capsys.readouterr().out
