@@ -14,9 +14,10 @@ import numpy as np
 
 from jpaged.core.rounding import cdiv
 from jpaged.core.sequence import SamplingParams
+from jpaged.structured import tools as structured_tools
 from jpaged.structured.grammar import GrammarCompiler
 
-PROMPT_KEYS = {"prompt", "messages", "cache_salt"}  # of a chat prompt dict given to generate()
+PROMPT_KEYS = {"prompt", "messages", "tools", "cache_salt"}  # of a chat prompt dict given to generate()
 
 
 @dataclasses.dataclass
@@ -46,7 +47,8 @@ class InputProcessor:
     def prepare(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
         """A raw string, a list of token ids, or a chat request {"messages": [...]} /
         {"prompt": "a user message"} (rendered with the model's chat template),
-        optionally with a "cache_salt"."""
+        optionally with "tools" (OpenAI function tools, jpaged.structured.tools)
+        and a "cache_salt"."""
         text, token_ids, error = self._tokenize(prompt)
         unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
         if unknown:  # e.g. sampling fields, which would otherwise be silently ignored
@@ -109,7 +111,7 @@ class InputProcessor:
             if isinstance(prompt, dict):
                 messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
                 # Special-token strings in message contents stay text: a user cannot forge turns.
-                text, ids = self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
+                text, ids = self._encode_chat(messages, prompt.get("tools"))
                 return text, ids, None
             if isinstance(prompt, str):
                 return prompt, self._require_tokenizer().encode(prompt), None
@@ -118,6 +120,16 @@ class InputProcessor:
             return (None, None, error) if error else (None, [int(t) for t in ids], None)
         except Exception as e:  # one bad request must not take the batch down
             return None, None, f"invalid prompt: {type(e).__name__}: {e}"
+
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: Any) -> tuple[str, list[int]]:
+        """The chat rendered with its tools: by the template when it renders `tools`,
+        else written into the messages in the Hermes format (jpaged.structured.tools)."""
+        tokenizer = self._require_tokenizer()
+        functions = structured_tools.validate_tools(tools) if tools else None
+        native = bool(functions) and tokenizer.renders_tools
+        messages = structured_tools.messages_for_template(messages, functions, native)
+        extra = {"tools": [{"type": "function", "function": f} for f in functions]} if native else {}
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, **extra)
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:

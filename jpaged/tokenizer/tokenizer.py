@@ -105,9 +105,15 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template")
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
+        context.setdefault("tools", None)
         return _compile_template(self.chat_template).render(
-            messages=messages, tools=None, documents=None,
-            add_generation_prompt=add_generation_prompt, **context)
+            messages=messages, documents=None, add_generation_prompt=add_generation_prompt, **context)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template itself writes the `tools` it is given (Qwen's,
+        Llama 3's, ...); else tools must be put in the messages (SmolLM2's)."""
+        return bool(self.chat_template) and re.search(r"\btools\b", self.chat_template) is not None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> tuple[str, list[int]]:
