@@ -210,11 +210,7 @@ def test_one_refused_list_for_the_server_and_the_batch_cli():
 # as if the field were absent); each is now a 400 naming it.
 REFUSED = [
     ("min_p", 0.1), ("bad_words", ["foo"]), ("include_stop_str_in_output", True),
-    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
-    ("structured_outputs", {"choice": ["a"]}), ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"}),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
     ("min_tokens", 3), ("repetition_penalty", 1.2), ("presence_penalty", 0.5), ("frequency_penalty", -1),
     ("logit_bias", {"50256": -100}), ("length_penalty", 0.5), ("use_beam_search", True),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 5),
@@ -374,3 +370,11 @@ def test_random_bodies_get_a_request_or_a_400_naming_a_field_of_theirs(route, bo
         return
     req.params.validate()
     assert req.prompts and req.stop == list(req.params.stop)
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "a"}), (parse_generate, {"prompt": "a"})])
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "required")])
+def test_tools_outside_chat_are_refused(parse, body, field, value):
+    error = refusal(parse, {**body, field: value})
+    assert error["param"] == field and error["code"] == "unsupported"

@@ -29,9 +29,10 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, ValidationError, Va
                       model_validator)
 
 from jpaged.core.request_parsing import (CHAT_ONLY_FIELDS, REQUEST_FIELDS, SAMPLING_FIELDS,  # noqa: F401
-                                         UNSUPPORTED_FIELDS, parse_sampling_params, role_problem,
-                                         unsupported_field)
+                                         STRUCTURED_FIELDS, UNSUPPORTED_FIELDS, parse_sampling_params,
+                                         role_problem, unsupported_field)
 from jpaged.core.sequence import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, TokenLogprob
+from jpaged.structured import tools as structured_tools
 
 LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON has no infinities (as vLLM)
 
@@ -75,6 +76,10 @@ class GenerationRequest:
     echo: bool = False
     include_usage: bool = False
     model: str = ""
+    # Chat with tools (tool_choice other than "none"): answers are parsed for tool calls.
+    parse_tool_calls: bool = False
+    # The body field that constrains the output (response_format, tool_choice, ...), if any.
+    constraint_field: str | None = None
 
 
 # ------------------------------------------------------- validation errors
@@ -151,13 +156,32 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # the arguments object as JSON text (OpenAI's form)
+
+
+class ToolCallPart(BaseModel):
+    """An earlier assistant turn's tool call (OpenAI's `tool_calls` entries)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """A chat message: `content` a string or a list of text parts (joined).
-    Other fields (`name`...) go to the chat template as they came."""
+    """A chat message: `content` a string or a list of text parts (joined), or
+    null for an assistant turn that made `tool_calls`; a `tool` message answers
+    the call `tool_call_id`.  Other fields (`name`...) go to the chat template
+    as they came."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: Union[str, list[TextPart]]
+    tool_calls: Optional[list[ToolCallPart]] = None  # (before content: its check reads them)
+    content: Union[str, list[TextPart], None]
+    tool_call_id: Optional[str] = None
 
     @field_validator("role")
     @classmethod
@@ -169,7 +193,10 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="wrap")
     @classmethod
-    def _content(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+    def _content(cls, value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise Invalid("must be a string or a list of text parts (null only beside an assistant "
+                          "message's tool_calls), got null")
         try:
             return handler(value)
         except ValidationError:
@@ -178,10 +205,17 @@ class ChatMessage(BaseModel):
                               '([{"type": "text", "text": ...}, ...])') from None
             raise Invalid(f"must be a string or a list of text parts, got {_json_type(value)}") from None
 
+    @model_validator(mode="after")
+    def _calls_are_the_assistants(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise Invalid(f"tool_calls belong to assistant messages, not {self.role!r} ones", param="messages")
+        return self
+
     def as_dict(self) -> dict[str, Any]:
-        """The message as the chat template takes it: content one string."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {**self.model_dump(), "content": content}
+        """The message as the chat template takes it: content one string (or None
+        beside tool_calls), unset tool fields left out."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {**self.model_dump(exclude_none=True, exclude={"content"}), "content": content}
 
 
 def _non_empty_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
@@ -219,6 +253,17 @@ class _Request(BaseModel):
     cache_salt: Optional[str] = None
     ignore_eos: Optional[bool] = None
     stop: Union[str, list[str], None] = None
+    # Structured outputs (request_parsing.STRUCTURED_FIELDS): any JSON here; their
+    # shapes are checked where they become SamplingParams.structured.
+    structured_outputs: Any = None
+    response_format: Any = None
+    guided_decoding: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -226,7 +271,8 @@ class _Request(BaseModel):
         """UNSUPPORTED_FIELDS (and best_of != n, and the route's own) other than
         their neutral values: a 400 naming the field, code "unsupported"."""
         if isinstance(body, dict):
-            refused = unsupported_field(body, 1, cls._route_unsupported(body))
+            checked = {k: v for k, v in body.items() if k not in cls._route_implements()}
+            refused = unsupported_field(checked, 1, cls._route_unsupported(body))
             if refused is not None:
                 raise Invalid(refused[1], param=refused[0], code="unsupported")
         return body
@@ -236,6 +282,11 @@ class _Request(BaseModel):
         """This route's unsupported fields beside UNSUPPORTED_FIELDS."""
         return {}
 
+    @classmethod
+    def _route_implements(cls) -> tuple[str, ...]:
+        """Fields of UNSUPPORTED_FIELDS this route implements (the chat route's tools)."""
+        return ()
+
     @field_validator("stop", mode="wrap")
     @classmethod
     def _stop(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
@@ -243,6 +294,11 @@ class _Request(BaseModel):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise Invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         return stop
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The structured-output field this body sets (the first, if several)."""
+        return next((k for k in STRUCTURED_FIELDS if getattr(self, k) not in (None, {"type": "text"})), None)
 
     @property
     def stop_strings(self) -> tuple[str, ...] | None:
@@ -256,7 +312,7 @@ class _Request(BaseModel):
         """The body's sampling fields and stop strings over `default`; the route
         gives the ROUTE_FIELDS it read in its own way.  A value SamplingParams
         refuses is a 400 naming its field (or its alias in this body)."""
-        fields = {k: getattr(self, k) for k in _COMMON_SAMPLING_FIELDS}
+        fields = {k: getattr(self, k) for k in _COMMON_SAMPLING_FIELDS + STRUCTURED_FIELDS}
         fields.update(route_fields)
         fields = {k: v for k, v in fields.items() if v is not None}
         stops = self.stop_strings
@@ -356,7 +412,7 @@ class CompletionRequest(_OpenAIRequest):
                                       prompt_logprobs=self.logprobs if echo else None)
         return GenerationRequest(prompts=self.prompts, params=params, stop=list(params.stop),
                                  stream=bool(self.stream), echo=echo, include_usage=self.include_usage,
-                                 model=model)
+                                 model=model, constraint_field=self.constraint_field)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -367,11 +423,32 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: Optional[int] = None   # the newer name of max_tokens (wins over it)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    tools: Any = None          # OpenAI function tools (jpaged.structured.tools.validate_tools)
+    tool_choice: Any = None    # "none" | "auto" (the default with tools) | "required" | a named function
 
     @classmethod
     def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
         # vLLM's chat `echo` (the last message leads the answer) is not /v1/completions' echo.
         return {**CHAT_ONLY_FIELDS, "echo": (None, False)}
+
+    @classmethod
+    def _route_implements(cls) -> tuple[str, ...]:
+        return ("tools", "tool_choice")
+
+    def _tool_constraint(self) -> tuple[list[dict[str, Any]] | None, Any]:
+        """(the tools as function dicts or None, the constraint tool_choice puts on the answer)."""
+        if self.tools is None or self.tools == []:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise RequestError("tool_choice needs tools", "tool_choice")
+            return None, None
+        try:
+            functions = structured_tools.validate_tools(self.tools)
+        except ValueError as e:
+            raise RequestError(str(e), "tools") from None
+        try:
+            return functions, structured_tools.tool_choice_constraint(functions, self.tool_choice)
+        except ValueError as e:
+            raise RequestError(str(e), "tool_choice") from None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -387,9 +464,19 @@ class ChatCompletionRequest(_OpenAIRequest):
         req = self.model_copy(update={"max_tokens": self.max_completion_tokens}) if renamed else self
         aliases = {"max_tokens": "max_completion_tokens"} if renamed else None
         params = req.sampling_params(default, aliases, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
-        return GenerationRequest(prompts=[{"messages": [m.as_dict() for m in self.messages]}], params=params,
-                                 stop=list(params.stop), stream=bool(self.stream),
-                                 include_usage=self.include_usage, model=model)
+        functions, constraint = self._tool_constraint()
+        if constraint is not None:
+            if params.structured is not None:
+                raise RequestError(f"tool_choice {json.dumps(self.tool_choice)} and a structured-output field both "
+                                   "constrain the answer: give one", "tool_choice")
+            params = dataclasses.replace(params, structured=constraint)
+        prompt: dict[str, Any] = {"messages": [m.as_dict() for m in self.messages]}
+        if functions is not None:
+            prompt["tools"] = self.tools
+        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), stream=bool(self.stream),
+                                 include_usage=self.include_usage, model=model,
+                                 parse_tool_calls=functions is not None and self.tool_choice != "none",
+                                 constraint_field="tool_choice" if constraint is not None else self.constraint_field)
 
 
 class GenerateRequest(_Request):
@@ -434,7 +521,8 @@ class GenerateRequest(_Request):
     def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
         prompt = self.prompt if self.messages is None else {"messages": [m.as_dict() for m in self.messages]}
         params = self.sampling_params(default, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
-        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model)
+        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model,
+                                 constraint_field=self.constraint_field)
 
 
 def _is_token_ids(prompt: list[Any]) -> bool:
@@ -493,9 +581,16 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+                logprobs: dict[str, Any] | None = None, parse_tool_calls: bool = False) -> dict[str, Any]:
+    """A chat choice; with `parse_tool_calls`, the text's `<tool_call>` blocks become
+    `message.tool_calls` (and finish_reason "tool_calls" for a sample that stopped)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if parse_tool_calls:
+        content, calls = structured_tools.parse_tool_calls(text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None,

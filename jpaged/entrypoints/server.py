@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jpaged.engine.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
+from jpaged.structured.tools import ToolCallStreamParser
 from jpaged.tokenizer.detokenizer import SampleText
 from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
                                     chat_logprobs, completion_choice, completion_logprobs, envelope,
@@ -335,6 +336,10 @@ class Answer:
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
 
+    def chunks(self, update: ChoiceUpdate) -> list[dict[str, Any]]:
+        """The SSE chunks of one choice's update (one, unless tool calls split it)."""
+        return [self.chunk(update)]
+
     def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -398,9 +403,16 @@ class ChatAnswer(Answer):
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
         return None if self.run.gen.params.logprobs is None else chat_logprobs(logprobs, self.state.token_text)
 
+    def __init__(self, run: GenerationRun, state: ServerState, prompt_texts: list[str]):
+        super().__init__(run, state, prompt_texts)
+        # Streaming with tools: each choice's text goes through a tool-call parser.
+        self._tool_parsers = ([ToolCallStreamParser() for _ in run.samples] if run.gen.parse_tool_calls
+                              else None)
+
     def body(self) -> dict[str, Any]:
         run = self.run
-        choices = [chat_choice(c, s.text, run.finish_reasons[c], self._logprobs(run.logprobs[c]))
+        choices = [chat_choice(c, s.text, run.finish_reasons[c], self._logprobs(run.logprobs[c]),
+                               run.gen.parse_tool_calls)
                    for c, s in enumerate(run.samples)]
         return envelope(self.id, "chat.completion", run.gen.model, choices, run.usage())
 
@@ -412,10 +424,22 @@ class ChatAnswer(Answer):
         return [self._chunk([chat_chunk_choice(c, {"role": "assistant", "content": ""}, None)])
                 for c in range(len(self.run.samples))]
 
-    def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
-        delta = {"content": update.text} if update.text else {}
-        return self._chunk([chat_chunk_choice(update.index, delta, update.finish_reason,
-                                              self._logprobs(update.logprobs))])
+    def chunks(self, update: ChoiceUpdate) -> list[dict[str, Any]]:
+        if self._tool_parsers is None:
+            delta = {"content": update.text} if update.text else {}
+            return [self._chunk([chat_chunk_choice(update.index, delta, update.finish_reason,
+                                                   self._logprobs(update.logprobs))])]
+        parser = self._tool_parsers[update.index]
+        deltas = parser.feed(update.text) + (parser.finish() if update.finish_reason else [])
+        reason = update.finish_reason
+        if reason == "stop" and parser.calls:
+            reason = "tool_calls"
+        if reason is not None or not deltas:  # the finish (or logprobs with no text yet) in a chunk of its own
+            deltas.append({})
+        logprobs = self._logprobs(update.logprobs)
+        return [self._chunk([chat_chunk_choice(update.index, delta, reason if i == len(deltas) - 1 else None,
+                                               logprobs if i == 0 else None)])
+                for i, delta in enumerate(deltas)]
 
     def usage_chunk(self) -> dict[str, Any]:
         return envelope(self.id, "chat.completion.chunk", self.run.gen.model, [], self.run.usage())
@@ -464,7 +488,8 @@ async def _stream(answer: Answer) -> AsyncIterator[str]:
             yield _sse(chunk)
         async for updates in run.updates():
             for update in updates:
-                yield _sse(answer.chunk(update))
+                for chunk in answer.chunks(update):
+                    yield _sse(chunk)
         if run.error is not None:
             yield _sse(error_body(run.error, "internal_server_error"))
         elif run.gen.include_usage:
@@ -502,8 +527,8 @@ def _check_prompt_bytes(state: ServerState, prompt: Any, param: str) -> None:
     cap = state.options.max_prompt_bytes
     if isinstance(prompt, str):
         size = _utf8_len(prompt, cap)
-    elif isinstance(prompt, dict):
-        size = _utf8_len(json.dumps(prompt.get("messages"), ensure_ascii=False), cap)
+    elif isinstance(prompt, dict):  # the messages, and the tools the template writes beside them
+        size = _utf8_len(json.dumps([prompt.get("messages"), prompt.get("tools")], ensure_ascii=False), cap)
     else:
         return
     if size > cap:
@@ -524,6 +549,8 @@ def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest,
         raise RequestError(str(e), param) from None
     problem = state.llm.check_request(ids, gen.params)
     if problem:
+        if gen.constraint_field is not None and "constraint" in problem:  # the grammar compiler's words
+            param = gen.constraint_field
         raise RequestError(problem, "n" if problem.startswith("n=") else param)
     limit, asked = state.config.max_model_len, gen.params.max_tokens
     if explicit_max_tokens is not None and len(ids) + asked > limit:

@@ -1,0 +1,217 @@
+"""Structured outputs and tool calls over HTTP: a real server subprocess on the
+embedded SmolLM2 and the real `openai` client (as tests/test_server.py).
+Every constrained answer is checked for what its constraint promises: JSON
+that validates with `jsonschema`, tool calls whose arguments validate against
+their function's parameters, regex and choice answers that conform."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pydantic = pytest.importorskip("pydantic")
+
+from test_server import Server, http  # noqa: E402
+
+pytestmark = pytest.mark.slow
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+SCHEMAS = {
+    "required_fields": PERSON,
+    "enum": {"type": "object", "required": ["color"], "additionalProperties": False,
+             "properties": {"color": {"enum": ["red", "green", "blue"]}}},
+    "bounded_array": {"type": "object", "required": ["tags"], "additionalProperties": False,
+                      "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 3,
+                                              "items": {"type": "string", "maxLength": 8}}}},
+    "pattern": {"type": "object", "required": ["date"], "additionalProperties": False,
+                "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}}},
+    "any_of": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
+                         {"type": "object", "required": ["ok"], "additionalProperties": False,
+                          "properties": {"ok": {"type": "boolean"}}}]},
+    "nested": {"type": "object", "required": ["people"], "additionalProperties": False,
+               "properties": {"people": {"type": "array", "minItems": 1, "maxItems": 2, "items": PERSON}}},
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["tz"],
+                   "properties": {"tz": {"type": "string", "maxLength": 20}}}}}
+ASK = [{"role": "user", "content": "Answer in JSON about a person or a thing."}]
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("structured-server"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def validated(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_json_schemas_greedy_and_sampled(client, name):
+    schema = SCHEMAS[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    greedy = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
+                                            response_format=fmt)
+    assert greedy.choices[0].finish_reason == "stop", greedy.choices[0].message.content
+    validated(greedy.choices[0].message.content, schema)
+    sampled = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
+                                             response_format=fmt, temperature=1.0, seed=7, n=3)
+    for choice in sampled.choices:  # a sample may run out of tokens: then it says so
+        if choice.finish_reason == "stop":
+            validated(choice.message.content, schema)
+        else:
+            assert choice.finish_reason == "length"
+
+
+def test_json_object_and_structured_outputs_extra_in_completions(client):
+    out = client.completions.create(model="smollm2-135m", prompt="A JSON object describing a cat:",
+                                    max_tokens=MAX_TOKENS, extra_body={"structured_outputs": {"json": PERSON}})
+    validated(out.choices[0].text, PERSON)
+    chat = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
+                                          response_format={"type": "json_object"})
+    choice = chat.choices[0]  # any object: it may be longer than max_tokens (then it says so)
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.finish_reason == "length" and choice.message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_choice_and_regex_conform(client, stream):
+    choices = ["positive", "negative", "neutral"]
+    regex = r"[0-9]{3}-[0-9]{4}"
+
+    def chat(extra, **kw):
+        if not stream:
+            return client.chat.completions.create(model="smollm2-135m", max_tokens=20, extra_body=extra, **kw,
+                                                  messages=[{"role": "user", "content": "Classify: I love it."}])
+        chunks = client.chat.completions.create(model="smollm2-135m", max_tokens=20, extra_body=extra, stream=True,
+                                                messages=[{"role": "user", "content": "Classify: I love it."}], **kw)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def text(answer):
+        return answer if isinstance(answer, str) else answer.choices[0].message.content
+    assert text(chat({"structured_outputs": {"choice": choices}})) in choices
+    assert re.fullmatch(regex, text(chat({"guided_regex": regex}, temperature=0.8, seed=3)))
+    completion = client.completions.create(model="smollm2-135m", prompt="Call me at", max_tokens=20,
+                                           extra_body={"structured_outputs": {"regex": regex}})
+    assert re.fullmatch(regex, completion.choices[0].text)
+
+
+def test_pydantic_parse(client):
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    completion = client.chat.completions.parse(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
+                                               response_format=Person)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Person) and completion.choices[0].message.refusal is None
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_tool_calls_validate(client, tool_choice):
+    response = client.chat.completions.create(
+        model="smollm2-135m", max_tokens=MAX_TOKENS, tools=[WEATHER, TIME], tool_choice=tool_choice,
+        messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}])
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+
+
+def test_streamed_tool_calls_reassemble_to_the_whole_answer(client):
+    kwargs = dict(model="smollm2-135m", max_tokens=MAX_TOKENS, tools=[WEATHER], tool_choice="required",
+                  messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls, reason = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+                if delta.function.name:
+                    call["name"] = delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+    assert reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+def test_a_conversation_with_tool_results_and_auto(client):
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
+    response = client.chat.completions.create(model="smollm2-135m", max_tokens=24, tools=[WEATHER],
+                                              messages=messages)
+    choice = response.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "a["}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "b"}, "structured_outputs"),
+    ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, client, extra, param):
+    body = {"model": "smollm2-135m", "messages": ASK, "max_tokens": 4, **extra}
+    status, _, text = http("POST", server.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400, text
+    assert json.loads(text)["error"]["param"] == param, text
+    # The server goes on serving.
+    ok = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_readme_http_examples(server, capsys, monkeypatch):
+    """The README's openai examples (parse, a required tool call) against this server."""
+    section = README.read_text().split("## Structured outputs and tool calls\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)[1:]
+    assert len(blocks) == 2
+    for block in blocks:
+        code = block.replace("http://localhost:8000/v1", server.url + "/v1")
+        scope: dict = {"__name__": "readme_example"}
+        sys.modules.setdefault("readme_example", type(sys)("readme_example"))
+        exec(compile(code, "README.md", "exec"), scope)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("name=") and out[1].startswith("get_weather {")
