@@ -296,7 +296,7 @@ def test_chat_roles_are_openai_roles(role):
         error = refusal(parse, {**body, "messages": [*MESSAGES, {"role": role, "content": "x"}]})
         assert error["param"] == "messages" and error["message"].startswith("messages[1].role: must be one of")
     for role in CHAT_ROLES:
-        messages = [{"role": role, "content": "x"}, *MESSAGES]
+        messages = [{"role": role, "content": "x", **({"tool_call_id": "c1"} if role == "tool" else {})}, *MESSAGES]
         assert parse_chat({"messages": messages}, DEFAULT, "m").prompts == [{"messages": messages}]
 
 
@@ -378,3 +378,143 @@ def test_random_bodies_get_a_request_or_a_400_naming_a_field_of_theirs(route, bo
 def test_tools_outside_chat_are_refused(parse, body, field, value):
     error = refusal(parse, {**body, field: value})
     assert error["param"] == field and error["code"] == "unsupported"
+
+
+# ------------------------------------------------------ structured outputs and tools
+from jpaged.entrypoints.openai_protocol import chat_choice  # noqa: E402
+from jpaged.structured.spec import StructuredOutputs  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest, GenerateRequest])
+def test_every_route_reads_every_structured_field(model):
+    assert set(request_parsing.STRUCTURED_FIELDS) <= set(model.model_fields)
+
+
+@pytest.mark.parametrize("fields, spec, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputs(json=SCHEMA), "response_format"),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True), "response_format"),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputs(regex="[0-9]+"), "structured_outputs"),
+    ({"guided_decoding": {"choice": ["a", "b"]}}, StructuredOutputs(choice=("a", "b")), "guided_decoding"),
+    ({"guided_json": SCHEMA}, StructuredOutputs(json=SCHEMA), "guided_json"),
+    ({"guided_regex": "x+", "guided_decoding_backend": "llguidance"}, StructuredOutputs(regex="x+"), "guided_regex"),
+    ({"guided_choice": ["yes", "no"]}, StructuredOutputs(choice=("yes", "no")), "guided_choice"),
+    ({"guided_grammar": 'start: "a"'}, StructuredOutputs(grammar='start: "a"'), "guided_grammar"),
+])
+def test_structured_fields_map_on_every_route(fields, spec, field):
+    for parse, body in [(parse_completion, {"prompt": "a"}), (parse_chat, {"messages": MESSAGES}),
+                        (parse_generate, {"prompt": "a"}), (parse_generate, {"messages": MESSAGES})]:
+        req = parse({**body, **fields}, DEFAULT, "m")
+        assert req.params.structured == spec
+        if spec is not None:
+            assert req.constraint_field == field
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format",
+     ["response_format.json_schema.schema"]),
+    ({"response_format": {"type": "yaml"}}, "response_format", ["response_format.type"]),
+    ({"response_format": "json"}, "response_format", ["response_format"]),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs", ["structured_outputs.regex"]),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", ["exactly one"]),
+    ({"structured_outputs": {"xml": "a"}}, "structured_outputs", ["structured_outputs.xml"]),
+    ({"guided_choice": []}, "guided_choice", ["guided_choice"]),
+    ({"guided_json": "{not json"}, "guided_json", ["guided_json", "not valid JSON"]),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     ["both constrain"]),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex", ["both constrain"]),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ["not supported"]),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", ["not supported"]),
+])
+def test_bad_structured_fields_are_400s_naming_them(fields, param, words):
+    for parse, body in [(parse_completion, {"prompt": "a"}), (parse_chat, {"messages": MESSAGES}),
+                        (parse_generate, {"prompt": "a"})]:
+        error = refusal(parse, {**body, **fields})
+        assert error["param"] == param and all(w in error["message"] for w in words), error
+        if "not supported" in words:
+            assert error["code"] == "unsupported"
+
+
+def test_tool_choice_sets_the_constraint_and_the_parsing():
+    chat = {"messages": MESSAGES, "tools": [TOOL]}
+    for choice, constrained, parsed in [(None, False, True), ("auto", False, True), ("none", False, False),
+                                        ("required", True, True),
+                                        ({"type": "function", "function": {"name": "f"}}, True, True)]:
+        req = parse_chat({**chat, **({} if choice is None else {"tool_choice": choice})}, DEFAULT, "m")
+        assert (req.params.structured is not None) == constrained and req.parse_tool_calls == parsed, choice
+        assert req.prompts[0]["tools"] == [TOOL]  # shown to the model even with "none"
+        if constrained:
+            assert req.params.structured.grammar and req.constraint_field == "tool_choice"
+    # Without tools: nothing to call or parse; "none" and "auto" are neutral.
+    for choice in (None, "none", "auto"):
+        req = parse_chat({"messages": MESSAGES, "tools": [], "tool_choice": choice}, DEFAULT, "m")
+        assert "tools" not in req.prompts[0] and not req.parse_tool_calls and req.params.structured is None
+    # auto leaves room for another constraint; required and named ones do not.
+    rf = {"response_format": {"type": "json_object"}}
+    assert parse_chat({**chat, **rf}, DEFAULT, "m").params.structured == StructuredOutputs(json_object=True)
+    assert refusal(parse_chat, {**chat, **rf, "tool_choice": "required"})["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"tool_choice": "required"}, "tool_choice", ["needs tools"]),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", ["'g'"]),
+    ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice", ["tool_choice must be"]),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice", ["tool_choice must be"]),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", ["tools[0].function.name"]),
+    ({"tools": [TOOL, {"type": "code_interpreter"}]}, "tools", ["tools[1].type"]),
+    ({"tools": "f"}, "tools", ["tools must be"]),
+    ({"functions": [{"name": "f"}]}, "functions", ["not supported"]),
+])
+def test_bad_tools_and_tool_choice_are_400s_naming_them(fields, param, words):
+    error = refusal(parse_chat, {"messages": MESSAGES, **fields})
+    assert error["param"] == param and all(w in error["message"] for w in words), error
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def test_chat_messages_with_tool_calls_and_results():
+    messages = [*MESSAGES, {"role": "assistant", "tool_calls": [CALL]},       # content absent
+                {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},  # content null
+                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "3"}]}]
+    got = parse_chat({"messages": messages, "tools": [TOOL]}, DEFAULT, "m").prompts[0]["messages"]
+    assert got[1] == {"role": "assistant", "content": None, "tool_calls": [CALL]} and got[3] == got[1]
+    assert got[2] == {"role": "tool", "tool_call_id": "call_1", "content": "2"} and got[4]["content"] == "3"
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": 1}}]},
+     ["messages[1].tool_calls[0].function.arguments", "string"]),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]},
+     ["messages[1].tool_calls[0].function.arguments", "JSON object"]),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]},
+     ["messages[1].tool_calls[0].function.name is required"]),
+    ({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}, ["messages[1].tool_calls[0].type"]),
+    ({"role": "assistant", "content": None}, ["messages[1].content", "null"]),
+    ({"role": "assistant"}, ["messages[1].content is required"]),
+    ({"role": "user", "content": "x", "tool_calls": [CALL]}, ["messages[1]", "assistant"]),
+    ({"role": "tool", "content": "x"}, ["messages[1].tool_call_id is required"]),
+    ({"role": "tool", "content": "x", "tool_call_id": 7}, ["messages[1].tool_call_id", "string"]),
+])
+def test_bad_tool_messages_name_where(message, words):
+    error = refusal(parse_chat, {"messages": [*MESSAGES, message]})
+    assert error["param"] == "messages" and all(w in error["message"] for w in words), error
+
+
+def test_chat_choices_with_tool_calls():
+    text = 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    choice = chat_choice(0, text, "stop", parse_tool_calls=True)
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls" and message["content"] == "Checking."
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert chat_choice(0, text, "length", parse_tool_calls=True)["finish_reason"] == "length"
+    assert chat_choice(0, text, "stop")["message"] == {"role": "assistant", "content": text}  # "none": text
+    plain = chat_choice(0, "No call.", "stop", parse_tool_calls=True)
+    assert plain["message"] == {"role": "assistant", "content": "No call."} and plain["finish_reason"] == "stop"

@@ -103,7 +103,7 @@ def test_json_object_and_structured_outputs_extra_in_completions(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_choice_and_regex_conform(client, stream):
+def test_choice_and_regex_conform(server, client, stream):
     choices = ["positive", "negative", "neutral"]
     regex = r"[0-9]{3}-[0-9]{4}"
 
@@ -115,13 +115,22 @@ def test_choice_and_regex_conform(client, stream):
                                                 messages=[{"role": "user", "content": "Classify: I love it."}], **kw)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
+    def complete(extra, **kw):
+        out = client.completions.create(model="smollm2-135m", prompt="Call me at", max_tokens=20,
+                                        extra_body=extra, stream=stream, **kw)
+        return "".join(c.choices[0].text for c in out if c.choices) if stream else out.choices[0].text
+
     def text(answer):
         return answer if isinstance(answer, str) else answer.choices[0].message.content
     assert text(chat({"structured_outputs": {"choice": choices}})) in choices
     assert re.fullmatch(regex, text(chat({"guided_regex": regex}, temperature=0.8, seed=3)))
-    completion = client.completions.create(model="smollm2-135m", prompt="Call me at", max_tokens=20,
-                                           extra_body={"structured_outputs": {"regex": regex}})
-    assert re.fullmatch(regex, completion.choices[0].text)
+    assert re.fullmatch(regex, complete({"structured_outputs": {"regex": regex}}))
+    assert complete({"guided_choice": choices}, temperature=0.8, seed=5) in choices
+    if not stream:  # /generate (the batch CLI's fields) too
+        body = {"prompt": "Call me at", "max_tokens": 20, "guided_regex": regex, "n": 2, "temperature": 0.8}
+        status, _, text = http("POST", server.url + "/generate", json.dumps(body).encode())
+        assert status == 200, text
+        assert all(re.fullmatch(regex, s["text"]) for s in json.loads(text)["samples"]), text
 
 
 def test_pydantic_parse(client):
@@ -168,9 +177,9 @@ def test_streamed_tool_calls_reassemble_to_the_whole_answer(client):
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 
 
-def test_a_conversation_with_tool_results_and_auto(client):
+def test_a_conversation_with_tool_results_and_auto(server, client):
     messages = [{"role": "user", "content": "Weather in Rome?"},
-                {"role": "assistant", "content": None, "tool_calls": [
+                {"role": "assistant", "tool_calls": [  # content absent (OpenAI: optional beside tool_calls)
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
@@ -179,6 +188,10 @@ def test_a_conversation_with_tool_results_and_auto(client):
     choice = response.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls
+    # /tokenize renders the chat and its tools as the chat route does.
+    body = {"model": "smollm2-135m", "messages": messages, "tools": [WEATHER]}
+    status, _, text = http("POST", server.url + "/tokenize", json.dumps(body).encode())
+    assert status == 200 and json.loads(text)["count"] == response.usage.prompt_tokens, text
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -197,7 +210,8 @@ def test_bad_constraints_are_400s_naming_the_field(server, client, extra, param)
     body = {"model": "smollm2-135m", "messages": ASK, "max_tokens": 4, **extra}
     status, _, text = http("POST", server.url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400, text
-    assert json.loads(text)["error"]["param"] == param, text
+    error = json.loads(text)["error"]
+    assert error["param"] == param and error["message"].startswith(param), text
     # The server goes on serving.
     ok = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")

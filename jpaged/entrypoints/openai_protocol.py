@@ -25,8 +25,9 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from jpaged.core.request_parsing import (CHAT_ONLY_FIELDS, REQUEST_FIELDS, SAMPLING_FIELDS,  # noqa: F401
                                          STRUCTURED_FIELDS, UNSUPPORTED_FIELDS, parse_sampling_params,
@@ -161,6 +162,17 @@ class ToolCallFunction(BaseModel):
     name: str
     arguments: str  # the arguments object as JSON text (OpenAI's form)
 
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, dict):
+            raise Invalid(f"must be a JSON object as text (OpenAI's form), got {_json_type(arguments)}")
+        return arguments
+
 
 class ToolCallPart(BaseModel):
     """An earlier assistant turn's tool call (OpenAI's `tool_calls` entries)."""
@@ -173,15 +185,25 @@ class ToolCallPart(BaseModel):
 
 class ChatMessage(BaseModel):
     """A chat message: `content` a string or a list of text parts (joined), or
-    null for an assistant turn that made `tool_calls`; a `tool` message answers
-    the call `tool_call_id`.  Other fields (`name`...) go to the chat template
+    null or absent for an assistant turn that made `tool_calls` (each one's
+    `arguments` a JSON object as text); a `tool` message answers the call
+    `tool_call_id` (required).  Other fields (`name`...) go to the chat template
     as they came."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     tool_calls: Optional[list[ToolCallPart]] = None  # (before content: its check reads them)
     content: Union[str, list[TextPart], None]
-    tool_call_id: Optional[str] = None
+    tool_call_id: Optional[str] = Field(None, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_may_be_absent_beside_tool_calls(cls, message: Any) -> Any:
+        """OpenAI: an assistant message that made tool calls needs no content."""
+        if (isinstance(message, dict) and "content" not in message and message.get("role") == "assistant"
+                and message.get("tool_calls")):
+            return {**message, "content": None}
+        return message
 
     @field_validator("role")
     @classmethod
@@ -204,6 +226,13 @@ class ChatMessage(BaseModel):
                 raise Invalid("only text parts are supported "
                               '([{"type": "text", "text": ...}, ...])') from None
             raise Invalid(f"must be a string or a list of text parts, got {_json_type(value)}") from None
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if call_id is None and info.data.get("role") == "tool":  # "messages[2].tool_call_id is required"
+            raise PydanticCustomError("missing", "Field required")  # the id of the call it answers
+        return call_id
 
     @model_validator(mode="after")
     def _calls_are_the_assistants(self) -> "ChatMessage":
@@ -323,7 +352,9 @@ class _Request(BaseModel):
             message, param = str(e), _field_named(str(e))
             if param in (aliases or {}):  # named as this body names it
                 message, param = aliases[param] + message[len(param):], aliases[param]
-            raise RequestError(message, param) from None
+            # (guided_decoding_backend "xgrammar" and the like: refused as UNSUPPORTED_FIELDS are)
+            code = "unsupported" if param and message.startswith(f"{param} is not supported") else None
+            raise RequestError(message, param, code=code) from None
 
 
 # request_parsing's sampling fields the route models all read alike.

@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jpaged.engine.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
+from jpaged.structured import tools as structured_tools
 from jpaged.structured.tools import ToolCallStreamParser
 from jpaged.tokenizer.detokenizer import SampleText
 from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
@@ -549,8 +550,10 @@ def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest,
         raise RequestError(str(e), param) from None
     problem = state.llm.check_request(ids, gen.params)
     if problem:
-        if gen.constraint_field is not None and "constraint" in problem:  # the grammar compiler's words
-            param = gen.constraint_field
+        if (gen.params.structured is not None and gen.constraint_field is not None
+                and state.llm.check_request(ids, dataclasses.replace(gen.params, structured=None)) is None):
+            # The constraint's own problem (a bad schema or regex, one no output satisfies): its field's.
+            raise RequestError(f"{gen.constraint_field}: {problem}", gen.constraint_field)
         raise RequestError(problem, "n" if problem.startswith("n=") else param)
     limit, asked = state.config.max_model_len, gen.params.max_tokens
     if explicit_max_tokens is not None and len(ids) + asked > limit:
@@ -625,6 +628,7 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Messages] = None
+    tools: Any = None  # with messages: rendered as /v1/chat/completions renders them
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -665,9 +669,18 @@ def _tokenize(state: ServerState, body: bytes) -> dict[str, Any]:
         ids = tokenizer.encode(req.prompt, add_special_tokens=special)
     else:
         messages = [m.as_dict() for m in req.messages]
-        _check_prompt_bytes(state, {"messages": messages}, "messages")
+        _check_prompt_bytes(state, {"messages": messages, "tools": req.tools}, "messages")
         try:
-            _, ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+            functions = structured_tools.validate_tools(req.tools) if req.tools else None
+        except ValueError as e:
+            raise RequestError(str(e), "tools") from None
+        # As the engine renders a chat (earlier tool calls and results, and the tools, as the template
+        # takes them or in the Hermes format).
+        native = bool(functions) and tokenizer.renders_tools
+        messages = structured_tools.messages_for_template(messages, functions, native)
+        extra = {"tools": [{"type": "function", "function": f} for f in functions]} if native else {}
+        try:
+            _, ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **extra)
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
     return {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids,
