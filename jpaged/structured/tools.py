@@ -73,14 +73,16 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return functions
 
 
-def tool_choice_constraint(functions: list[dict[str, Any]], tool_choice: Any) -> StructuredOutputs | None:
+def tool_choice_constraint(functions: list[dict[str, Any]], tool_choice: Any,
+                           parallel: bool = True) -> StructuredOutputs | None:
     """The constraint `tool_choice` puts on the answer: None for "none" / "auto";
-    for "required", one or more `<tool_call>` blocks of any of the functions; for
+    for "required", one or more `<tool_call>` blocks of any of the functions (one
+    when not `parallel`: OpenAI's parallel_tool_calls false); for
     {"type": "function", "function": {"name": X}}, exactly one block calling X."""
     if tool_choice in (None, "none", "auto"):
         return None
     if tool_choice == "required":
-        return StructuredOutputs(grammar=_calls_grammar(functions, repeat=True))
+        return StructuredOutputs(grammar=_calls_grammar(functions, repeat=parallel))
     if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
             and isinstance(tool_choice.get("function"), dict)
             and isinstance(tool_choice["function"].get("name"), str)):
@@ -96,11 +98,47 @@ def tool_choice_constraint(functions: list[dict[str, Any]], tool_choice: Any) ->
 def _calls_grammar(functions: list[dict[str, Any]], repeat: bool) -> str:
     """Lark (llguidance) for `<tool_call>` blocks whose JSON is {"name": one of the
     functions, "arguments": that function's parameters}."""
-    schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                         "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}}
-                        for f in functions]}
+    # Each function's parameters sit under the root's $defs and are referenced from
+    # there: nested in place, their own "#/$defs/..." references (pydantic writes
+    # them) would point at the wrong root.
+    defs = {f"tool{i}": _rebased(f["parameters"], f"#/$defs/tool{i}") for i, f in enumerate(functions)}
+    schema = {"$defs": defs,
+              "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                         "properties": {"name": {"const": f["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"}}}
+                        for i, f in enumerate(functions)]}
     more = ' ("\\n" call)*' if repeat else ""
     return f'start: call{more}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
+
+
+# Keywords whose values are JSON data, not schemas (a "$ref" key there is data),
+# and keywords whose values map names to schemas (a name there is no keyword).
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` moved to the JSON pointer `base`: its local references ("#" and
+    "#/...") made relative to `base`, and its root's "$id" / "$schema" dropped (an
+    "$id" would re-root the rewritten references)."""
+    def subschema(node: Any) -> Any:
+        if isinstance(node, list):  # allOf / anyOf / oneOf / prefixItems
+            return [subschema(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+                out[key] = base + value[1:]
+            elif key in DATA_KEYWORDS:
+                out[key] = value
+            elif key in NAMED_SCHEMAS and isinstance(value, dict):
+                out[key] = {name: subschema(v) for name, v in value.items()}
+            else:
+                out[key] = subschema(value)
+        return out
+    if not isinstance(schema, dict):
+        return schema
+    return subschema({k: v for k, v in schema.items() if k not in ("$id", "$schema")})
 
 
 def tool_system_prompt(functions: list[dict[str, Any]]) -> str:
@@ -145,6 +183,18 @@ def messages_for_template(messages: list[dict[str, Any]], functions: list[dict[s
     return out
 
 
+def encode_chat_with_tools(tokenizer: Any, messages: list[dict[str, Any]], tools: Any,
+                           add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """(text, ids) of a chat with OpenAI `tools` (None: none), as every route renders
+    it: by the chat template when it renders `tools`, else in the Hermes format
+    (messages_for_template).  ValueError naming a bad tool (`tools[0]...`)."""
+    functions = validate_tools(tools) if tools else None
+    native = bool(functions) and tokenizer.renders_tools
+    messages = messages_for_template(messages, functions, native)
+    extra = {"tools": [{"type": "function", "function": f} for f in functions]} if native else {}
+    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
 def _call_block(function: dict[str, Any]) -> str:
     arguments = function.get("arguments", "{}")
     try:
@@ -169,28 +219,51 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of an answer: every `<tool_call>` block whose body is a JSON
+    """(content, calls) of an answer.  A block runs from `<tool_call>` to the first
+    `</tool_call>` after it (as vLLM's Hermes parser reads it); one cut short, by
+    the next `<tool_call>` or the end of the text, counts when its JSON is whole
+    (a model may stop before the closing tag).  A block whose body is a JSON
     object with a string "name" and an object "arguments" (or "parameters") is a
-    call; a final block missing its closing tag counts when its JSON is whole.
-    Everything else, malformed blocks included, is the content (None if blank)."""
-    content, calls, pos = [], [], 0
+    call; everything else, malformed blocks included, is the content, stripped
+    (None if blank)."""
+    pieces, _ = _split(text, final=True)
+    content = "".join(p for p in pieces if isinstance(p, str)).strip()
+    return content or None, [p for p in pieces if isinstance(p, ToolCall)]
+
+
+def _split(text: str, final: bool) -> tuple[list[str | ToolCall], str]:
+    """`text` as text pieces and calls in order, and the tail not yet decidable
+    (a block still open, or what may begin `<tool_call>`); with `final`, the
+    text is all there is and nothing is held back.  The one reading shared by
+    the whole and the streamed parser, so that they agree."""
+    pieces: list[str | ToolCall] = []
+    pos = 0
     while True:
         start = text.find(OPEN, pos)
         if start < 0:
-            content.append(text[pos:])
-            break
-        end = text.find(CLOSE, start)
-        body = text[start + len(OPEN):end if end >= 0 else len(text)]
-        call = _parse_call(body)
-        stop = end + len(CLOSE) if end >= 0 else len(text)
-        content.append(text[pos:start] if call is not None else text[pos:stop])
-        if call is not None:
-            calls.append(call)
-        pos = stop
-        if end < 0:
-            break
-    joined = "".join(content).strip()
-    return (joined or None), calls
+            held = 0 if final else _partial_suffix(text[pos:], OPEN)
+            pieces.append(text[pos:len(text) - held])
+            return pieces, text[len(text) - held:]
+        pieces.append(text[pos:start])
+        body_end, block_end = _block_end(text, start)
+        if body_end < 0:
+            if not final:
+                return pieces, text[start:]
+            body_end = block_end = len(text)
+        call = _parse_call(text[start + len(OPEN):body_end])
+        pieces.append(call if call is not None else text[start:block_end])
+        pos = block_end
+
+
+def _block_end(text: str, start: int) -> tuple[int, int]:
+    """Where the body of the block opened at `start` ends, and the block: at its
+    `</tool_call>` (the block includes it), or cut short by the next `<tool_call>`
+    (which begins the next block); (-1, -1) when neither has arrived."""
+    close = text.find(CLOSE, start + len(OPEN))
+    reopen = text.find(OPEN, start + len(OPEN))
+    if reopen >= 0 and (close < 0 or reopen < close):
+        return reopen, reopen
+    return (close, close + len(CLOSE)) if close >= 0 else (-1, -1)
 
 
 def _parse_call(body: str) -> ToolCall | None:
@@ -203,6 +276,7 @@ def _parse_call(body: str) -> ToolCall | None:
     arguments = obj.get("arguments", obj.get("parameters"))
     if not isinstance(arguments, dict):
         return None
+    # vLLM's Hermes parser writes arguments the same way (json.dumps' separators).
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
@@ -211,51 +285,45 @@ class ToolCallStreamParser:
     OpenAI chat-chunk deltas, {"content": text} for text and, per call, a header
     {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}
     then {"tool_calls": [{"index", "function": {"arguments"}}]}.  Text that may
-    begin a `<tool_call>` is held back until it is known; a block is sent when
-    it closes (or at finish, when its JSON is whole).  The content sent, stripped,
-    is parse_tool_calls' content and `calls` its calls."""
+    begin a `<tool_call>` is held back until it is known, and a block until it
+    ends; whitespace is held until text follows it, so that the content sent,
+    joined, is exactly parse_tool_calls' content, and `calls` its calls."""
 
-    def __init__(self):
-        self._pending = ""       # text not sent yet
-        self._sent_text = False  # (leading whitespace before any text is dropped, as parse_tool_calls strips)
+    def __init__(self) -> None:
+        self._pending = ""       # text not yet decidable
+        self._space = ""         # whitespace held until text follows it
+        self._sent_text = False  # leading whitespace is dropped, as parse_tool_calls strips it
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
-        self._pending += delta
-        out: list[dict[str, Any]] = []
-        while True:
-            start = self._pending.find(OPEN)
-            if start < 0:
-                keep = _partial_suffix(self._pending, OPEN)
-                out += self._text(self._pending[:len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep:]
-                return out
-            end = self._pending.find(CLOSE, start)
-            if end < 0:
-                out += self._text(self._pending[:start])
-                self._pending = self._pending[start:]
-                return out
-            block, rest = self._pending[start:end + len(CLOSE)], self._pending[end + len(CLOSE):]
-            call = _parse_call(block[len(OPEN):-len(CLOSE)])
-            out += self._text(self._pending[:start]) + (self._call(call) if call else self._text(block))
-            self._pending = rest
+        """Deltas for what `delta` (with what was held) decides."""
+        pieces, self._pending = _split(self._pending + delta, final=False)
+        return self._deltas(pieces)
 
     def finish(self) -> list[dict[str, Any]]:
-        """Flushes what is held: an unclosed final block is a call when its JSON is whole."""
-        pending, self._pending = self._pending, ""
-        if pending.startswith(OPEN):
-            call = _parse_call(pending[len(OPEN):])
-            if call is not None:
-                return self._call(call)
-        return self._text(pending.rstrip())
+        """Deltas for what is held: an unclosed final block is a call when its JSON
+        is whole; trailing whitespace is dropped."""
+        pieces, self._pending = _split(self._pending, final=True)
+        out = self._deltas(pieces)
+        self._space = ""  # trailing: parse_tool_calls strips it
+        return out
+
+    def _deltas(self, pieces: list[str | ToolCall]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for piece in pieces:
+            out += self._call(piece) if isinstance(piece, ToolCall) else self._text(piece)
+        return out
 
     def _text(self, text: str) -> list[dict[str, Any]]:
+        text = self._space + text
         if not self._sent_text:
             text = text.lstrip()
-        if not text:
+        core = text.rstrip()
+        self._space = text[len(core):]
+        if not core:
             return []
         self._sent_text = True
-        return [{"content": text}]
+        return [{"content": core}]
 
     def _call(self, call: ToolCall) -> list[dict[str, Any]]:
         index = len(self.calls)
