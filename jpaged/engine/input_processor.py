@@ -111,7 +111,8 @@ class InputProcessor:
             if isinstance(prompt, dict):
                 messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
                 # Special-token strings in message contents stay text: a user cannot forge turns.
-                text, ids = self._encode_chat(messages, prompt.get("tools"))
+                text, ids = structured_tools.encode_chat_with_tools(self._require_tokenizer(), messages,
+                                                                    prompt.get("tools"))
                 return text, ids, None
             if isinstance(prompt, str):
                 return prompt, self._require_tokenizer().encode(prompt), None
@@ -120,16 +121,6 @@ class InputProcessor:
             return (None, None, error) if error else (None, [int(t) for t in ids], None)
         except Exception as e:  # one bad request must not take the batch down
             return None, None, f"invalid prompt: {type(e).__name__}: {e}"
-
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: Any) -> tuple[str, list[int]]:
-        """The chat rendered with its tools: by the template when it renders `tools`,
-        else written into the messages in the Hermes format (jpaged.structured.tools)."""
-        tokenizer = self._require_tokenizer()
-        functions = structured_tools.validate_tools(tools) if tools else None
-        native = bool(functions) and tokenizer.renders_tools
-        messages = structured_tools.messages_for_template(messages, functions, native)
-        extra = {"tools": [{"type": "function", "function": f} for f in functions]} if native else {}
-        return tokenizer.encode_chat(messages, add_generation_prompt=True, **extra)
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -456,6 +456,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     top_logprobs: Optional[int] = None
     tools: Any = None          # OpenAI function tools (jpaged.structured.tools.validate_tools)
     tool_choice: Any = None    # "none" | "auto" (the default with tools) | "required" | a named function
+    parallel_tool_calls: Optional[bool] = None  # false: "required" makes exactly one call
 
     @classmethod
     def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
@@ -477,7 +478,8 @@ class ChatCompletionRequest(_OpenAIRequest):
         except ValueError as e:
             raise RequestError(str(e), "tools") from None
         try:
-            return functions, structured_tools.tool_choice_constraint(functions, self.tool_choice)
+            return functions, structured_tools.tool_choice_constraint(functions, self.tool_choice,
+                                                                      self.parallel_tool_calls is not False)
         except ValueError as e:
             raise RequestError(str(e), "tool_choice") from None
 

@@ -670,19 +670,11 @@ def _tokenize(state: ServerState, body: bytes) -> dict[str, Any]:
     else:
         messages = [m.as_dict() for m in req.messages]
         _check_prompt_bytes(state, {"messages": messages, "tools": req.tools}, "messages")
-        try:
-            functions = structured_tools.validate_tools(req.tools) if req.tools else None
+        try:  # as the chat route renders it
+            _, ids = structured_tools.encode_chat_with_tools(tokenizer, messages, req.tools,
+                                                             req.add_generation_prompt)
         except ValueError as e:
-            raise RequestError(str(e), "tools") from None
-        # As the engine renders a chat (earlier tool calls and results, and the tools, as the template
-        # takes them or in the Hermes format).
-        native = bool(functions) and tokenizer.renders_tools
-        messages = structured_tools.messages_for_template(messages, functions, native)
-        extra = {"tools": [{"type": "function", "function": f} for f in functions]} if native else {}
-        try:
-            _, ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **extra)
-        except ValueError as e:
-            raise RequestError(str(e), "messages") from None
+            raise RequestError(str(e), "tools" if str(e).startswith("tools") else "messages") from None
     return {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids,
             "token_strs": [state.token_text(t) for t in ids] if req.return_token_strs else None}
 
