@@ -8,10 +8,18 @@ cache so that repeated runs skip the GGUF conversion.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
-import jax
-import pytest
+# XLA's CPU backend at LLVM -O0 without its expensive passes, for this process and
+# the servers and scripts it starts: the suite compiles hundreds of step programs
+# (most of its cold time) and runs each for a few tokens, so compile time is what
+# matters here.  The programs compute the same HLO; set before jax starts its backend.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                                    "--xla_llvm_disable_expensive_passes=true"]).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Four simulated CPU devices for the sharding tests (tests/test_sharding.py), set
 # before jax initialises its backend in any test worker; everything else runs on
