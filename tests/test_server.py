@@ -53,11 +53,11 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 30) 
 
 
 class Server:
-    def __init__(self, tmp: pathlib.Path):
+    def __init__(self, tmp: pathlib.Path, engine: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "server.log"
-        overrides = [f"--config.{k}={v}" for k, v in {**ENGINE, "shutdown_grace_seconds": 30}.items()]
+        overrides = [f"--config.{k}={v}" for k, v in {**(engine or ENGINE), "shutdown_grace_seconds": 30}.items()]
         cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port",
                str(self.port), "--precompile", "--noaccess_log", *overrides]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -6,6 +6,7 @@ their function's parameters, regex and choice answers that conform."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import re
@@ -17,6 +18,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
+import test_server  # noqa: E402
 from test_server import Server, http  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -53,9 +55,13 @@ ASK = [{"role": "user", "content": "Answer in JSON about a person or a thing."}]
 MAX_TOKENS = 96
 
 
+# Room for the whole batch below at once (a constrained step costs what a free one does).
+ENGINE = {**test_server.ENGINE, "max_num_seqs": 16, "max_num_batched_tokens": 256, "max_queued_requests": 48}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("structured-server"))
+    srv = Server(tmp_path_factory.mktemp("structured-server"), ENGINE)
     try:
         srv.wait_ready()
         yield srv
@@ -68,34 +74,74 @@ def client(server):
     return server.client()
 
 
+def json_schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+def tools_request(tool_choice, **kwargs) -> dict:
+    return dict(model="smollm2-135m", max_tokens=MAX_TOKENS, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def answers(server):
+    """Every generating request of the tests below, sent at once (they batch)."""
+    async def streamed_calls(client, request):
+        calls, reason = {}, None
+        async for chunk in await client.chat.completions.create(stream=True, **request):
+            for choice in chunk.choices:
+                reason = choice.finish_reason or reason
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+                    call["name"] = delta.function.name or call["name"]
+                    call["arguments"] += delta.function.arguments or ""
+        return reason, list(calls.values())
+
+    async def main():
+        client = server.async_client()
+        chat = client.chat.completions.create
+        jobs = {}
+        for name in SCHEMAS:
+            fmt = json_schema_format(name)
+            jobs["greedy", name] = chat(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS, response_format=fmt)
+            jobs["sampled", name] = chat(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
+                                         response_format=fmt, temperature=1.0, seed=7, n=3)
+        jobs["completion", "person"] = client.completions.create(
+            model="smollm2-135m", prompt="A JSON object describing a cat:", max_tokens=MAX_TOKENS,
+            extra_body={"structured_outputs": {"json": PERSON}})
+        jobs["chat", "json_object"] = chat(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
+                                           response_format={"type": "json_object"})
+        jobs["tools", "required"] = chat(**tools_request("required"))
+        jobs["tools", "named"] = chat(**tools_request({"type": "function", "function": {"name": "get_time"}}))
+        jobs["tools", "streamed"] = streamed_calls(client, tools_request("required"))
+        results = await asyncio.gather(*jobs.values())
+        await client.close()
+        return dict(zip(jobs, results))
+    return asyncio.run(main())
+
+
 def validated(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_json_schemas_greedy_and_sampled(client, name):
+def test_json_schemas_greedy_and_sampled(answers, name):
     schema = SCHEMAS[name]
-    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
-    greedy = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
-                                            response_format=fmt)
-    assert greedy.choices[0].finish_reason == "stop", greedy.choices[0].message.content
-    validated(greedy.choices[0].message.content, schema)
-    sampled = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
-                                             response_format=fmt, temperature=1.0, seed=7, n=3)
-    for choice in sampled.choices:  # a sample may run out of tokens: then it says so
+    greedy = answers["greedy", name].choices[0]
+    assert greedy.finish_reason == "stop", greedy.message.content
+    validated(greedy.message.content, schema)
+    sampled = answers["sampled", name].choices
+    assert len(sampled) == 3  # seeds 7, 8, 9
+    for choice in sampled:  # a sample may run out of tokens: then it says so
         if choice.finish_reason == "stop":
             validated(choice.message.content, schema)
         else:
             assert choice.finish_reason == "length"
 
 
-def test_json_object_and_structured_outputs_extra_in_completions(client):
-    out = client.completions.create(model="smollm2-135m", prompt="A JSON object describing a cat:",
-                                    max_tokens=MAX_TOKENS, extra_body={"structured_outputs": {"json": PERSON}})
-    validated(out.choices[0].text, PERSON)
-    chat = client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=MAX_TOKENS,
-                                          response_format={"type": "json_object"})
-    choice = chat.choices[0]  # any object: it may be longer than max_tokens (then it says so)
+def test_json_object_and_structured_outputs_extra_in_completions(answers):
+    validated(answers["completion", "person"].choices[0].text, PERSON)
+    choice = answers["chat", "json_object"].choices[0]  # any object: maybe longer than max_tokens (it says so)
     if choice.finish_reason == "stop":
         assert isinstance(json.loads(choice.message.content), dict)
     else:
@@ -144,36 +190,23 @@ def test_pydantic_parse(client):
     assert isinstance(parsed, Person) and completion.choices[0].message.refusal is None
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_required_and_named_tool_calls_validate(client, tool_choice):
-    response = client.chat.completions.create(
-        model="smollm2-135m", max_tokens=MAX_TOKENS, tools=[WEATHER, TIME], tool_choice=tool_choice,
-        messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}])
-    choice = response.choices[0]
+@pytest.mark.parametrize("which", ["required", "named"])
+def test_required_and_named_tool_calls_validate(answers, which):
+    choice = answers["tools", which].choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for call in choice.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    if isinstance(tool_choice, dict):
+    if which == "named":
         assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
 
 
-def test_streamed_tool_calls_reassemble_to_the_whole_answer(client):
-    kwargs = dict(model="smollm2-135m", max_tokens=MAX_TOKENS, tools=[WEATHER], tool_choice="required",
-                  messages=[{"role": "user", "content": "Weather in Oslo?"}])
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    calls, reason = {}, None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            reason = choice.finish_reason or reason
-            for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
-                if delta.function.name:
-                    call["name"] = delta.function.name
-                call["arguments"] += delta.function.arguments or ""
+def test_streamed_tool_calls_reassemble_to_the_whole_answer(answers):
+    reason, calls = answers["tools", "streamed"]
+    whole = answers["tools", "required"].choices[0]  # the same request, greedy: the same calls
     assert reason == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 
 
