@@ -159,7 +159,8 @@ def smollm_llm():
 # last (alphabetically: test_server*, test_sharding) would run alone at the end
 # on one worker while the other idles; started first, the short ones fill in
 # around them.  Roughly longest first; modules not named keep their place after.
-LONG_MODULES = ("test_serve_batch.py", "test_server.py", "test_serve_batch_failures.py", "test_sharding.py",
+LONG_MODULES = ("test_serve_batch.py", "test_server.py", "test_structured_server.py", "test_serve_batch_failures.py",
+                "test_sharding.py",
                 "test_hf_parity.py", "test_request_parsing.py", "test_weights.py", "test_server_data_parallel.py",
                 "test_server_hardening.py", "test_ray_serve.py", "test_async_scheduling.py",
                 "test_compilation.py", "test_device_check.py")
