@@ -21,7 +21,8 @@ in place: `Grammar.fill` (one row's bitmask for one step) is wrapped on the
 engine's rows, giving microseconds per row per step; the step's whole mask
 (`_logit_mask`: allocation plus every row) per step.
 
-Writes benchmarks/results/structured.{csv,md}.  About 3 minutes on an idle 2-core
+Writes benchmarks/results/structured.{csv,md} (structured_sync.* with
+--noasync_scheduling).  About 3 minutes on an idle 2-core
 machine with the defaults.
 """
 
@@ -44,11 +45,13 @@ from jpaged.structured.spec import StructuredOutputs
 _BATCH = flags.DEFINE_integer("batch", 32, "Requests in the batch (all decode together).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "New tokens per request.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs per configuration (median).")
+_ASYNC = flags.DEFINE_bool("async_scheduling", True, "The engine's async_scheduling (false: the ablation, "
+                           "where every step runs one at a time, constrained or not).")
 
 LONG_JSON = StructuredOutputs(json={"type": "array", "items": {"type": "string"}, "minItems": 1000})
 LONG_REGEX = StructuredOutputs(regex=r"[a-z ]{2000,}")
 RUNS = {"free": (None, 0), "half_json": (LONG_JSON, 2), "half_regex": (LONG_REGEX, 2), "all_json": (LONG_JSON, 1)}
-COLUMNS = ["run", "constrained_rows", "generate_s", "tok_per_s", "ms_per_step", "slowdown",
+COLUMNS = ["run", "async", "constrained_rows", "generate_s", "tok_per_s", "ms_per_step", "slowdown",
            "fill_us_per_row_step", "mask_ms_per_step"]
 
 
@@ -107,7 +110,8 @@ def timed_run(llm: Any, prompts: list, run: str, clock: MaskClock) -> dict:
 def main(argv):
     del argv
     B.header("bench_structured")
-    llm = B.make_llm(max_num_seqs=_BATCH.value, max_num_batched_tokens=max(512, 16 * _BATCH.value))
+    llm = B.make_llm(max_num_seqs=_BATCH.value, max_num_batched_tokens=max(512, 16 * _BATCH.value),
+                     async_scheduling=_ASYNC.value)
     prompts = B.chat(B.mixed_prompts(_BATCH.value))
     clock = MaskClock()
     for run in RUNS:  # compile every bucket and variant once, untimed
@@ -121,12 +125,13 @@ def main(argv):
         median = {k: statistics.median(s[k] for s in samples[run]) for k in samples[run][0]}
         spec, every = spec_every
         constrained = 0 if spec is None else len(range(0, _BATCH.value, every))
-        rows.append({"run": run, "constrained_rows": constrained, **median})
+        rows.append({"run": run, "async": _ASYNC.value, "constrained_rows": constrained, **median})
     free = rows[0]["generate_s"]
     for row in rows:
         row["slowdown"] = row["generate_s"] / free
-    B.report("structured", rows, COLUMNS)
-    B.write_markdown("structured", f"# Structured outputs' cost ({B.machine()}, {B.today()})\n\n"
+    name = "structured" if _ASYNC.value else "structured_sync"
+    B.report(name, rows, COLUMNS)
+    B.write_markdown(name, f"# Structured outputs' cost ({B.machine()}, {B.today()})\n\n"
                      f"batch {_BATCH.value}, {_MAX_TOKENS.value} tokens per row, median of {_REPS.value}\n\n"
                      + B.markdown_table(rows, COLUMNS))
 
