@@ -98,6 +98,11 @@ bench-cpu-attention: $(STAMP)
 bench-decode-profile: $(STAMP)
 	$(PY) benchmarks/bench_decode_profile.py $(ARGS)
 
+# What structured outputs cost: the grammar mask per row per step, and half the batch constrained.
+.PHONY: bench-structured
+bench-structured: $(STAMP)
+	$(PY) benchmarks/bench_structured.py $(ARGS)
+
 # 2,000 mixed requests, 10% bad, a pool that preempts, both preemption modes:
 # isolation, no leaked blocks, flat memory (benchmarks/results/soak.{csv,md}).
 .PHONY: soak
