@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HOST_PACKAGES = ("core", "structured")  # every module in these imports no device stack
+HOST_PACKAGES = ("core", "structured", "speculative")  # every module in these imports no device stack
 LOADER_PACKAGES = ("loading", "tokenizer")  # nor do these, unless the orbax cache is used
 DEVICE_PACKAGES = ("jax", "flax", "pallas_kernels")
 
