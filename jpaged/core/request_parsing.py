@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any
 
+from jpaged.core.json_values import json_type as _json_type
+from jpaged.core.json_values import short as _short
 from jpaged.core.sequence import SamplingParams
 from jpaged.structured import spec as structured_spec
 
@@ -254,21 +256,3 @@ def _sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingPa
 def _suggest(name: str) -> str:
     close = difflib.get_close_matches(name, REQUEST_FIELDS, n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(REQUEST_FIELDS)}"
-
-
-def _json_type(x: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", type(None): "null"}
-    kind = names.get(type(x), type(x).__name__)
-    if kind in ("an object", "an array"):
-        return kind
-    try:
-        text = json.dumps(x, ensure_ascii=True)
-    except (TypeError, ValueError):  # not a JSON value (bytes from a Python caller): say what it is
-        text = ascii(x)
-    return f"{kind} {_short(text)}"
-
-
-def _short(x: Any, limit: int = 80) -> str:
-    s = str(x)
-    return s if len(s) <= limit else s[:limit] + "..."

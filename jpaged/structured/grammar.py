@@ -87,7 +87,8 @@ class GrammarCompiler:
     def check(self, spec: StructuredOutputs) -> str | None:
         """Why this constraint cannot run, or None (it compiles and admits an output)."""
         try:
-            self.grammar(spec)
+            spec.validate()
+            self._compiled(spec)
         except ValueError as e:
             return str(e)
         return None
@@ -95,20 +96,19 @@ class GrammarCompiler:
     def grammar(self, spec: StructuredOutputs) -> Grammar:
         """A fresh matcher for `spec`; ValueError saying what is wrong with it."""
         spec.validate()
+        return Grammar(self._matcher(self._compiled(spec), spec), spec)
+
+    def _matcher(self, text: str, spec: StructuredOutputs) -> Any:
         import llguidance
-        text = self._compiled(spec)
         matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind} constraint: {_first_line(matcher.get_error())}")
-        mask = np.zeros((1, mask_words(self.vocab_size)), np.int32)
-        Grammar(matcher, spec).fill(mask, 0)
-        allowed = set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
-        if not allowed - set(self._tokenizer.eos_tokens) and not matcher.is_accepting():
-            raise ValueError(f"the {spec.kind} constraint admits no output ({spec.describe()})")
-        return Grammar(matcher, spec)
+        return matcher
 
     def _compiled(self, spec: StructuredOutputs) -> str:
-        """llguidance's grammar text for `spec` (LRU-cached: the JSON compile is the costly part)."""
+        """llguidance's grammar text for `spec`, checked once per constraint (it
+        compiles, and its first token can be something other than an end): LRU-cached,
+        so a request's check and its samples' matchers share the work."""
         with self._lock:
             if spec in self._grammars:
                 self._grammars.move_to_end(spec)
@@ -118,6 +118,12 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(text, self._tokenizer)
         if error and not error.startswith("WARNING"):
             raise ValueError(f"invalid {spec.kind} constraint: {_first_line(error)}")
+        matcher = self._matcher(text, spec)
+        mask = np.zeros((1, mask_words(self.vocab_size)), np.int32)
+        Grammar(matcher, spec).fill(mask, 0)
+        allowed = set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
+        if not allowed - set(self._tokenizer.eos_tokens) and not matcher.is_accepting():
+            raise ValueError(f"the {spec.kind} constraint admits no output ({spec.describe()})")
         with self._lock:
             self._grammars[spec] = text
             while len(self._grammars) > CACHED_GRAMMARS:

@@ -12,6 +12,8 @@ import dataclasses
 import json as _json
 from typing import Any
 
+from jpaged.core.json_values import json_type
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's pre-0.10 extras, each the StructuredOutputs field it means.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -62,23 +64,23 @@ class StructuredOutputs:
         value = getattr(self, kind)
         if kind == "json":
             if not isinstance(value, str):
-                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {_type(value)}")
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {json_type(value)}")
             try:
                 schema = _json.loads(value)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {_type(schema)}")
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {json_type(schema)}")
         elif kind == "json_object":
             if value is not True:
-                raise ValueError(f"structured_outputs.json_object must be true, got {_type(value)}")
+                raise ValueError(f"structured_outputs.json_object must be true, got {json_type(value)}")
         elif kind == "choice":
             if (not isinstance(value, tuple) or not value
                     or not all(isinstance(c, str) and c for c in value)):
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
-                                 f"got {_type(value)}")
+                                 f"got {json_type(value)}")
         elif not isinstance(value, str) or not value:
-            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {_type(value)}")
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {json_type(value)}")
         if len(self.source()) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_outputs.{kind} is larger than {MAX_SPEC_CHARS} characters")
 
@@ -100,7 +102,7 @@ def from_dict(obj: Any, where: str = "structured_outputs") -> StructuredOutputs:
     {"choice": [...]} / {"grammar": ...} / {"json_object": true}); ValueError
     naming `where` for anything else."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{where} must be an object with one of {', '.join(KINDS)}, got {_type(obj)}")
+        raise ValueError(f"{where} must be an object with one of {', '.join(KINDS)}, got {json_type(obj)}")
     unknown = [k for k in obj if k not in KINDS and obj[k] is not None]
     if unknown:
         raise ValueError(f"{where}.{unknown[0]} is not supported (jpaged takes {', '.join(KINDS)})")
@@ -118,22 +120,22 @@ def from_response_format(value: Any, where: str = "response_format") -> Structur
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise ValueError(f'{where} must be an object with a "type", got {_type(value)}')
+        raise ValueError(f'{where} must be an object with a "type", got {json_type(value)}')
     kind = value["type"]
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutputs(json_object=True)
     if kind != "json_schema":
-        raise ValueError(f'{where}.type must be "text", "json_object" or "json_schema", got {_type(kind)}')
+        raise ValueError(f'{where}.type must be "text", "json_object" or "json_schema", got {json_type(kind)}')
     body = value.get("json_schema")
     if not isinstance(body, dict):
-        raise ValueError(f"{where}.json_schema must be an object with a schema, got {_type(body)}")
+        raise ValueError(f"{where}.json_schema must be an object with a schema, got {json_type(body)}")
     schema = body.get("schema", body.get("json_schema"))
     if schema is None:  # OpenAI: no schema means any JSON object
         return StructuredOutputs(json_object=True)
     if not isinstance(schema, dict):
-        raise ValueError(f"{where}.json_schema.schema must be an object, got {_type(schema)}")
+        raise ValueError(f"{where}.json_schema.schema must be an object, got {json_type(schema)}")
     spec = StructuredOutputs(json=schema)
     _validate(spec, f"{where}.json_schema.schema")
     return spec
@@ -146,7 +148,7 @@ def from_request(obj: dict[str, Any]) -> StructuredOutputs | None:
     not neutral, or two fields ask for constraints at once."""
     for name, neutral in NEUTRAL_EXTRAS.items():
         if obj.get(name) not in neutral:
-            raise ValueError(f"{name} is not supported (got {_type(obj[name])}; jpaged enforces constraints "
+            raise ValueError(f"{name} is not supported (got {json_type(obj[name])}; jpaged enforces constraints "
                              f"with llguidance and its own whitespace rules)")
     found: list[tuple[str, StructuredOutputs]] = []
     if obj.get("structured_outputs") is not None:
@@ -176,10 +178,3 @@ def _validate(spec: StructuredOutputs, where: str) -> None:
         spec.validate()
     except ValueError as e:  # say which request field it came from
         raise ValueError(str(e).replace("structured_outputs", where, 1)) from None
-
-
-def _type(x: Any) -> str:
-    names = {dict: "an object", list: "an array", tuple: "an array", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", type(None): "null"}
-    kind = names.get(type(x), type(x).__name__)
-    return kind if kind in ("an object", "an array") else f"{kind} {str(x)[:60]!r}"
