@@ -36,6 +36,7 @@ from jpaged.models.base import StepMetadata, forward
 from jpaged.runtime.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
                              token_logprobs)
 from jpaged.runtime.sampling import sample as _sample
+from jpaged.runtime.speculative import verify
 from jpaged.runtime.step_inputs import StepInputs, StepResult
 from pallas_kernels import Backend
 from pallas_kernels.reference import MASK_VALUE, attention_options, token_layout
@@ -121,15 +122,18 @@ def apply_logit_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets, *,
-                                 num_logprobs, logprobs_mode, attention_impl, logit_mask=None):
-    """generate_step_with_logprobs, also returning the last-token logits [S, vocab]
-    (raw: before `logit_mask`, which only what is sampled and processed logprobs see)."""
+                                 num_logprobs, logprobs_mode, attention_impl, logit_mask=None, num_seqs=None):
+    """generate_step_with_logprobs, also returning the logits at logits_indices
+    (raw: before `logit_mask`, which only what is sampled and processed logprobs
+    see): [S, vocab], or [S * (k + 1), vocab] when the step verifies drafts
+    (`num_seqs` S given: each row samples from its column 0)."""
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
     logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
                                    attention_impl=attention_impl, logits="all" if every else "last")
-    last = logits[meta.logits_indices] if every else logits
+    at_indices = logits[meta.logits_indices] if every else logits
+    last = _sampling_rows(at_indices, num_seqs or at_indices.shape[0])
     allowed = apply_logit_mask(last, logit_mask)
     if sampling is None:
         next_tokens, processed = greedy(allowed), allowed
@@ -138,7 +142,7 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
         next_tokens = sample_processed(allowed, processed, sampling)
     source = processed if logprobs_mode == "processed" else last
     prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
-    return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool, last
+    return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool, at_indices
 
 
 def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inputs: StepInputs, *,
@@ -165,17 +169,32 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
         tokens, logprobs, prompt, kv_pool, logits = _generate_step_with_logprobs(
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
-            attention_impl=attention_impl, logit_mask=inputs.logit_mask)
+            attention_impl=attention_impl, logit_mask=inputs.logit_mask, num_seqs=inputs.num_seqs)
         result = StepResult(tokens, logprobs, prompt, jnp.isnan(logits).any(axis=-1))
     else:
         logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
                                        attention_impl=attention_impl)
-        result = StepResult(sample(apply_logit_mask(logits, inputs.logit_mask), inputs.sampling),
+        last = _sampling_rows(logits, inputs.num_seqs)
+        result = StepResult(sample(apply_logit_mask(last, inputs.logit_mask), inputs.sampling),
                             nan_rows=jnp.isnan(logits).any(axis=-1))
+    if inputs.draft_tokens is not None:  # speculative decoding
+        rows = logits.reshape(inputs.num_seqs, -1, logits.shape[-1])
+        result.tokens, result.num_accepted = verify(rows, inputs.draft_tokens, inputs.num_drafts,
+                                                    inputs.sampling, result.tokens)
+        result.nan_rows = jnp.isnan(rows).any(axis=(1, 2))
     if inputs.prev_tokens is not None:  # the next step's prev_tokens: one fixed shape for every bucket
+        last_token = (result.tokens if result.num_accepted is None else
+                      jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0])
         result.token_buffer = jax.lax.dynamic_update_slice(jnp.zeros_like(inputs.prev_tokens),
-                                                           result.tokens.astype(jnp.int32), (0,))
+                                                           last_token.astype(jnp.int32), (0,))
     return result, kv_pool
+
+
+def _sampling_rows(logits: jax.Array, num_seqs: int) -> jax.Array:
+    """Each row's logits at its last token [S, vocab], out of the step's
+    logits at logits_indices: [S, vocab], or [S * (k + 1), vocab] when drafts
+    are verified (a row's column 0 is then where it samples without drafts)."""
+    return logits if logits.shape[0] == num_seqs else logits.reshape(num_seqs, -1, logits.shape[-1])[:, 0]
 
 
 def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array

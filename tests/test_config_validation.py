@@ -111,6 +111,8 @@ def near(field: str) -> st.SearchStrategy:
         return st.sampled_from([config_module.EMBEDDED_MODEL, "/no/such/model"])
     if field == "cache_dir":
         return st.just("")
+    if field == "speculative_model":
+        return st.sampled_from(["", config_module.EMBEDDED_MODEL, "/no/such/model"])
     return NEAR[spec.kind]
 
 
@@ -119,7 +121,8 @@ def field_values(field: str) -> st.SearchStrategy:
 
 # A change of a key field may be blamed on its partner in a cross-field check.
 PARTNERS = {"max_num_seqs": {"max_num_batched_tokens"}, "model": {"load_format"},
-            "preemption_mode": {"swap_space_gb"}}
+            "preemption_mode": {"swap_space_gb"}, "prompt_lookup_max": {"prompt_lookup_min"},
+            "speculative_method": {"speculative_model"}}
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -164,6 +167,8 @@ def assert_really_valid(cfg) -> None:
     assert 0 <= cfg.seed < 2**31
     assert cfg.preemption_mode != "swap" or cfg.swap_space_gb <= 8
     assert cfg.model == config_module.EMBEDDED_MODEL or os.path.exists(cfg.model)
+    assert 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max and 1 <= cfg.num_speculative_tokens <= 16
+    assert (cfg.speculative_method == "draft") == bool(cfg.speculative_model)
     # What the engine does with them at start-up must work.
     np.random.default_rng(cfg.seed)
     SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,

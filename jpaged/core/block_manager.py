@@ -222,6 +222,16 @@ class BlockManager:
         table.block_ids += [self.allocate() for _ in range(grow)]
         return True
 
+    def truncate(self, table: BlockTable, num_tokens: int) -> int:
+        """Frees the blocks of `table` past those that hold num_tokens tokens, last
+        first (rejected draft tokens' blocks); returns how many."""
+        keep = self.blocks_for(num_tokens)
+        extra = table.block_ids[keep:]
+        for block in reversed(extra):
+            self.free(block)
+        del table.block_ids[keep:]
+        return len(extra)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies to run on the device before the next forward."""
         copies, self._copies = self._copies, []

@@ -87,6 +87,19 @@ def default_config() -> ml_collections.ConfigDict:
     # tensor_parallel_size devices with its own pool, take requests from a router.
     c.tensor_parallel_size = 1
     c.data_parallel_size = 1
+    # Speculative decoding: a running sequence's step also verifies up to
+    # num_speculative_tokens draft tokens (greedy tokens unchanged; sampled ones
+    # keep their distribution).  "ngram": drafts copied from where the sequence's
+    # last prompt_lookup_min..prompt_lookup_max tokens occurred before (prompt
+    # lookup); "draft": proposed by speculative_model (same tokenizer).  Off while
+    # more than speculative_disable_by_batch_size sequences run (0: never off):
+    # a large batch is compute-bound and gains nothing.
+    c.speculative_method = "none"   # none | ngram | draft
+    c.num_speculative_tokens = 4
+    c.prompt_lookup_min = 2
+    c.prompt_lookup_max = 5
+    c.speculative_model = ""
+    c.speculative_disable_by_batch_size = 8
     # HTTP server (`jpaged serve`): requests waiting for a seat beyond this bound
     # get a 429 with Retry-After; on SIGTERM, in-flight requests get this long to
     # finish before they are aborted.
@@ -131,6 +144,8 @@ LOGPROBS_MODES = ("raw", "processed")
 # tests/test_config_validation.py checks ATTENTION_IMPLS == ("auto", *pallas_kernels.IMPLS).
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
 LAYER_LOOPS = ("auto", "scan", "unroll")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 # --------------------------------------------------------------- field specs
@@ -199,6 +214,13 @@ FIELDS: dict[str, FieldSpec] = {
     "tensor_parallel_size": _ints(1, 4096),
     "data_parallel_size": _ints(1, 4096),
     "max_queued_requests": _ints(1, INT32_MAX),
+    "speculative_method": _choice(*SPECULATIVE_METHODS),
+    "num_speculative_tokens": _ints(1, MAX_SPECULATIVE_TOKENS),
+    "prompt_lookup_min": _ints(1, 64),
+    "prompt_lookup_max": _ints(1, 64),
+    "speculative_model": FieldSpec("str", '"" (none) or, for speculative_method draft, a .gguf file or a HF '
+                                          'checkpoint directory with the target\'s tokenizer'),
+    "speculative_disable_by_batch_size": _ints(0, INT32_MAX, "an integer >= 0 (0: speculation never switches off)"),
     "shutdown_grace_seconds": _reals(0, 24 * 3600, allowed="a number of seconds in [0, 86400]"),
 }
 
@@ -454,5 +476,27 @@ def _check_swap_space(cfg: Mapping[str, Any]) -> None:
                           f"a number of GiB in [0, {limit:g}]")
 
 
+def _check_speculative(cfg: Mapping[str, Any]) -> None:
+    method, draft = cfg["speculative_method"], cfg["speculative_model"]
+    if cfg["prompt_lookup_min"] > cfg["prompt_lookup_max"]:
+        raise ConfigError("prompt_lookup_min", f"{cfg['prompt_lookup_min']} is more than prompt_lookup_max "
+                          f"({cfg['prompt_lookup_max']})", "at most prompt_lookup_max")
+    if method == "draft" and not draft:
+        raise ConfigError("speculative_model", "missing: speculative_method draft needs a draft model",
+                          FIELDS["speculative_model"].allowed)
+    if method != "draft" and draft:
+        raise ConfigError("speculative_model", f"{_show(draft)} is set but speculative_method is {method}",
+                          '"" unless speculative_method is draft')
+    if draft:
+        try:
+            path = model_path(draft)
+            ok = path is None or bool(readable_formats(path))
+        except (ConfigError, OSError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError("speculative_model", f"{_show(draft)} is not a readable model",
+                              FIELDS["speculative_model"].allowed)
+
+
 _CROSS_CHECKS: tuple[Callable[[Mapping[str, Any]], None], ...] = (
-    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space)
+    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space, _check_speculative)

@@ -47,13 +47,16 @@ from jpaged.core.swap_space import HostSwapSpace
 @dataclasses.dataclass
 class ScheduledSeq:
     """num_new tokens of seq from position `start` (its num_computed_tokens when
-    scheduled): a prefill chunk, or 1 to decode.  `output_index`: where the token
-    this row samples goes in seq's output (set when the step is launched; None for
-    a prefill chunk that does not reach the end of the sequence)."""
+    scheduled): a prefill chunk, or 1 to decode, plus `drafts` (speculative
+    decoding: draft tokens after the decode token, verified by the step; num_new
+    counts them).  `output_index`: where the token this row samples goes in
+    seq's output (set when the step is launched; None for a prefill chunk that
+    does not reach the end of the sequence)."""
     seq: Sequence
     num_new: int
     start: int = -1
     output_index: int | None = None
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if self.start < 0:
@@ -124,9 +127,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
         """The next step: running decodes first, then in-flight prefill chunks, then
-        swapped sequences and new admissions, within max_num_batched_tokens."""
+        swapped sequences and new admissions, within max_num_batched_tokens.
+        `drafts` (speculative decoding): draft tokens by seq_id for decoding
+        sequences, verified in their rows when budget and free blocks allow (a
+        draft never preempts anything: without room a row decodes one token)."""
+        drafts = drafts or {}
         self._preempted_now = False
         if self.policy == "static" and self.running and all(s.is_done for s in self.running):
             self._end_static_batch()
@@ -141,6 +148,12 @@ class Scheduler:
             for seq in list(self.running):
                 if seq.status is not status or budget <= 0 or seq.awaits_last_token:
                     continue  # (also skips what an earlier grow preempted)
+                if status is Status.DECODING:
+                    row = self._draft_row(seq, drafts.get(seq.seq_id, ()), budget)
+                    if row is not None:
+                        scheduled.append(row)
+                        budget -= row.num_new
+                        continue
                 n = 1 if status is Status.DECODING else min(seq.prefill_target - seq.num_computed_tokens, budget)
                 if n > 0 and self._grow_or_preempt(seq, seq.num_computed_tokens + n):
                     scheduled.append(ScheduledSeq(seq, n))
@@ -153,6 +166,14 @@ class Scheduler:
         self._fit_bucket(scheduled)
         swap_out, swap_in = self._take_swaps()
         return SchedulerOutput(scheduled, self.block_manager.take_copies(), swap_out, swap_in)
+
+    def _draft_row(self, seq: Sequence, drafts, budget: int) -> ScheduledSeq | None:
+        """A decode row with as many of `drafts` as the budget and the free blocks
+        allow without preempting anything; None for a plain decode row."""
+        drafts = list(drafts)[:budget - 1]
+        if not drafts or not self._prepare_write(seq, seq.num_computed_tokens + 1 + len(drafts)):
+            return None
+        return ScheduledSeq(seq, 1 + len(drafts), drafts=drafts)
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         """Admits waiting sequences in arrival order while seats, tokens and blocks
@@ -218,7 +239,7 @@ class Scheduler:
         last, n = scheduled[-1], sum(s.num_new for s in scheduled)
         up = min((b for b in self.token_buckets if b >= n), default=n)
         down = max((b for b in self.token_buckets if b <= n), default=0)
-        if up - n > n // 8 and down >= 32 and last.num_new > n - down:
+        if up - n > n // 8 and down >= 32 and last.num_new > n - down and not last.drafts:
             last.num_new -= n - down
 
     def _try_admit(self, seq: Sequence, budget: int, match: tuple[list, list[int]]) -> int | None:

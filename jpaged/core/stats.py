@@ -46,6 +46,11 @@ class EngineStats:
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     swap_seconds: float = 0.0        # device<->host copies (part of device_seconds)
+    # Speculative decoding (engine): rows that verified drafts, their draft
+    # tokens, and the drafts accepted (vLLM's spec_decode_num_* counters)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     # Peaks since reset_peaks()
     peak_blocks_used: int = 0
     shared_blocks_peak: int = 0      # most blocks with refcount > 1 at once
@@ -78,6 +83,16 @@ class EngineStats:
     def padding_ratio(self) -> float:
         """Token slots computed / real tokens (1.0: no padding)."""
         return self.token_slots / self.tokens_scheduled if self.tokens_scheduled else 1.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens verified (0 without drafts)."""
+        return self.spec_decode_num_accepted_tokens / max(1, self.spec_decode_num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a row with drafts emitted on average: its accepted drafts plus one."""
+        return 1 + self.spec_decode_num_accepted_tokens / max(1, self.spec_decode_num_drafts)
 
     @property
     def kv_waste(self) -> float:

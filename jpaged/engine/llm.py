@@ -35,6 +35,7 @@ from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.output_processor import OutputProcessor, RequestOutput, record_logprobs
 from jpaged.engine.setup import (engine_mesh, load_model, program_cache_dir, resolve_attention_impl,
                                  resolve_kv_cache_dtype, resolve_layer_loop, size_pool)
+from jpaged.engine.speculation import Speculator
 from jpaged.engine.step_stats import StepStats
 from jpaged.runtime.kv_pool import block_shape, bytes_per_block
 from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
@@ -94,7 +95,10 @@ class LLM:
                                   buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space,
                                   logprobs_mode=cfg.logprobs_mode,
                                   mesh=self.mesh, program_cache_dir=program_cache_dir(cfg),
-                                  chained=cfg.async_scheduling)
+                                  chained=cfg.async_scheduling,
+                                  num_speculative_tokens=cfg.num_speculative_tokens
+                                  if cfg.speculative_method != "none" else 0)
+        self.speculator = self._speculator(cfg)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -117,6 +121,16 @@ class LLM:
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: StartedStep | None = None
         self._last_completed = 0.0  # perf_counter when the last step completed
+
+    def _speculator(self, cfg: ml_collections.ConfigDict) -> Speculator:
+        draft_model = None
+        if cfg.speculative_method == "draft":
+            from jpaged.runtime.draft_model import load_draft_proposer
+            draft_model = load_draft_proposer(cfg, self.model_config, self.tokenizer, num_blocks=self.num_blocks)
+        return Speculator(cfg.speculative_method, num_speculative_tokens=cfg.num_speculative_tokens,
+                          prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max,
+                          disable_by_batch_size=cfg.speculative_disable_by_batch_size,
+                          max_model_len=cfg.max_model_len, draft_model=draft_model)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process run (jpaged.runtime.distributed): run
@@ -332,8 +346,8 @@ class LLM:
         completes gets a PLACEHOLDER for the token it samples: the next schedule()
         sees the state after this step before its tokens are known."""
         t0 = time.perf_counter()
-        early = self._complete_constrained()
-        out = self.scheduler.schedule()
+        early = self._complete_in_flight()
+        out = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         try:
             pending = self.runner.launch(out)
@@ -356,13 +370,17 @@ class LLM:
             return finished
         return finished + self._complete(started)
 
-    def _complete_constrained(self) -> list[Sequence]:
-        """Asynchronous scheduling: completes the step in flight now when it samples
-        for a constrained sequence, whose next mask needs that token (such steps
-        run one at a time); returns what finished in it."""
+    def _complete_in_flight(self) -> list[Sequence]:
+        """Asynchronous scheduling: completes the step in flight now when the next
+        one needs its tokens (such steps run one at a time): when it samples for a
+        constrained sequence, whose next mask needs that token, when it verified
+        drafts (how many tokens it emits is not known before), or when the next
+        step drafts (proposals start from each sequence's last token).  Returns
+        what finished in it."""
         started = self._in_flight
-        if started is None or not any(s.seq.grammar is not None and s.output_index is not None
-                                      for s in started.out.scheduled):
+        if started is None or not (self.speculator.active(self.scheduler.running) or any(
+                s.drafts or (s.seq.grammar is not None and s.output_index is not None)
+                for s in started.out.scheduled)):
             return []
         self._in_flight = None
         return self._complete(started)
@@ -371,7 +389,8 @@ class LLM:
         """A dispatched step's effect on its sequences, known before its tokens are."""
         for row, s in enumerate(out.scheduled):
             seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_new
+            # (a draft's K/V counts once it is accepted: _resolve)
+            seq.num_computed_tokens = s.start + s.num_new - len(s.drafts)
             if seq.num_computed_tokens >= seq.num_tokens:  # else a prefill chunk: its sample is not a token
                 s.output_index = len(seq.output_token_ids)
                 seq.output_token_ids.append(PLACEHOLDER)
@@ -396,7 +415,7 @@ class LLM:
         offset = 0  # of the sequence's first token in the step's flat batch
         for row, (s, token) in enumerate(zip(out.scheduled, result.tokens)):
             try:
-                self._resolve(s, int(token), result, row, offset)
+                self._resolve(s, self._row_tokens(s, token, result, row), result, row, offset)
             except Exception as e:  # noqa: BLE001 - pinned to this sequence
                 log.exception("request %d failed after its step", s.seq.seq_id)
                 self._drop_unknown(s)
@@ -418,36 +437,63 @@ class LLM:
                     if s.is_done and id(s) not in running and s.num_known_tokens == s.num_tokens]
         for seq in finished:
             del self._active[seq.seq_id]
+            self.speculator.release(seq)
         self.progress.after_step(out, finished)
         return finished
 
-    def _resolve(self, s: ScheduledSeq, token: int, result: StepResult, row: int, offset: int) -> None:
+    def _row_tokens(self, s: ScheduledSeq, token: np.ndarray, result: StepResult, row: int) -> list[int]:
+        """The tokens one row emitted: its sampled token, or (drafts verified) its
+        accepted drafts and the token after them."""
+        if result.num_accepted is None:
+            return [int(token)]
+        if not s.drafts:
+            return [int(token[0])]
+        accepted = int(result.num_accepted[row])
+        Speculator.count(self.totals, s, accepted)
+        return token[:accepted + 1].tolist()
+
+    def _resolve(self, s: ScheduledSeq, tokens: list[int], result: StepResult, row: int, offset: int) -> None:
         """Puts in what one row of a completed step computed: prompt logprobs, the
-        sampled token in its place, and the stop conditions it triggers."""
+        sampled tokens in their places (one, or accepted drafts and one), and the
+        stop conditions they trigger."""
         seq = s.seq
         if s.output_index is not None and s.output_index >= len(seq.output_token_ids):
             return  # the sequence stopped at an earlier token: this row ran past its end
-        record_logprobs(seq, s, token, result, row, offset)
+        record_logprobs(seq, s, tokens[0], result, row, offset)
         if s.output_index is None:
             return  # a prefill chunk
-        seq.output_token_ids[s.output_index] = token
+        seq.output_token_ids[s.output_index] = tokens[0]
         if seq.is_done:
             return  # aborted while the step ran: the token is kept, nothing else changes
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
+        for i, token in enumerate(tokens):
+            if i:  # an accepted draft came before this token: its K/V is in the pool
+                seq.output_token_ids.insert(s.output_index + i, token)
+                seq.num_computed_tokens += 1
+            if self._stops(seq, token, s.output_index + i) or seq.is_done:
+                return
+        if s.drafts:  # the rejected drafts' blocks
+            self.block_manager.truncate(seq.block_table, seq.num_tokens)
         self.block_manager.cache_full_blocks(seq)
-        reason = self.outputs.finish_reason(seq, token, num_output=s.output_index + 1)
+
+    def _stops(self, seq: Sequence, token: int, index: int) -> bool:
+        """Applies the stop conditions to seq's output token `index`; True when seq ends there."""
+        reason = self.outputs.finish_reason(seq, token, num_output=index + 1)
         if seq.grammar is not None and reason in (None, "length"):  # a structure complete at the limit: "stop"
             reason = self._advance_grammar(seq, token) or reason
             if seq.is_done:
-                return
-        if reason is not None:
-            del seq.output_token_ids[s.output_index + 1:]  # a later step's placeholder
-            seq.finish(reason)
-            if seq in self.scheduler.running:
-                self.scheduler.finish(seq)
-            else:  # preempted while its last step ran
-                self.scheduler.fail(seq, None, reason=reason)
+                return True
+        if reason is None:
+            return False
+        del seq.output_token_ids[index + 1:]  # a later step's placeholder
+        self.block_manager.cache_full_blocks(seq)
+        seq.finish(reason)
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq)
+        else:  # preempted while its last step ran
+            self.scheduler.fail(seq, None, reason=reason)
+        return True
 
     def _advance_grammar(self, seq: Sequence, token: int) -> str | None:
         """Moves a constrained sample's matcher past its new token: "stop" when the

@@ -55,6 +55,13 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "swapped_out_mib": stats.swapped_out_bytes / 2**20,
         "swapped_in_mib": stats.swapped_in_bytes / 2**20,
         "swap_s": stats.swap_seconds,
+        "speculative_method": llm.config.speculative_method,
+        "spec_decode_num_drafts": stats.spec_decode_num_drafts,
+        "spec_decode_num_draft_tokens": stats.spec_decode_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": stats.spec_decode_num_accepted_tokens,
+        "draft_acceptance_pct": 100 * stats.draft_acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "tokens_per_step": num_tokens / stats.steps if stats.steps else 0.0,
         "memory_per_device": {d: {"weights_bytes": w, "kv_pool_bytes": p}
                               for d, (w, p) in llm.memory_per_device().items()},
         "replicas": llm.replica_summary(),
@@ -97,6 +104,12 @@ def format_summary(summary: dict[str, float]) -> str:
             rows.append(("swapped out / in", f"{summary['swapped_out_mib']:.1f} / "
                                              f"{summary['swapped_in_mib']:.1f} MiB "
                                              f"({summary['swap_s']:.2f} s copying)"))
+    if summary.get("speculative_method", "none") != "none":
+        rows.append((f"speculative decoding ({summary['speculative_method']})",
+                     f"{summary['spec_decode_num_accepted_tokens']} of {summary['spec_decode_num_draft_tokens']} "
+                     f"draft tokens accepted ({summary['draft_acceptance_pct']:.1f} %), mean accepted length "
+                     f"{summary['mean_accepted_length']:.2f}, {summary['tokens_per_step']:.2f} output tokens "
+                     f"per step"))
     if "process_wall_s" in summary:  # serve_batch: start-up (load, compiles) included
         rows.insert(3, ("wall time (whole run)", f"{summary['process_wall_s']:.2f} s"))
     width = max(len(k) for k, _ in rows)

@@ -120,3 +120,11 @@ class _SnapshotCollector(Collector):
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       snap.totals.cached_prompt_tokens)
         yield counter("vllm:num_preemptions", "Preemptions (recompute and swap).", snap.totals.preemptions)
+        # Speculative decoding: acceptance rate = accepted / draft tokens; mean
+        # accepted length = 1 + accepted / drafts.
+        yield counter("vllm:spec_decode_num_drafts", "Rows that verified draft tokens.",
+                      snap.totals.spec_decode_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      snap.totals.spec_decode_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      snap.totals.spec_decode_num_accepted_tokens)

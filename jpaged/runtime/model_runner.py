@@ -113,8 +113,9 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
                  mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
-                 chained: bool = False):
+                 chained: bool = False, num_speculative_tokens: int = 0):
         self.params = params
+        self.num_speculative_tokens = num_speculative_tokens  # the drafts' width K (speculative decoding)
         self.mesh = mesh
         self.block_size = block_size
         self.table_width = cdiv(max_model_len, block_size)
@@ -138,7 +139,7 @@ class ModelRunner:
             self._step, params, self.kv_pool, model_config=model_cfg, mesh=mesh, cache_dir=program_cache_dir,
             mesh_context=self._mesh_context,
             static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
-                    "graphdef": graphdef})
+                    "graphdef": graphdef, "num_speculative_tokens": num_speculative_tokens})
         self._programs.preload()  # a warm start: every program this engine built before, before any step
         self.timing = StepTiming()
 
@@ -263,7 +264,8 @@ class ModelRunner:
     def _padded_inputs(self, scheduled: list[ScheduledSeq], T: int) -> StepInputs:
         return self._with_token_buffer(build_step_inputs(
             scheduled, num_tokens=T, num_seqs=self.seq_bucket(T), block_size=self.block_size,
-            table_width=self.table_width, vocab_size=self.vocab_size, chained=self.chained))
+            table_width=self.table_width, vocab_size=self.vocab_size, chained=self.chained,
+            num_speculative_tokens=self.num_speculative_tokens))
 
     def _new_token_buffer(self) -> jax.Array:
         zeros = np.zeros(self.seq_bucket(self.token_buckets[-1]), np.int32)
@@ -344,6 +346,8 @@ class ModelRunner:
         result.tokens = result.tokens[:pending.num_seqs]
         if result.nan_rows is not None:
             result.nan_rows = result.nan_rows[:pending.num_seqs]
+        if result.num_accepted is not None:
+            result.num_accepted = result.num_accepted[:pending.num_seqs]
         return result
 
     def _swap(self, out: SchedulerOutput) -> None:

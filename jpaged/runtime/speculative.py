@@ -23,6 +23,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jpaged.runtime.sampling import SamplingArrays, processed_logits
+
+
+def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sampling: SamplingArrays | None,
+           first_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A step's verification: logits [S, k+1, V] at each row's decode token and
+    drafts, drafts [S, k], num_drafts [S]; greedy rows by verify_greedy, sampled
+    ones (temperature > 0) by verify_sampled on their processed logits (temperature,
+    top-k / top-p at every position).  A row without drafts emits first_tokens[s]
+    (sampled exactly as without speculation).  -> (tokens [S, k+1], num_accepted [S])."""
+    S, k1, V = logits.shape
+    tokens, accepted = verify_greedy(logits, drafts, num_drafts)
+    if sampling is not None:
+        per_position = jax.tree.map(lambda x: jnp.repeat(x, k1, axis=0), sampling)
+        probs = jax.nn.softmax(processed_logits(logits.reshape(S * k1, V), per_position), axis=-1)
+        drawn, drawn_accepted = verify_sampled(probs.reshape(S, k1, V), drafts, num_drafts,
+                                               sampling.seed, sampling.step)
+        sampled = sampling.temperature > 0
+        tokens = jnp.where(sampled[:, None], drawn, tokens)
+        accepted = jnp.where(sampled, drawn_accepted, accepted)
+    has_drafts = num_drafts > 0
+    tokens = tokens.at[:, 0].set(jnp.where(has_drafts, tokens[:, 0], first_tokens))
+    return tokens, jnp.where(has_drafts, accepted, 0)
+
 
 def verify_greedy(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [S, k+1, V], drafts [S, k], num_drafts [S] (<= k) ->

@@ -29,6 +29,10 @@ of the bucket: T tokens, S sequences (or fixed, like the block tables' width).
 
     logit_mask            a row samples under a structured-output constraint: the
                           step masks its logits with the grammar's bitmask
+    draft_tokens          speculative decoding: a row verifies draft tokens; its
+                          logits at each of them come out too (logits_indices
+                          is then [S * (K + 1)]) and the step returns the
+                          accepted drafts plus one token
 
 Adding a feature adds a field (the logit mask went in this way):
 
@@ -38,10 +42,9 @@ Adding a feature adds a field (the logit mask went in this way):
   2. in `jpaged.decode.run_step`: `if inputs.<field> is not None:` consume it;
   3. nothing else: the runner's jit, program keys, shardings, the broadcast and
      `follow` take the new field as they take the others.
-LoRA adapter ids ([S] int32, None when no row uses an adapter) and speculative
-draft tokens ([S, k] int32 with k static, None when nothing is drafted) are the
-same three steps; a new result (the number of draft tokens accepted) is a field
-of StepResult.
+LoRA adapter ids ([S] int32, None when no row uses an adapter) are the same
+three steps; a new result (like the number of draft tokens accepted) is a
+field of StepResult.
 """
 
 from __future__ import annotations
@@ -75,6 +78,11 @@ class StepInputs:
                        token 32 w + j at the row's sample (a constrained row's
                        grammar wrote it; every other row all ones); None when
                        no scheduled row is constrained
+    draft_tokens[S, K] int32, speculative decoding: row s verifies
+                       draft_tokens[s, :num_drafts[s]] (also in `tokens`, after
+                       its decode token); K is the config's
+                       num_speculative_tokens.  None when no row has drafts
+    num_drafts[S]      int32, with draft_tokens
     logprobs           static: the step also returns the sampled tokens' logprobs
     """
 
@@ -85,6 +93,8 @@ class StepInputs:
     prev_rows: np.ndarray | jax.Array | None = None
     prev_tokens: jax.Array | None = None
     logit_mask: np.ndarray | jax.Array | None = None
+    draft_tokens: np.ndarray | jax.Array | None = None
+    num_drafts: np.ndarray | jax.Array | None = None
     logprobs: bool = False
 
     @property
@@ -97,7 +107,8 @@ class StepInputs:
 
 
 jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets",
-                                                          "prev_rows", "prev_tokens", "logit_mask"],
+                                                          "prev_rows", "prev_tokens", "logit_mask",
+                                                          "draft_tokens", "num_drafts"],
                                  meta_fields=["logprobs"])
 
 
@@ -107,34 +118,59 @@ class StepResult:
     a row per flat token (None when no sequence asked).  Device arrays out of the
     step, numpy after `ModelRunner.collect`."""
 
-    tokens: np.ndarray | jax.Array
+    tokens: np.ndarray | jax.Array  # [S]; [S, K + 1] when drafts were verified
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     nan_rows: np.ndarray | jax.Array | None = None  # [S] bool: the row's logits hold a NaN
+    # Speculative decoding: row s emits tokens[s, :num_accepted[s] + 1], its
+    # accepted drafts and the token after them.
+    num_accepted: np.ndarray | jax.Array | None = None
     # Asynchronous scheduling: `tokens` padded to the runner's largest S, which the
     # next step reads on the device (never fetched to the host).
     token_buffer: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs", "nan_rows",
-                                                          "token_buffer"],
+                                                          "num_accepted", "token_buffer"],
                                  meta_fields=[])
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seqs: int,
-                      block_size: int, table_width: int, vocab_size: int, chained: bool = False) -> StepInputs:
+                      block_size: int, table_width: int, vocab_size: int, chained: bool = False,
+                      num_speculative_tokens: int = 0) -> StepInputs:
     """The step's inputs (numpy) for the scheduled sequences, padded to the bucket:
     num_tokens (T) flat tokens, num_seqs (S) sequences, block tables
-    table_width wide, logit masks vocab_size wide.  `chained` (asynchronous
-    scheduling): the step may read tokens the previous step samples (prev_rows;
-    the runner attaches prev_tokens)."""
+    table_width wide, logit masks vocab_size wide, drafts num_speculative_tokens
+    wide.  `chained` (asynchronous scheduling): the step may read tokens the
+    previous step samples (prev_rows; the runner attaches prev_tokens)."""
     tokens, meta = _tokens_and_metadata(scheduled, num_tokens, num_seqs, block_size, table_width)
     logprobs = any(s.seq.params.logprobs is not None or s.seq.params.prompt_logprobs is not None
                    for s in scheduled)
-    return StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
-                      prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
-                      prev_rows=_prev_rows(scheduled, tokens) if chained else None,
-                      logit_mask=_logit_mask(scheduled, num_seqs, vocab_size), logprobs=logprobs)
+    inputs = StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
+                        prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
+                        prev_rows=_prev_rows(scheduled, tokens) if chained else None,
+                        logit_mask=_logit_mask(scheduled, num_seqs, vocab_size), logprobs=logprobs)
+    if not any(s.drafts for s in scheduled):
+        return inputs
+    return _with_drafts(inputs, scheduled, num_seqs, num_speculative_tokens)
+
+
+def _with_drafts(inputs: StepInputs, scheduled: list[ScheduledSeq], S: int, K: int) -> StepInputs:
+    """Draft verification: each row's drafts [S, K], and logits at every position
+    of a row that has them (logits_indices [S * (K + 1)]: row s's j-th entry is
+    its token j, the last one repeated past its end; column 0 is where a row
+    without drafts samples, its last token)."""
+    drafts, num_drafts = np.zeros((S, K), np.int32), np.zeros(S, np.int32)
+    indices = np.zeros((S, K + 1), np.int32)
+    for i, s in enumerate(scheduled):
+        if len(s.drafts) > K:
+            raise ValueError(f"{len(s.drafts)} drafts exceed num_speculative_tokens={K}")
+        drafts[i, :len(s.drafts)], num_drafts[i] = s.drafts, len(s.drafts)
+        last = inputs.meta.logits_indices[i]
+        first = last - len(s.drafts)
+        indices[i] = np.minimum(first + np.arange(K + 1), last)
+    meta = dataclasses.replace(inputs.meta, logits_indices=indices.reshape(-1))
+    return dataclasses.replace(inputs, meta=meta, draft_tokens=drafts, num_drafts=num_drafts)
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False) -> StepInputs:
@@ -197,7 +233,7 @@ def _tokens_and_metadata(scheduled: list[ScheduledSeq], T: int, S: int, block_si
         ids = seq.block_table.block_ids
         block_tables[i, :len(ids)] = ids
         pos = np.arange(start, start + k, dtype=np.int32)
-        tokens[end:end + k] = seq.token_slice(start, start + k)
+        tokens[end:end + k] = seq.token_slice(start, start + k - len(s.drafts)) + s.drafts
         positions[end:end + k] = pos
         write_blocks[end:end + k] = block_tables[i, pos // bs]
         write_offsets[end:end + k] = pos % bs

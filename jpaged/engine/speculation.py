@@ -1,0 +1,91 @@
+"""Speculative decoding, the engine's side: draft tokens for the running
+sequences before each schedule, and the counts of what the step accepted.
+
+A decoding sequence with drafts runs them after its decode token in one row
+(`ScheduledSeq.drafts`); the step verifies them on the device
+(jpaged.runtime.speculative) and the engine keeps the accepted ones plus one
+token.  Drafts come from prompt lookup (`ngram`, jpaged.speculative.ngram, on
+the host) or from a small draft model (`draft`, jpaged.runtime.draft_model,
+with its own KV pool).
+
+Not drafted for: a sequence that samples under a structured-output constraint
+(its mask needs each token before the next), one that asks for logprobs (the
+step returns them for one token per row), and every sequence while more than
+`speculative_disable_by_batch_size` run (a large batch is compute-bound: the
+drafts' extra tokens would cost what they save).  A seeded sampled request
+draws its tokens from other keys with drafts than without, so the same seed
+gives other (equally distributed) tokens when speculation is on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jpaged.core.scheduler import ScheduledSeq
+from jpaged.core.sequence import Sequence, Status
+from jpaged.core.stats import EngineStats
+from jpaged.speculative import ngram
+
+
+class Speculator:
+    """Proposes drafts (method "ngram" or "draft"; "none": never) of at most
+    num_speculative_tokens tokens per sequence."""
+
+    def __init__(self, method: str, *, num_speculative_tokens: int, prompt_lookup_min: int,
+                 prompt_lookup_max: int, disable_by_batch_size: int, max_model_len: int,
+                 draft_model: Any = None):
+        if method == "draft" and draft_model is None:
+            raise ValueError("speculative_method draft needs a draft model proposer")
+        self.method = method
+        self.k = num_speculative_tokens
+        self.lookup = (prompt_lookup_min, prompt_lookup_max)
+        self.disable_by_batch_size = disable_by_batch_size
+        self.max_model_len = max_model_len
+        self.draft_model = draft_model
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def active(self, running: list[Sequence]) -> bool:
+        """Whether the next step drafts (off above the batch size limit)."""
+        return self.enabled and (not self.disable_by_batch_size or len(running) <= self.disable_by_batch_size)
+
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """Draft tokens by seq_id for the running sequences that can take them."""
+        if not self.active(running):
+            return {}
+        wanted = [(seq, k) for seq in running if (k := self._num_drafts(seq)) > 0]
+        if not wanted:
+            return {}
+        if self.method == "ngram":
+            lo, hi = self.lookup
+            drafts = [ngram.propose(np.asarray(seq.token_ids, np.int32), min_n=lo, max_n=hi, k=k).tolist()
+                      for seq, k in wanted]
+        else:
+            drafts = self.draft_model.propose([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+        return {seq.seq_id: d for (seq, _), d in zip(wanted, drafts) if d}
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """How many drafts seq may take: none unless it is decoding with every
+        token known, unconstrained and without logprobs; never past max_tokens or
+        max_model_len (the row emits its accepted drafts plus one token)."""
+        if (seq.status is not Status.DECODING or seq.awaits_last_token or seq.grammar is not None
+                or seq.params.logprobs is not None or seq.num_known_tokens != seq.num_tokens):
+            return 0
+        left = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def release(self, seq: Sequence) -> None:
+        """seq is finished: the draft model forgets it (frees its draft blocks)."""
+        if self.draft_model is not None:
+            self.draft_model.release(seq.seq_id)
+
+    @staticmethod
+    def count(stats: EngineStats, s: ScheduledSeq, num_accepted: int) -> None:
+        """vLLM's counters: rows with drafts, draft tokens, accepted ones."""
+        stats.spec_decode_num_drafts += 1
+        stats.spec_decode_num_draft_tokens += len(s.drafts)
+        stats.spec_decode_num_accepted_tokens += num_accepted

@@ -1,0 +1,200 @@
+"""Speculative decoding in the engine (config speculative_method): a decoding
+sequence verifies draft tokens in its row of the ragged step, keeps the
+accepted ones plus one token, and gives back the blocks of the rejected ones.
+
+Greedy tokens equal the engine's without speculation, synchronous and
+asynchronous, under preemption (recompute and swap) and with the prefix cache;
+sampled tokens keep their distribution (a chi-square test of the engine's
+samples with and without drafts); no block leaks.  The draft-model proposer's
+own tests are in test_draft_model.py; the verification rule's in
+test_speculative_verify.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from helpers import assert_all_blocks_free, random_prompts
+from jpaged.core.config import ConfigError, default_config, validate_config
+from jpaged.core.sequence import SamplingParams, Sequence, Status
+from jpaged.engine.speculation import Speculator
+from jpaged.entrypoints.metrics import format_summary, summarize
+
+# Drafts for every sequence whose last token occurred before, whatever the batch size.
+NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+             speculative_disable_by_batch_size=0)
+BS = 8
+# 20 usable blocks under 8 seats: admission oversubscribes the pool.
+SMALL = dict(block_size=BS, num_blocks=21, max_num_seqs=8, max_num_batched_tokens=64)
+
+_rng = np.random.default_rng(5)
+# Half the prompts repeat a short pattern: the tiny model continues some of them
+# and prompt lookup drafts right; the other half are random (drafts mostly rejected).
+PROMPTS = [p * (1 + 40 // len(p)) if i % 2 else p
+           for i, p in enumerate(random_prompts(_rng.integers(3, 12, size=10).tolist(), seed=6))]
+PROMPTS = [p[:48] for p in PROMPTS]
+MAX_TOKENS = _rng.integers(6, 40, size=10).tolist()
+
+
+def greedy_params() -> list[SamplingParams]:
+    """Greedy rows: plain, n = 2, stop token ids, and logprobs (never drafted)."""
+    out = []
+    for i, n in enumerate(MAX_TOKENS):
+        kind = i % 4
+        if kind == 0:
+            out.append(SamplingParams(max_tokens=n, ignore_eos=True))
+        elif kind == 1:
+            out.append(SamplingParams(max_tokens=n, n=2, ignore_eos=True))
+        elif kind == 2:
+            out.append(SamplingParams(max_tokens=n, stop_token_ids=tuple(range(40, 50)), ignore_eos=True))
+        else:
+            out.append(SamplingParams(max_tokens=n, logprobs=2, ignore_eos=True))
+    return out
+
+
+def results(outs) -> list:
+    return [(o.finish_reason, [s["token_ids"] for s in o.samples],
+             None if o.logprobs is None else [t.token_id for t in o.logprobs]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(make_tiny_llm):
+    """Every test's expected tokens: the engine without speculation, no preemption."""
+    llm = make_tiny_llm()
+    return results(llm.generate(PROMPTS, greedy_params()))
+
+
+def check_drafting(llm) -> None:
+    """The run verified drafts, accepted some and rejected some (so both paths ran)."""
+    s = llm.stats
+    assert s.spec_decode_num_drafts > 0
+    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_tokens_equal_without_speculation(make_tiny_llm, reference, async_scheduling):
+    llm = make_tiny_llm(async_scheduling=async_scheduling, **NGRAM)
+    assert results(llm.generate(PROMPTS, greedy_params())) == reference
+    check_drafting(llm)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_prefix_cache(make_tiny_llm, reference, mode):
+    llm = make_tiny_llm(preemption_mode=mode, enable_prefix_caching=True, **SMALL, **NGRAM)
+    for _ in range(2):  # the second run finds the first one's blocks in the cache
+        assert results(llm.generate(PROMPTS, greedy_params())) == reference
+        llm.block_manager.check_invariants()
+        assert_all_blocks_free(llm)
+        assert llm.swap_space.num_used_blocks == 0
+    assert llm.stats.preemptions > 0
+    if mode == "recompute":  # resumes hit the cache (swapped ones bring their blocks back)
+        assert llm.totals.cached_prompt_tokens > 0
+    check_drafting(llm)
+
+
+def test_draft_model_greedy_tokens_equal_without_speculation(make_tiny_llm, reference, tiny_qwen3):
+    """Another model (the tiny Qwen3, same vocabulary) drafts: its tokens are
+    mostly rejected, and what the target emits is unchanged."""
+    llm = make_tiny_llm(speculative_method="draft", speculative_model=str(tiny_qwen3[0]), num_speculative_tokens=3,
+                        speculative_disable_by_batch_size=0, enable_prefix_caching=True, **SMALL)
+    assert results(llm.generate(PROMPTS, greedy_params())) == reference
+    check_drafting(llm)
+    assert_all_blocks_free(llm)
+    assert llm.speculator.draft_model.allocator.num_free_blocks == llm.speculator.draft_model.num_blocks - 1
+
+
+def test_a_small_token_budget_trims_drafts(make_tiny_llm, reference):
+    """Decodes first: with 8 tokens per step for 8 seats, drafts take what is left."""
+    llm = make_tiny_llm(max_num_seqs=4, max_num_batched_tokens=8, **NGRAM)
+    assert results(llm.generate(PROMPTS, greedy_params())) == reference
+    check_drafting(llm)
+    assert_all_blocks_free(llm)
+
+
+def test_a_seeded_sampled_request_repeats(make_tiny_llm):
+    llm = make_tiny_llm(**NGRAM)
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    first = results(llm.generate(PROMPTS, params))
+    assert llm.stats.spec_decode_num_drafts > 0
+    assert results(llm.generate(PROMPTS[::-1], params[::-1]))[::-1] == first  # other batches, same tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_tokens_keep_their_distribution(make_tiny_llm, tiny_llama_dir, method):
+    """Chi-square homogeneity of the second output token with and without drafts.
+
+    ngram: the prompt holds every token of the vocabulary once, so the first
+    output token always occurred before and prompt lookup drafts the token
+    after it (mostly rejected: the residual draw).  draft: the target itself
+    drafts its greedy token (mostly accepted).  Either way every second token
+    goes through verification and must follow plain sampling's distribution."""
+    vocab = 256
+    prompt = np.random.default_rng(0).permutation(np.arange(3, vocab)).tolist()
+    spec = {**NGRAM, "speculative_method": method, "num_speculative_tokens": 1}
+    if method == "draft":  # a short prompt: every sequence's draft catch-up fits in one call
+        spec["speculative_model"], prompt = tiny_llama_dir, prompt[:16]
+    samples = {}
+    for run in ("none", method):
+        llm = make_tiny_llm(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=128,
+                            enable_prefix_caching=True, **(spec if run != "none" else {}))
+        params = SamplingParams(max_tokens=3, temperature=0.7, n=64, ignore_eos=True)
+        outs = llm.generate([prompt] * 24, params)
+        samples[run] = np.array([s["token_ids"][1] for o in outs for s in o.samples])
+        if run != "none":
+            s = llm.stats
+            # Nearly every second token was verified (not after the prompt's last token).
+            assert s.spec_decode_num_drafts >= 0.95 * samples[run].size
+            assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_drafts
+    counts = np.stack([np.bincount(samples[m], minlength=vocab) for m in ("none", method)])
+    common = counts.sum(axis=0) >= 10  # pool the rare tokens: expected counts of at least 5
+    table = np.concatenate([counts[:, common], counts[:, ~common].sum(axis=1, keepdims=True)], axis=1)
+    assert table.shape[1] > 5
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_speculation_switches_off_above_the_batch_size():
+    spec = Speculator("ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2,
+                      disable_by_batch_size=2, max_model_len=64)
+    seqs = []
+    for i in range(3):
+        seq = Sequence(i, [5, 6, 7, 5, 6], SamplingParams(max_tokens=10))
+        seq.output_token_ids = [7, 5]
+        seq.status = Status.DECODING
+        seqs.append(seq)
+    assert spec.propose(seqs) == {}  # 3 running > 2
+    assert spec.propose(seqs[:2]) == {0: [6, 7, 5], 1: [6, 7, 5]}
+    seqs[0].params = SamplingParams(max_tokens=4)  # 2 tokens left: 1 draft + 1 token
+    seqs[1].params = SamplingParams(max_tokens=10, logprobs=1)  # never drafted
+    assert spec.propose(seqs[:2]) == {0: [6]}
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
+    (dict(speculative_method="draft"), "speculative_model"),
+    (dict(speculative_method="ngram", speculative_model="smollm2-135m"), "speculative_model"),
+    (dict(speculative_method="draft", speculative_model="/no/such/model"), "speculative_model"),
+    (dict(speculative_method="medusa"), "speculative_method"),
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(speculative_disable_by_batch_size=-1), "speculative_disable_by_batch_size"),
+])
+def test_bad_speculative_config_names_its_field(fields, field):
+    cfg = default_config()
+    cfg.update(fields)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert e.value.field == field
+
+
+def test_summary_reports_acceptance(make_tiny_llm):
+    llm = make_tiny_llm(**NGRAM)
+    outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=20, ignore_eos=True))
+    summary = summarize(outs, llm, 1.0)
+    s = llm.stats
+    assert summary["spec_decode_num_draft_tokens"] == s.spec_decode_num_draft_tokens > 0
+    assert summary["mean_accepted_length"] == pytest.approx(1 + s.spec_decode_num_accepted_tokens
+                                                            / s.spec_decode_num_drafts)
+    assert "speculative decoding (ngram)" in format_summary(summary)
