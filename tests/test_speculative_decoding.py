@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from helpers import assert_all_blocks_free, random_prompts
 from jpaged.core.config import ConfigError, default_config, validate_config
@@ -66,11 +65,12 @@ def reference(make_tiny_llm):
     return results(llm.generate(PROMPTS, greedy_params()))
 
 
-def check_drafting(llm) -> None:
+def check_drafting(llm, accepted: bool = True) -> None:
     """The run verified drafts, accepted some and rejected some (so both paths ran)."""
     s = llm.stats
     assert s.spec_decode_num_drafts > 0
-    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    assert s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    assert s.spec_decode_num_accepted_tokens > 0 or not accepted
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -114,46 +114,34 @@ def test_a_small_token_budget_trims_drafts(make_tiny_llm, reference):
     assert_all_blocks_free(llm)
 
 
-def test_a_seeded_sampled_request_repeats(make_tiny_llm):
-    llm = make_tiny_llm(**NGRAM)
-    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    first = results(llm.generate(PROMPTS, params))
-    assert llm.stats.spec_decode_num_drafts > 0
-    assert results(llm.generate(PROMPTS[::-1], params[::-1]))[::-1] == first  # other batches, same tokens
+def sampled_params() -> list[SamplingParams]:
+    """Seeded sampled rows: temperature only, top-p, top-k, and n = 2."""
+    return [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9 if i % 3 == 1 else 1.0,
+                           top_k=20 if i % 3 == 2 else 0, n=1 + i % 2, seed=i, ignore_eos=True)
+            for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(make_tiny_llm):
+    return results(make_tiny_llm().generate(PROMPTS, sampled_params()))
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampled_tokens_keep_their_distribution(make_tiny_llm, tiny_llama_dir, method):
-    """Chi-square homogeneity of the second output token with and without drafts.
-
-    ngram: the prompt holds every token of the vocabulary once, so the first
-    output token always occurred before and prompt lookup drafts the token
-    after it (mostly rejected: the residual draw).  draft: the target itself
-    drafts its greedy token (mostly accepted).  Either way every second token
-    goes through verification and must follow plain sampling's distribution."""
-    vocab = 256
-    prompt = np.random.default_rng(0).permutation(np.arange(3, vocab)).tolist()
-    spec = {**NGRAM, "speculative_method": method, "num_speculative_tokens": 1}
-    if method == "draft":  # a short prompt: every sequence's draft catch-up fits in one call
-        spec["speculative_model"], prompt = tiny_llama_dir, prompt[:16]
-    samples = {}
-    for run in ("none", method):
-        llm = make_tiny_llm(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=128,
-                            enable_prefix_caching=True, **(spec if run != "none" else {}))
-        params = SamplingParams(max_tokens=3, temperature=0.7, n=64, ignore_eos=True)
-        outs = llm.generate([prompt] * 24, params)
-        samples[run] = np.array([s["token_ids"][1] for o in outs for s in o.samples])
-        if run != "none":
-            s = llm.stats
-            # Nearly every second token was verified (not after the prompt's last token).
-            assert s.spec_decode_num_drafts >= 0.95 * samples[run].size
-            assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_drafts
-    counts = np.stack([np.bincount(samples[m], minlength=vocab) for m in ("none", method)])
-    common = counts.sum(axis=0) >= 10  # pool the rare tokens: expected counts of at least 5
-    table = np.concatenate([counts[:, common], counts[:, ~common].sum(axis=1, keepdims=True)], axis=1)
-    assert table.shape[1] > 5
-    assert stats.chi2_contingency(table).pvalue > 1e-3
+def test_seeded_sampled_tokens_equal_without_speculation(make_tiny_llm, tiny_llama_dir, sampled_reference, method):
+    """Sampled rows draw each position's token exactly as without drafts (the
+    row's uniform for that position) and keep the drafts that equal it: the
+    same seeded tokens whether or not, and however much, a step drafted (with
+    `draft` the target itself drafts its greedy tokens, so many are kept).
+    Also in another batch order, where other steps draft."""
+    spec = {**NGRAM, "speculative_method": method}
+    if method == "draft":
+        spec["speculative_model"] = tiny_llama_dir
+    llm = make_tiny_llm(**spec)
+    params = sampled_params()
+    assert results(llm.generate(PROMPTS, params)) == sampled_reference
+    check_drafting(llm, accepted=method == "draft")  # (sampled tokens rarely repeat the prompt's)
+    assert results(llm.generate(PROMPTS[::-1], params[::-1]))[::-1] == sampled_reference
+    assert_all_blocks_free(llm)
 
 
 def test_speculation_switches_off_above_the_batch_size():

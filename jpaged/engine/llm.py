@@ -323,8 +323,12 @@ class LLM:
         in a bucket between them runs padded to the next one while its own is
         built in the background.  Sampling steps build on first use.  Returns the
         number of programs built (loaded ones included), or with `background`
-        the number queued on the builder thread, returning at once."""
-        return self.runner.precompile(max_num_tokens, background=background)
+        the number queued on the builder thread, returning at once.  With
+        speculative decoding, the greedy draft-verifying step too, in the
+        buckets up to the most tokens a drafting step can hold."""
+        return self.runner.precompile(max_num_tokens, background=background,
+                                      max_speculative_tokens=self.speculator.max_step_tokens(
+                                          self.config.max_num_seqs, self.config.max_num_batched_tokens))
 
     # ---------------------------------------------------------------- steps
     def step(self) -> list[Sequence]:
@@ -346,8 +350,11 @@ class LLM:
         completes gets a PLACEHOLDER for the token it samples: the next schedule()
         sees the state after this step before its tokens are known."""
         t0 = time.perf_counter()
-        early = self._complete_in_flight()
-        out = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        running = self.scheduler.running
+        # (synchronously every token is known: proposing costs no overlap)
+        drafting = self.speculator.wants_tokens(running) if self.async_scheduling else self.speculator.active(running)
+        early = self._complete_in_flight(drafting)
+        out = self.scheduler.schedule(self.speculator.propose(self.scheduler.running) if drafting else None)
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         try:
             pending = self.runner.launch(out)
@@ -370,15 +377,15 @@ class LLM:
             return finished
         return finished + self._complete(started)
 
-    def _complete_in_flight(self) -> list[Sequence]:
+    def _complete_in_flight(self, drafting: bool) -> list[Sequence]:
         """Asynchronous scheduling: completes the step in flight now when the next
         one needs its tokens (such steps run one at a time): when it samples for a
         constrained sequence, whose next mask needs that token, when it verified
         drafts (how many tokens it emits is not known before), or when the next
-        step drafts (proposals start from each sequence's last token).  Returns
-        what finished in it."""
+        step is `drafting` (proposals start from each sequence's last token).
+        Returns what finished in it."""
         started = self._in_flight
-        if started is None or not (self.speculator.active(self.scheduler.running) or any(
+        if started is None or not (drafting or any(
                 s.drafts or (s.seq.grammar is not None and s.output_index is not None)
                 for s in started.out.scheduled)):
             return []

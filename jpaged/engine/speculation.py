@@ -12,7 +12,13 @@ Not drafted for: a sequence that samples under a structured-output constraint
 (its mask needs each token before the next), one that asks for logprobs (the
 step returns them for one token per row), and every sequence while more than
 `speculative_disable_by_batch_size` run (a large batch is compute-bound: the
-drafts' extra tokens would cost what they save).  A seeded sampled request
+drafts' extra tokens would cost what they save).
+
+Asynchronous scheduling: proposals start from each sequence's last token, so
+a step that drafts waits for the step before it (no host/device overlap).
+When a round of proposals drafts nothing (prompt lookup finds no match), the
+engine keeps the overlap for the next 1, 2, 4, ... (at most MAX_BACKOFF) steps
+before it tries again.  A seeded sampled request
 draws its tokens from other keys with drafts than without, so the same seed
 gives other (equally distributed) tokens when speculation is on.
 """
@@ -27,6 +33,9 @@ from jpaged.core.scheduler import ScheduledSeq
 from jpaged.core.sequence import Sequence, Status
 from jpaged.core.stats import EngineStats
 from jpaged.speculative import ngram
+
+
+MAX_BACKOFF = 32
 
 
 class Speculator:
@@ -44,6 +53,8 @@ class Speculator:
         self.disable_by_batch_size = disable_by_batch_size
         self.max_model_len = max_model_len
         self.draft_model = draft_model
+        self._empty_rounds = 0  # proposal rounds in a row that drafted nothing
+        self._backoff = 0       # steps to run without proposing before the next round
 
     @property
     def enabled(self) -> bool:
@@ -52,6 +63,23 @@ class Speculator:
     def active(self, running: list[Sequence]) -> bool:
         """Whether the next step drafts (off above the batch size limit)."""
         return self.enabled and (not self.disable_by_batch_size or len(running) <= self.disable_by_batch_size)
+
+    def max_step_tokens(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """The most tokens a step that verifies drafts can hold (0: none ever does)."""
+        if not self.enabled:
+            return 0
+        seqs = min(max_num_seqs, self.disable_by_batch_size or max_num_seqs)
+        return min(max_num_batched_tokens, seqs * (1 + self.k))
+
+    def wants_tokens(self, running: list[Sequence]) -> bool:
+        """Asynchronous scheduling: whether the next step proposes drafts, for which
+        the step in flight must complete first (False while backing off)."""
+        if not self.active(running):
+            return False
+        if self._backoff:
+            self._backoff -= 1
+            return False
+        return True
 
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
         """Draft tokens by seq_id for the running sequences that can take them."""
@@ -66,7 +94,10 @@ class Speculator:
                       for seq, k in wanted]
         else:
             drafts = self.draft_model.propose([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
-        return {seq.seq_id: d for (seq, _), d in zip(wanted, drafts) if d}
+        proposed = {seq.seq_id: d for (seq, _), d in zip(wanted, drafts) if d}
+        self._empty_rounds = 0 if proposed else self._empty_rounds + 1
+        self._backoff = min(2 ** self._empty_rounds // 2, MAX_BACKOFF)
+        return proposed
 
     def _num_drafts(self, seq: Sequence) -> int:
         """How many drafts seq may take: none unless it is decoding with every

@@ -211,15 +211,21 @@ class ModelRunner:
         self.timing.compile += waited
         return exe
 
-    def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
+    def precompile(self, max_num_tokens: int | None = None, *, background: bool = False,
+                   max_speculative_tokens: int = 0) -> int:
         """Builds the greedy step of the power-of-two buckets up to max_num_tokens'
-        bucket, and that bucket (default: up to the top of the ladder), that are
-        not ready yet; returns how many it built, or with `background` queued on
-        the builder thread (returning at once)."""
-        return self._programs.precompile(
-            [self._with_token_buffer(padding_step_inputs(T, self.seq_bucket(T), self.table_width,
-                                                         chained=self.chained))
-             for T in precompile_buckets(self.token_buckets, max_num_tokens)], background)
+        bucket, and that bucket (default: up to the top of the ladder), and the
+        greedy draft-verifying step of those up to max_speculative_tokens' bucket,
+        that are not ready yet; returns how many it built, or with `background`
+        queued on the builder thread (returning at once)."""
+        def inputs(T: int, K: int = 0) -> StepInputs:
+            return self._with_token_buffer(padding_step_inputs(T, self.seq_bucket(T), self.table_width,
+                                                               chained=self.chained, num_speculative_tokens=K))
+        steps = [inputs(T) for T in precompile_buckets(self.token_buckets, max_num_tokens)]
+        if self.num_speculative_tokens and max_speculative_tokens:
+            steps += [inputs(T, self.num_speculative_tokens)
+                      for T in precompile_buckets(self.token_buckets, max_speculative_tokens) if T > 1]
+        return self._programs.precompile(steps, background)
 
     # ------------------------------------------------------------------- step
     def restore_pool(self, failed: PendingStep | None = None) -> bool:

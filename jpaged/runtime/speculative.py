@@ -2,50 +2,66 @@
 
 A row with k draft tokens d_0 .. d_{k-1} ran k + 1 positions through the
 model; position j's logits give the target distribution p_j of the token after
-d_0 .. d_{j-1}.  Greedy rows keep the longest prefix of drafts equal to the
-argmax and then emit the argmax at the first mismatch (or after the last
-draft: the bonus token).  Sampled rows use the speculative-sampling rule,
-which emits exactly the target distribution whatever the drafts:
+d_0 .. d_{j-1}.
+
+The engine's drafts are deterministic (prompt lookup copies tokens; the draft
+model proposes its greedy tokens), and `verify` couples them to the engine's
+own sampler: position j's token is the one the engine would draw there without
+drafts (argmax, or the inverse CDF at the row's uniform for that position), and
+the row keeps drafts while they equal it.  Its output is then the output it
+gets without speculation, token for token (a seeded request repeats whether or
+not, and however much, it was drafted), and a draft d is kept with probability
+p(d), as under the standard rule below for a point-mass draft.
+
+`verify_sampled` is the standard speculative-sampling rule, for drafts drawn
+from a distribution q (a sampling draft model):
 
     keep d_j with probability min(1, p_j(d_j) / q_j(d_j));
     at the first rejection emit a token drawn from max(p_j - q_j, 0), renormalised;
     if every draft is kept, emit a token drawn from p_k.
 
-q_j is the draft's distribution: a draft model's, or for a proposer that
-copies tokens (prompt lookup) a point mass at d_j, where the rule is "keep d_j
-with probability p_j(d_j), else draw from p_j without d_j".  Each row draws
-from its own key, fold_in(key(seed), tokens generated + j) per position, so a
-seeded request repeats whatever shares its batch.
+It emits exactly the target distribution whatever q is, but not the tokens of
+plain sampling for the same seed; no proposer of the engine needs it yet.
+Greedy rows (both): keep the longest prefix of drafts equal to the argmax,
+then the argmax at the first mismatch (or after the last draft: the bonus token).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jpaged.runtime.sampling import SamplingArrays, processed_logits
+from jpaged.runtime.sampling import SamplingArrays, greedy, sample
 
 
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sampling: SamplingArrays | None,
            first_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A step's verification: logits [S, k+1, V] at each row's decode token and
-    drafts, drafts [S, k], num_drafts [S]; greedy rows by verify_greedy, sampled
-    ones (temperature > 0) by verify_sampled on their processed logits (temperature,
-    top-k / top-p at every position).  A row without drafts emits first_tokens[s]
-    (sampled exactly as without speculation).  -> (tokens [S, k+1], num_accepted [S])."""
+    """A step's verification of deterministic drafts (prompt lookup, a greedy
+    draft model).  logits [S, k+1, V] at each row's decode token and drafts,
+    drafts [S, k], num_drafts [S] -> (tokens [S, k+1], num_accepted [S]).
+
+    Position j's token is drawn exactly as the engine draws without drafts:
+    greedy rows take the argmax, sampled rows sample their processed logits
+    (temperature, top-k / top-p) with the row's own uniform for that position,
+    fold_in(key(seed), step + j).  A row keeps its drafts while they equal those
+    tokens, then emits the first token that differs (or the bonus token).  So a
+    row's tokens are the ones it gets without speculation, seeded ones
+    included, and a draft d is kept with probability p(d): the acceptance of the
+    speculative-sampling rule for a point-mass draft (verify_sampled).  A row
+    without drafts emits first_tokens[s] (its token sampled as usual)."""
     S, k1, V = logits.shape
-    tokens, accepted = verify_greedy(logits, drafts, num_drafts)
-    if sampling is not None:
+    if sampling is None:
+        target = greedy(logits)
+    else:
+        positions = jnp.arange(k1, dtype=jnp.int32)
         per_position = jax.tree.map(lambda x: jnp.repeat(x, k1, axis=0), sampling)
-        probs = jax.nn.softmax(processed_logits(logits.reshape(S * k1, V), per_position), axis=-1)
-        drawn, drawn_accepted = verify_sampled(probs.reshape(S, k1, V), drafts, num_drafts,
-                                               sampling.seed, sampling.step)
-        sampled = sampling.temperature > 0
-        tokens = jnp.where(sampled[:, None], drawn, tokens)
-        accepted = jnp.where(sampled, drawn_accepted, accepted)
+        per_position = dataclasses.replace(per_position, step=(sampling.step[:, None] + positions).reshape(-1))
+        target = sample(logits.reshape(S * k1, V), per_position).reshape(S, k1)
     has_drafts = num_drafts > 0
-    tokens = tokens.at[:, 0].set(jnp.where(has_drafts, tokens[:, 0], first_tokens))
-    return tokens, jnp.where(has_drafts, accepted, 0)
+    accepted = jnp.where(has_drafts, _accepted_prefix(drafts == target[:, :-1], num_drafts), 0)
+    return target.at[:, 0].set(jnp.where(has_drafts, target[:, 0], first_tokens)), accepted
 
 
 def verify_greedy(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -173,9 +173,11 @@ def _with_drafts(inputs: StepInputs, scheduled: list[ScheduledSeq], S: int, K: i
     return dataclasses.replace(inputs, meta=meta, draft_tokens=drafts, num_drafts=num_drafts)
 
 
-def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False) -> StepInputs:
+def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False,
+                        num_speculative_tokens: int = 0) -> StepInputs:
     """A greedy step of nothing but padding (all zeros): what precompile traces.
-    `chained`: with prev_rows (all -1; the runner attaches prev_tokens)."""
+    `chained`: with prev_rows (all -1; the runner attaches prev_tokens);
+    `num_speculative_tokens` K > 0: the variant that verifies drafts."""
     def zeros(*shape):
         return np.zeros(shape, np.int32)
     meta = StepMetadata(positions=zeros(num_tokens), write_blocks=zeros(num_tokens),
@@ -183,7 +185,12 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chaine
                         kv_lens=zeros(num_seqs), cu_q_lens=zeros(num_seqs + 1),
                         logits_indices=zeros(num_seqs))
     prev_rows = np.full(num_tokens, -1, np.int32) if chained else None
-    return StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows)
+    inputs = StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows)
+    if not num_speculative_tokens:
+        return inputs
+    K = num_speculative_tokens
+    return dataclasses.replace(inputs, meta=dataclasses.replace(meta, logits_indices=zeros(num_seqs * (K + 1))),
+                               draft_tokens=zeros(num_seqs, K), num_drafts=zeros(num_seqs))
 
 
 def _logit_mask(scheduled: list[ScheduledSeq], S: int, vocab_size: int) -> np.ndarray | None:
