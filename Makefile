@@ -98,6 +98,11 @@ bench-cpu-attention: $(STAMP)
 bench-decode-profile: $(STAMP)
 	$(PY) benchmarks/bench_decode_profile.py $(ARGS)
 
+# Speculative decoding through serve_batch: copy-heavy requests at 1 and 4 running, the mixed 64 at 64.
+.PHONY: bench-speculative
+bench-speculative: $(STAMP)
+	$(PY) benchmarks/bench_speculative.py $(ARGS)
+
 # What structured outputs cost: the grammar mask per row per step, and half the batch constrained.
 .PHONY: bench-structured
 bench-structured: $(STAMP)

@@ -16,9 +16,11 @@ drafts' extra tokens would cost what they save).
 
 Asynchronous scheduling: proposals start from each sequence's last token, so
 a step that drafts waits for the step before it (no host/device overlap).
-When a round of proposals drafts nothing (prompt lookup finds no match), the
-engine keeps the overlap for the next 1, 2, 4, ... (at most MAX_BACKOFF) steps
-before it tries again.  A seeded sampled request
+So each sequence backs off: after its second proposal in a row that drafts
+nothing (prompt lookup finds no match), it is not drafted for the next 1, then
+3, 7, ... (at most MAX_BACKOFF) steps, and a step waits only when some
+sequence is due.  A sequence that copies keeps drafting; text that repeats
+nothing (most chat answers) keeps the overlap.  A seeded sampled request
 draws its tokens from other keys with drafts than without, so the same seed
 gives other (equally distributed) tokens when speculation is on.
 """
@@ -53,8 +55,9 @@ class Speculator:
         self.disable_by_batch_size = disable_by_batch_size
         self.max_model_len = max_model_len
         self.draft_model = draft_model
-        self._empty_rounds = 0  # proposal rounds in a row that drafted nothing
-        self._backoff = 0       # steps to run without proposing before the next round
+        # Per seq_id: proposals in a row that drafted nothing, and steps left to skip.
+        self._empty: dict[int, int] = {}
+        self._skip: dict[int, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -72,14 +75,13 @@ class Speculator:
         return min(max_num_batched_tokens, seqs * (1 + self.k))
 
     def wants_tokens(self, running: list[Sequence]) -> bool:
-        """Asynchronous scheduling: whether the next step proposes drafts, for which
-        the step in flight must complete first (False while backing off)."""
-        if not self.active(running):
-            return False
-        if self._backoff:
-            self._backoff -= 1
-            return False
-        return True
+        """Asynchronous scheduling, once per step: whether the next step proposes
+        drafts, for which the step in flight must complete first (True when a
+        sequence that may take drafts is not backing off)."""
+        for seq_id, skip in self._skip.items():
+            self._skip[seq_id] = max(skip - 1, 0)
+        return self.active(running) and any(
+            self._skip.get(seq.seq_id, 0) == 0 and self._num_drafts(seq, known=False) > 0 for seq in running)
 
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
         """Draft tokens by seq_id for the running sequences that can take them."""
@@ -94,23 +96,25 @@ class Speculator:
                       for seq, k in wanted]
         else:
             drafts = self.draft_model.propose([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
-        proposed = {seq.seq_id: d for (seq, _), d in zip(wanted, drafts) if d}
-        self._empty_rounds = 0 if proposed else self._empty_rounds + 1
-        self._backoff = min(2 ** self._empty_rounds // 2, MAX_BACKOFF)
-        return proposed
+        for (seq, _), d in zip(wanted, drafts):
+            empty = self._empty[seq.seq_id] = 0 if d else self._empty.get(seq.seq_id, 0) + 1
+            self._skip[seq.seq_id] = min(2 ** max(empty - 1, 0) - 1, MAX_BACKOFF)
+        return {seq.seq_id: d for (seq, _), d in zip(wanted, drafts) if d}
 
-    def _num_drafts(self, seq: Sequence) -> int:
-        """How many drafts seq may take: none unless it is decoding with every
-        token known, unconstrained and without logprobs; never past max_tokens or
-        max_model_len (the row emits its accepted drafts plus one token)."""
+    def _num_drafts(self, seq: Sequence, known: bool = True) -> int:
+        """How many drafts seq may take: none unless it is decoding (with every
+        token `known`), unconstrained and without logprobs; never past max_tokens
+        or max_model_len (the row emits its accepted drafts plus one token)."""
         if (seq.status is not Status.DECODING or seq.awaits_last_token or seq.grammar is not None
-                or seq.params.logprobs is not None or seq.num_known_tokens != seq.num_tokens):
+                or seq.params.logprobs is not None or (known and seq.num_known_tokens != seq.num_tokens)):
             return 0
         left = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
         return max(0, min(self.k, left - 1))
 
     def release(self, seq: Sequence) -> None:
-        """seq is finished: the draft model forgets it (frees its draft blocks)."""
+        """seq is finished: its backoff is forgotten, and the draft model frees its blocks."""
+        self._empty.pop(seq.seq_id, None)
+        self._skip.pop(seq.seq_id, None)
         if self.draft_model is not None:
             self.draft_model.release(seq.seq_id)
 
