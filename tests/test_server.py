@@ -98,7 +98,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server"))
+    # Prompt lookup drafts in the server: every test below compares its answers
+    # with the in-process engine's, which does not speculate.
+    srv = Server(tmp_path_factory.mktemp("server"), {**ENGINE, "speculative_method": "ngram"})
     try:
         yield srv
     finally:
@@ -386,12 +388,16 @@ def test_metrics_parse(ready):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:cache_config_info", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
                  "vllm:num_preemptions", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens"):
+                 "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
+                 "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens"):
         assert name in families, name
     m = ready.metrics()
     assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
     assert m["vllm:generation_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
     assert m["vllm:prefix_cache_hits_total"] <= m["vllm:prefix_cache_queries_total"]
+    # (the answers so far repeat words of their questions: prompt lookup drafted them)
+    assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
     info = families["vllm:cache_config_info"].samples[0].labels
     assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
     status, _, text = http("GET", ready.url + "/v1/models")
