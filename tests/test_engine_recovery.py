@@ -78,7 +78,7 @@ def test_failure_after_the_step_is_pinned_to_one_request(llm, expected, monkeypa
 
 def test_stall_raises_instead_of_spinning(llm, expected, monkeypatch):
     from jpaged.core.scheduler import SchedulerOutput
-    monkeypatch.setattr(llm.scheduler, "schedule", lambda: SchedulerOutput([], [], [], []))
+    monkeypatch.setattr(llm.scheduler, "schedule", lambda drafts=None: SchedulerOutput([], [], [], []))
     with pytest.raises(EngineStalled, match="stalled"):
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.undo()
