@@ -89,6 +89,24 @@ def test_tiny_greedy_matches_hf_generate(tiny_pair):
         assert out.prompt_token_ids == prompt
 
 
+def test_tiny_greedy_with_prompt_lookup_matches_hf_generate(tiny_pair):
+    """Speculative decoding (prompt lookup, rows of 1 + 4 tokens verified at once,
+    sliding windows included) gives HF's greedy tokens on prompts that repeat
+    themselves, so drafts are proposed."""
+    from helpers import TINY_ENGINE
+    from jpaged.engine.llm import LLM
+    llm, hf = tiny_pair
+    spec = LLM(model=llm.config.model, **{**TINY_ENGINE, "speculative_method": "ngram", "prompt_lookup_min": 1,
+                                          "speculative_disable_by_batch_size": 0})
+    prompts = [(p * 8)[:n] for p, n in zip(random_prompts([3, 5, 7], seed=2), (30, 41, 60))]
+    outs = spec.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        want, gap = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert gap > 2 * LOGIT_ATOL, f"reference path has a near-tie ({gap:.2e}): pick other prompts"
+        assert out.token_ids == want, f"prompt of {len(prompt)} tokens"
+    assert spec.stats.spec_decode_num_drafts > 0
+
+
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_tiny_logits_match_hf(tiny_pair, block_size):
     """forward_step(logits="all") over a whole batch of ragged prompts, scattered
