@@ -13,8 +13,9 @@ Workloads:
            switches itself off (speculative_disable_by_batch_size)
 
 Each (workload, max_num_seqs, method) runs --reps times, methods interleaved;
-the first run of each warms the compilation cache (reported as cold), the
-median of the others is the warm figure.  Per run: generate wall, whole-run
+the first run of each starts from an empty cache directory (weights converted,
+every program compiled: the cold figure), the others find it warm (programs
+loaded from disk), and their median is the warm figure.  Per run: generate wall, whole-run
 wall, output tokens per step, draft acceptance and mean accepted length (from
 --summary_json), and whether the greedy tokens equal those of `none` (from
 --output).  Writes benchmarks/results/speculative.{csv,md}.
@@ -46,7 +47,7 @@ _WORKLOADS = flags.DEFINE_list("workloads", ["copy", "mixed"], "copy and/or mixe
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLUMNS = ["workload", "max_num_seqs", "method", "generate_s", "generate_cold_s", "whole_run_s",
            "whole_run_cold_s", "speedup", "tokens_per_step", "acceptance_pct", "mean_accepted_len",
-           "same_tokens"]
+           "programs", "padding", "same_tokens"]
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for more than a century. Sailors trusted its beam on "
@@ -129,8 +130,10 @@ def run_workload(name: str, requests: list[dict], max_num_seqs: int, extra: list
         runs: dict[str, list[dict]] = {m: [] for m in _METHODS.value}
         for _ in range(_REPS.value):
             for method in _METHODS.value:
+                # A cache directory per method, empty at its first run (cold), warm after.
+                cache = tmp / f"cache-{method}"
                 overrides = dict(max_num_seqs=max_num_seqs, speculative_method=method,
-                                 num_speculative_tokens=_K.value)
+                                 num_speculative_tokens=_K.value, cache_dir=cache)
                 runs[method].append(serve_batch(path, tmp, overrides, extra if method == "draft" else []))
                 r = runs[method][-1]
                 print(f"  {name} seqs={max_num_seqs} {method}: generate {r['wall_s']:.2f} s, "
@@ -149,6 +152,7 @@ def run_workload(name: str, requests: list[dict], max_num_seqs: int, extra: list
                          tokens_per_step=last["output_tokens"] / max(1, last["steps"]),
                          acceptance_pct=last.get("draft_acceptance_pct", 0.0),
                          mean_accepted_len=last.get("mean_accepted_length", 1.0),
+                         programs=last["compilations"], padding=last["padding_ratio"],
                          same_tokens=all(r["tokens"] == base_tokens for r in rs)))
     return rows
 
