@@ -128,7 +128,7 @@ def test_seeded_sampled_tokens_equal_without_speculation(make_tiny_llm, sampled_
     assert_all_blocks_free(llm)
 
 
-def test_draft_model(make_tiny_llm, tiny_llama_dir, reference, sampled_reference):
+def test_draft_model(make_tiny_llm, tiny_llama_dir, reference, sampled_reference, monkeypatch):
     """A draft model (here the target itself: its greedy drafts are mostly kept,
     sampled tokens sometimes) under preemption and the prefix cache: greedy and
     seeded sampled tokens equal the engine's without speculation; the draft
@@ -140,11 +140,18 @@ def test_draft_model(make_tiny_llm, tiny_llama_dir, reference, sampled_reference
     s = llm.stats  # the target's own greedy tokens: kept (up to fp32 rounding between batch shapes)
     assert s.spec_decode_num_accepted_tokens >= 0.95 * s.spec_decode_num_draft_tokens > 0
     assert s.preemptions > 0
-    assert results(llm.generate(PROMPTS, sampled_params())) == sampled_reference
+    # Every third request samples with temperature only (one program variant less to build).
+    assert results(llm.generate(PROMPTS[::3], sampled_params()[::3])) == sampled_reference[::3]
     check_drafting(llm)
     assert_all_blocks_free(llm)
     draft = llm.speculator.draft_model
     assert draft.allocator.num_free_blocks == draft.num_blocks - 1
+
+    def broken(requests):
+        raise RuntimeError("draft model down")
+    monkeypatch.setattr(draft, "propose", broken)  # drafts are optional: the steps run without them
+    assert results(llm.generate(PROMPTS, greedy_params())) == reference
+    assert llm.stats.spec_decode_num_drafts == 0
 
 
 def test_speculation_switches_off_above_the_batch_size():

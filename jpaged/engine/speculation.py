@@ -27,6 +27,7 @@ gives other (equally distributed) tokens when speculation is on.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ from jpaged.core.sequence import Sequence, Status
 from jpaged.core.stats import EngineStats
 from jpaged.speculative import ngram
 
+
+log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 32
 
@@ -95,7 +98,11 @@ class Speculator:
             drafts = [ngram.propose(np.asarray(seq.token_ids, np.int32), min_n=lo, max_n=hi, k=k).tolist()
                       for seq, k in wanted]
         else:
-            drafts = self.draft_model.propose([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+            try:
+                drafts = self.draft_model.propose([(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
+            except Exception:  # noqa: BLE001 - drafts are optional: the step runs without them
+                log.exception("the draft model failed; this step runs without drafts")
+                return {}
         for (seq, _), d in zip(wanted, drafts):
             empty = self._empty[seq.seq_id] = 0 if d else self._empty.get(seq.seq_id, 0) + 1
             self._skip[seq.seq_id] = min(2 ** max(empty - 1, 0) - 1, MAX_BACKOFF)
