@@ -47,6 +47,8 @@ class StepMetadata:
     kv_lens[S]         tokens in the cache after this step (cached + new)
     cu_q_lens[S + 1]   sequence s owns tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1
     logits_indices[S]  each sequence's last token this step: the row it samples from
+                       ([S * (k + 1)] when the step verifies k drafts per row:
+                       jpaged.runtime.step_inputs)
     """
 
     positions: jax.Array
