@@ -170,18 +170,18 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
             attention_impl=attention_impl, logit_mask=inputs.logit_mask, num_seqs=inputs.num_seqs)
-        result = StepResult(tokens, logprobs, prompt, jnp.isnan(logits).any(axis=-1))
+        result = StepResult(tokens, logprobs, prompt)
     else:
         logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
                                        attention_impl=attention_impl)
         last = _sampling_rows(logits, inputs.num_seqs)
-        result = StepResult(sample(apply_logit_mask(last, inputs.logit_mask), inputs.sampling),
-                            nan_rows=jnp.isnan(logits).any(axis=-1))
+        result = StepResult(sample(apply_logit_mask(last, inputs.logit_mask), inputs.sampling))
     if inputs.draft_tokens is not None:  # speculative decoding
         rows = logits.reshape(inputs.num_seqs, -1, logits.shape[-1])
         result.tokens, result.num_accepted = verify(rows, inputs.draft_tokens, inputs.num_drafts,
                                                     inputs.sampling, result.tokens)
-        result.nan_rows = jnp.isnan(rows).any(axis=(1, 2))
+    # A row's logits: [vocab], or [(k + 1) * vocab] when it verified drafts.
+    result.nan_rows = jnp.isnan(logits.reshape(inputs.num_seqs, -1)).any(axis=-1)
     if inputs.prev_tokens is not None:  # the next step's prev_tokens: one fixed shape for every bucket
         last_token = (result.tokens if result.num_accepted is None else
                       jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0])

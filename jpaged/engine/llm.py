@@ -422,7 +422,10 @@ class LLM:
         offset = 0  # of the sequence's first token in the step's flat batch
         for row, (s, token) in enumerate(zip(out.scheduled, result.tokens)):
             try:
-                self._resolve(s, self._row_tokens(s, token, result, row), result, row, offset)
+                tokens = self._row_tokens(s, token, result, row)
+                if s.drafts:
+                    Speculator.count(self.totals, s, num_accepted=len(tokens) - 1)
+                self._resolve(s, tokens, result, row, offset)
             except Exception as e:  # noqa: BLE001 - pinned to this sequence
                 log.exception("request %d failed after its step", s.seq.seq_id)
                 self._drop_unknown(s)
@@ -455,9 +458,7 @@ class LLM:
             return [int(token)]
         if not s.drafts:
             return [int(token[0])]
-        accepted = int(result.num_accepted[row])
-        Speculator.count(self.totals, s, accepted)
-        return token[:accepted + 1].tolist()
+        return token[:int(result.num_accepted[row]) + 1].tolist()
 
     def _resolve(self, s: ScheduledSeq, tokens: list[int], result: StepResult, row: int, offset: int) -> None:
         """Puts in what one row of a completed step computed: prompt logprobs, the
