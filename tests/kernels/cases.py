@@ -28,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import paged_attention_reference
+from pallas_kernels.reference import is_quantized, paged_attention_reference, quantize_rows
 
 F32 = np.float32
 BF16 = jnp.bfloat16
+INT8 = np.int8
+FP8 = jnp.float8_e4m3fn
 TOL = {np.dtype(np.float32): dict(atol=2e-5, rtol=1e-5),
        np.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2)}
 NUM_LAYERS = 3
@@ -50,7 +52,7 @@ def fresh_seed() -> int:
 def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int, D: int, BS: int,
                      dtype=np.float32, layer: int = 1, nan: bool = True, pad_tokens: int = 3,
                      pad_seqs: int = 1, width: int | None = None, num_blocks: int | None = None,
-                     sliding_window: int | None = None):
+                     sliding_window: int | None = None, kv_dtype=None):
     """(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens) for sequences (kv_len, q_len).
 
     `pad_tokens` padding tokens follow the real ones in q; `pad_seqs` padding
@@ -59,6 +61,11 @@ def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int
     With `sliding_window`, each sequence's keys before the window of its
     first new token are poisoned (with `nan`) and its blocks wholly before
     that window are replaced by the null block 0 in the table.
+
+    `kv_dtype` (default `dtype`) is the pool's; a quantized one (int8,
+    float8_e4m3fn) holds `quantize_rows` of the random K/V.  int8 has no NaN:
+    its poisoned rows hold random bytes with the largest scale exponent (127,
+    so they dequantize to values up to ~2e40, inf in fp32).
     """
     rng = np.random.default_rng(seed)
     kv_lens = np.array([kv for kv, _ in seqs] + [0] * pad_seqs, np.int32)
@@ -83,12 +90,22 @@ def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int
                 continue                                    # freed: the table points at block 0
             bt[s, j] = blk
             poison[blk, layer, :, :, max(0, lo - j * BS):min(BS, kv_lens[s] - j * BS)] = False
-    if nan:
+    kv_dtype = np.dtype(dtype if kv_dtype is None else kv_dtype)
+    if is_quantized(kv_dtype):
+        pool = np.array(quantize_rows(jnp.asarray(pool), kv_dtype))
+        if nan:
+            rows = poison[..., 0]                              # [NB, L, 2, KVH, BS]
+            if kv_dtype == np.int8:
+                pool[rows] = rng.integers(-128, 128, (int(rows.sum()), D + 1)).astype(np.int8)
+                pool[rows, D] = 127
+            else:
+                pool[rows] = np.nan
+    elif nan:
         pool[poison] = np.nan
     T = int(q_lens.sum()) + pad_tokens
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((T, G * KVH, D))
-    return (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), layer, jnp.asarray(bt),
+    return (jnp.asarray(q, dtype), jnp.asarray(pool, kv_dtype), layer, jnp.asarray(bt),
             jnp.asarray(kv_lens), jnp.asarray(cu))
 
 
@@ -172,6 +189,7 @@ class Case:
     D: int
     BS: int
     dtype: object = F32
+    kv_dtype: object = None   # the pool's dtype when it differs from q's (int8, fp8: quantized)
     sliding_window: int | None = None
     soft_cap: float | None = None
     sm_scale: float | None = None
@@ -197,7 +215,7 @@ class Case:
         """(seqs, args) of one random draw: args as `make_ragged_case` returns them."""
         seqs = self.draw(seed)
         return seqs, make_ragged_case(seed, seqs, G=self.G, KVH=self.KVH, D=self.D, BS=self.BS,
-                                      dtype=self.dtype, layer=self.layer,
+                                      dtype=self.dtype, kv_dtype=self.kv_dtype, layer=self.layer,
                                       pad_tokens=self.pad_tokens, pad_seqs=self.pad_seqs,
                                       sliding_window=self.sliding_window, **kw)
 
@@ -279,6 +297,27 @@ CASES = [
     Case("ragged-g8-bf16", mixed(5, 300, 24), G=8, KVH=1, D=128, BS=32, dtype=BF16, impls=TPU),
     Case("ragged-one-path", mixed(5, 70, 20), G=1, KVH=2, D=128, BS=16, dtype=BF16, impls=TPU,
          tuning=dict(pallas_tpu=dict(block_q=8, pages_per_compute_block=1))),   # block_q == small
+
+    # --- quantized pools (int8, fp8 e4m3: a power-of-two scale column per row) ---
+    Case("decode-smollm-int8", decode(17, 700), G=3, KVH=3, D=64, BS=16, kv_dtype=INT8,
+         impls=REF_CPU),
+    Case("mixed-int8", mixed(10, 400, 120), G=3, KVH=3, D=64, BS=16, kv_dtype=INT8, pad_tokens=5,
+         pad_seqs=2, impls=REF_CPU),
+    Case("mixed-fp8-bf16", mixed(8, 300, 100), G=4, KVH=2, D=128, BS=16, dtype=BF16, kv_dtype=FP8,
+         pad_tokens=5, pad_seqs=2, impls=REF_CPU),
+    Case("odd-d-fp8", [(40, 40), (33, 1), (70, 9), (5, 5)], G=3, KVH=2, D=20, BS=8, kv_dtype=FP8,
+         sm_scale=0.3, impls=REF_CPU),
+    Case("window5-cap-int8", [(300, 1), (150, 40), (37, 37), (9, 1), (64, 20), (5, 5)], G=2,
+         KVH=2, D=64, BS=16, kv_dtype=INT8, sliding_window=5, **BIG_LOGITS,
+         impls=REF_CPU + GPU + TPU,
+         tuning=dict(pallas_gpu=dict(block_m=16, block_k=16, decode_rows=32),
+                     pallas_tpu=dict(block_q=16, pages_per_compute_block=2))),
+    Case("decode-int8-split", decode(5, 300), G=4, KVH=2, D=64, BS=16, kv_dtype=INT8,
+         pad_tokens=2, pad_seqs=2, impls=GPU + TPU, tuning=dict(pallas_gpu=dict(num_partitions=3))),
+    Case("mixed-fp8-bf16-gpu", [(20, 20), (57, 13), (9, 1), (300, 1)], G=3, KVH=2, D=128, BS=8,
+         dtype=BF16, kv_dtype=FP8, impls=GPU + TPU),
+    Case("mixed-int8-bigpages", [(9, 9), (256, 9), (129, 1)], G=8, KVH=2, D=128, BS=128,
+         dtype=BF16, kv_dtype=INT8, impls=GPU),
 
     # --- Gemma's options: sliding window and logit soft cap ---
     # window 5 < block 16: a decode and a 40-token chunk far past several windows,
