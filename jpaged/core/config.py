@@ -34,7 +34,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = "smollm2-135m"
     c.load_format = "auto"          # auto | gguf | hf | dummy (random weights)
     c.dtype = "float32"             # float32 | bfloat16: weights and activations
-    c.kv_cache_dtype = "auto"       # auto (= dtype) | float32 | bfloat16: the KV pool
+    c.kv_cache_dtype = "auto"       # auto (= dtype) | float32 | bfloat16 | int8 | fp8_e4m3 (quantized): the KV pool
     c.cache_dir = ""                # converted-weights cache; "" -> $JPAGED_CACHE_DIR or ~/.cache/jpaged
     # Persist compiled steps under <cache_dir>/xla (fast restarts).  JAX's cache
     # directory is process-wide, so a library default leaves it alone; the CLI's configs ask.
@@ -133,7 +133,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The engine's choices (jpaged/engine resolves them; tests check the two agree).
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
 DTYPES = ("float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 PREFIX_CACHE_INDEXES = ("hash", "radix")
 SCHEDULERS = ("continuous", "static")
 PREEMPTION_MODES = ("recompute", "swap")

@@ -86,7 +86,7 @@ class LLM:
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size, index=cfg.prefix_cache_index,
                                           enable_prefix_caching=cfg.enable_prefix_caching, stats=self.totals)
         self.swap_space = HostSwapSpace(self._swap_capacity(cfg.preemption_mode),
-                                        block_shape(self.model_config, cfg.block_size), self.kv_dtype)
+                                        block_shape(self.model_config, cfg.block_size, self.kv_dtype), self.kv_dtype)
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
                                   kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,

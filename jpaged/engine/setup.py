@@ -31,11 +31,17 @@ from jpaged.runtime.sharding import (Mesh, check_heads, make_mesh, replicate_kv_
 log = logging.getLogger(__name__)
 
 
+# The pool dtype of each kv_cache_dtype but "auto"; int8 and float8_e4m3fn pools are
+# quantized (a scale per row: pallas_kernels.reference.quantize_rows).
+_KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+              "fp8_e4m3": jnp.float8_e4m3fn}
+
+
 def resolve_kv_cache_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
     """The KV pool's dtype: "auto" follows the model dtype."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
-    return dtype if name == "auto" else jnp.dtype(name)
+    return dtype if name == "auto" else jnp.dtype(_KV_DTYPES[name])
 
 
 def resolve_attention_impl(name: str) -> tuple[str, str]:

@@ -356,7 +356,7 @@ def _run(config: Any, args: Args, requests: list[ParsedRequest], writer: ResultW
     print(f"model {loaded.source}: loaded in {loaded.load_seconds:.2f} s ({loaded.origin}{note}); "
           f"engine ready in {time.perf_counter() - t0:.2f} s")
     attention = llm.attention_impl + (f" ({llm.attention_note})" if llm.attention_note else "")
-    print(f"KV pool: {llm.num_blocks} blocks x {config.block_size} tokens "
+    print(f"KV pool: {llm.num_blocks} blocks x {config.block_size} tokens, {llm.kv_dtype.name} "
           f"({llm.kv_pool_bytes / 2**20:.0f} MiB), attention {attention}, scheduler {config.scheduler}")
     print(format_memory(llm.memory_per_device()))
     if args.precompile:

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +34,7 @@ from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
 from jpaged.runtime.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
+from pallas_kernels.reference import is_quantized
 
 
 @jax.tree_util.register_dataclass
@@ -89,11 +91,18 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
                     ) -> tuple[jax.Array, jax.Array]:
     """Writes this step's k, v [T, kv_heads, head_dim] into the pool, then attends
     q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool)."""
+    rotation = kv_rotation(cfg.head_dim) if is_quantized(kv_pool.dtype) else None
+
     def write_and_attend(q, k, v, kv_pool, meta, layer=layer):
+        if rotation is not None:  # scores are invariant; outliers are spread before quantizing
+            q, k, v = (jnp.einsum("thd,de->the", x.astype(jnp.float32), rotation).astype(x.dtype)
+                       for x in (q, k, v))
         kv_pool = backend.write_kv(kv_pool, layer, k, v, meta.write_blocks, meta.write_offsets)
         out = backend.attention(q, kv_pool, layer, meta.block_tables, meta.kv_lens, meta.cu_q_lens,
                                 sm_scale=cfg.sm_scale, sliding_window=window,
                                 soft_cap=cfg.attn_logit_softcap)
+        if rotation is not None:
+            out = jnp.einsum("the,de->thd", out.astype(jnp.float32), rotation).astype(out.dtype)
         return out, kv_pool
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -111,6 +120,19 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
         out, kv_pool = jax.shard_map(write_and_attend, mesh=mesh, check_vma=False, in_specs=specs,
                                      out_specs=(heads, POOL_SPEC))(*args)
     return out.reshape(q.shape[0], -1), kv_pool
+
+
+def kv_rotation(head_dim: int) -> np.ndarray:
+    """The orthonormal matrix a quantized pool's K/V rows (and the queries) are rotated
+    by: Sylvester's Hadamard / sqrt(head_dim) for a power-of-two head_dim, else a
+    fixed random orthogonal matrix."""
+    if head_dim & (head_dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < head_dim:
+            h = np.block([[h, h], [h, -h]])
+        return (h / np.sqrt(head_dim)).astype(np.float32)
+    q, r = np.linalg.qr(np.random.default_rng(0).standard_normal((head_dim, head_dim)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
 
 
 def check_weights(arrays: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:

@@ -5,7 +5,7 @@ in jpaged.core.block_manager.
 Pool layout, chosen block-major so that one block (all layers, K and V) is one
 contiguous slab: copy-on-write and swap move a block with one slice.
 
-    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim (+ 1 quantized)]
 
 Block 0 is the null block: padded block-table entries and padding tokens point
 at it, and it is never handed out.
@@ -23,15 +23,18 @@ import numpy as np
 from jpaged.core.config import ConfigError
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
+from pallas_kernels.reference import is_quantized
 
 
-def block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
-    """One block of the pool (every layer, K and V): also the host swap space's unit."""
-    return (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+def block_shape(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> tuple[int, ...]:
+    """One block of the pool (every layer, K and V): also the host swap space's unit.
+    Rows of a quantized pool (int8, fp8) carry their scale in one more column."""
+    return (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim + int(is_quantized(dtype)))
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    return math.prod(block_shape(cfg, block_size)) * jnp.dtype(dtype).itemsize
+    """What one block really holds: values and, quantized, their scales."""
+    return math.prod(block_shape(cfg, block_size, dtype)) * jnp.dtype(dtype).itemsize
 
 
 def free_device_memory(weight_bytes: int, *, weights_loaded: bool = True) -> int:
@@ -116,7 +119,7 @@ def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jn
     """A zeroed pool; with `sharding`, created in place on its devices (never whole on one)."""
     if not 1 <= block_size <= 256:
         raise ValueError(f"block_size must be in [1, 256], got {block_size}")
-    shape = (num_blocks, *block_shape(cfg, block_size))
+    shape = (num_blocks, *block_shape(cfg, block_size, dtype))
     if sharding is None:
         return jnp.zeros(shape, dtype=dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype=dtype), out_shardings=sharding)()
