@@ -1,0 +1,182 @@
+"""Quantized KV pools (kv_cache_dtype int8 and fp8_e4m3): the row format, the
+rotation in front of it, what a block costs, and the engine on it.
+
+The kernels' own checks against the reference on quantized pools are in
+tests/kernels (the shared case table's int8 / fp8 cases); the accuracy against
+an fp32 pool on the embedded model is measured in benchmarks/bench_kv_quant.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_all_blocks_free, random_prompts
+from jpaged.core.sequence import SamplingParams
+from jpaged.models.base import kv_rotation
+from jpaged.runtime import kv_pool as kv_pool_mod
+from jpaged.runtime.kv_pool import bytes_per_block, gather_blocks, num_blocks_for, scatter_blocks
+from pallas_kernels.reference import (SCALE_EXP_MAX, dequantize_rows, is_quantized, pool_head_dim,
+                                      quantize_rows)
+
+INT8, FP8 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)
+PROMPTS = random_prompts([5, 16, 21, 40], seed=23)
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+# ------------------------------------------------------------- the row format
+@pytest.mark.parametrize("dtype,qmax,rel", [(INT8, 127, None), (FP8, 448, 1 / 8)])
+def test_rows_round_trip_within_the_dtype_precision(dtype, qmax, rel):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 64)) * np.exp(rng.uniform(-8, 8, (200, 1)))   # magnitudes 1e-4..3e3
+    rows = np.asarray(quantize_rows(jnp.asarray(x, jnp.float32), dtype), np.float32)
+    values, exp = rows[:, :-1], rows[:, -1]
+    assert rows.shape == (200, 65) and (exp == np.round(exp)).all()
+    # The exponent is the smallest that fits the row's largest value in the dtype's range.
+    amax = np.abs(x).max(-1)
+    np.testing.assert_array_equal(exp, np.clip(np.ceil(np.log2(amax / qmax)), -16, 16))
+    unclamped = exp > -SCALE_EXP_MAX      # rows of tiny values keep the smallest exponent
+    assert unclamped.sum() > 150 and (np.abs(values).max(-1) <= qmax).all()
+    assert (np.abs(values).max(-1)[unclamped] > qmax / 2 - 1).all()
+    back = np.asarray(dequantize_rows(jnp.asarray(rows, dtype)))
+    # int8: half a step of the row's scale (2**e < 2 amax / 127 unless clamped);
+    # fp8: half an ulp of each value (3 mantissa bits), or of the smallest subnormal.
+    err, step = np.abs(back - x), 2.0 ** exp[:, None]
+    bound = step / 2 if dtype == INT8 else np.maximum(np.abs(x) * rel / 2, step * 2.0 ** -10)
+    assert (step[unclamped, 0] < 2 * amax[unclamped] / qmax).all()
+    assert (err <= bound * (1 + 1e-6)).all()
+
+
+def test_rows_edge_cases():
+    # An all-zero row, a row that saturates at the largest exponent, int8's ties to even.
+    x = np.zeros((3, 4), np.float32)
+    x[1] = [1e9, -1e9, 3.0, 0.0]
+    x[2] = [127.0, 0.5, 1.5, -2.5]
+    rows = np.asarray(quantize_rows(jnp.asarray(x), INT8))
+    assert (rows[0] == [0, 0, 0, 0, -SCALE_EXP_MAX]).all()
+    assert rows[1, 4] == SCALE_EXP_MAX and rows[1, 0] == 127 and rows[1, 1] == -127
+    assert (rows[2] == [127, 0, 2, -2, 0]).all()
+    fp8 = quantize_rows(jnp.asarray(x), FP8)
+    assert np.isfinite(np.asarray(dequantize_rows(fp8))).all()   # saturates, never NaN
+
+
+def test_layout_helpers():
+    pool = jnp.zeros((2, 1, 2, 1, 4, 17), jnp.int8)
+    assert is_quantized(INT8) and is_quantized(FP8) and not is_quantized(jnp.bfloat16)
+    assert pool_head_dim(pool) == 16 and pool_head_dim(pool.astype(jnp.float32)) == 17
+
+
+@pytest.mark.parametrize("d", [16, 64, 20])
+def test_rotation_is_orthonormal_and_spreads_outliers(d):
+    r = kv_rotation(d)
+    np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-5)
+    outlier = np.zeros(d, np.float32)
+    outlier[3] = 1.0
+    assert np.abs(outlier @ r).max() < 0.6     # one hot channel becomes many small ones
+
+
+# ------------------------------------------------------------- capacity
+def test_bytes_and_blocks_for_the_same_budget(tiny_llm, monkeypatch):
+    """A block of a quantized pool costs (head_dim + 1) bytes per row, so the same
+    budget holds 4 * head_dim / (head_dim + 1) times the fp32 blocks (SmolLM2's 64: 3.94x)."""
+    cfg = tiny_llm.model_config
+    d = cfg.head_dim
+    assert bytes_per_block(cfg, 16, INT8) * 4 * d == bytes_per_block(cfg, 16, jnp.float32) * (d + 1)
+    assert bytes_per_block(cfg, 16, FP8) == bytes_per_block(cfg, 16, INT8)
+    monkeypatch.setattr(kv_pool_mod, "free_device_memory", lambda *a, **k: 64 * 2**20)
+    blocks = {dt: num_blocks_for(cfg, block_size=16, dtype=dt, num_blocks=0, kv_memory_fraction=0.5,
+                                 weight_bytes=0, max_num_seqs=10**6, max_model_len=2048)
+              for dt in (jnp.float32, jnp.bfloat16, INT8)}
+    assert blocks[INT8] / blocks[jnp.float32] == pytest.approx(4 * d / (d + 1), rel=1e-3)
+    assert blocks[jnp.bfloat16] == 2 * blocks[jnp.float32]
+
+
+# ------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def int8_llm(make_tiny_llm):
+    return make_tiny_llm(kv_cache_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def int8_tokens(int8_llm):
+    return [o.token_ids for o in int8_llm.generate(PROMPTS, GREEDY)]
+
+
+def test_engine_pool_is_quantized(int8_llm, tiny_llm):
+    pool = int8_llm.runner.kv_pool
+    cfg = int8_llm.model_config
+    assert pool.dtype == INT8 and pool.shape[-1] == cfg.head_dim + 1
+    assert int8_llm.kv_pool_bytes * 4 * cfg.head_dim == tiny_llm.kv_pool_bytes * (cfg.head_dim + 1)
+
+
+@pytest.fixture(scope="module")
+def fp8_llm(make_tiny_llm):
+    return make_tiny_llm(kv_cache_dtype="fp8_e4m3")
+
+
+def _prompt_logprob_drift(llm, baseline) -> np.ndarray:
+    """|logprob difference| of every prompt token (teacher-forced) against `baseline`."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    want, got = baseline.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    diffs = [abs(a.logprob - b.logprob) for w, g in zip(want, got)
+             for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:])]
+    assert len(diffs) == sum(len(p) - 1 for p in PROMPTS)
+    return np.asarray(diffs)
+
+
+def test_int8_logprobs_drift_less_than_fp8(tiny_llm, int8_llm, fp8_llm):
+    """Teacher-forced prompt logprobs against the fp32 pool: int8 (7 bits per row's
+    scale) drifts well under fp8 e4m3 (3 mantissa bits), and neither is exact.
+    (Tiny random model, head_dim 16: mean drifts ~0.03 and ~0.1 nats.)"""
+    int8, fp8 = _prompt_logprob_drift(int8_llm, tiny_llm), _prompt_logprob_drift(fp8_llm, tiny_llm)
+    assert 0 < int8.mean() < fp8.mean() / 2, (int8.mean(), fp8.mean())
+    assert int8.max() < 0.25 and fp8.max() < 1.0, (int8.max(), fp8.max())
+
+
+@pytest.mark.parametrize("impl", ["cpu", "pallas_gpu", "pallas_tpu"])
+def test_kernels_give_the_reference_tokens_on_an_int8_pool(make_tiny_llm, int8_tokens, impl):
+    llm = make_tiny_llm(kv_cache_dtype="int8", attention_impl=impl)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == int8_tokens
+
+
+def test_fp8_pool_through_the_cpu_kernel(make_tiny_llm, fp8_llm):
+    cpu = make_tiny_llm(kv_cache_dtype="fp8_e4m3", attention_impl="cpu")
+    assert fp8_llm.runner.kv_pool.dtype == FP8
+    assert [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in fp8_llm.generate(PROMPTS, GREEDY)]
+
+
+def test_swap_moves_quantized_blocks_bit_for_bit(int8_llm):
+    pool = int8_llm.runner.kv_pool
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(-128, 128, (3, *pool.shape[1:])).astype(np.int8)
+    pool = scatter_blocks(pool, [5, 9, 2], blocks)
+    np.testing.assert_array_equal(gather_blocks(pool, [9, 2, 5]), blocks[[1, 2, 0]])
+    int8_llm.runner.kv_pool = pool
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_and_prefix_cache_on_an_int8_pool(make_tiny_llm, mode):
+    """An oversubscribed int8 pool with shared prefixes: every request completes with
+    the tokens of a pool large enough never to preempt (swap moves the bytes;
+    recompute rewrites the same rows), and the pool is empty at the end."""
+    system = random_prompts([16], seed=99)[0]
+    prompts = [(system + p)[:48] for p in random_prompts([3, 9, 20, 30, 12, 25], seed=5)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    common = dict(kv_cache_dtype="int8", block_size=8, max_num_seqs=6, max_num_batched_tokens=64,
+                  enable_prefix_caching=True)
+    want = make_tiny_llm(**common, num_blocks=80).generate(prompts, params)
+    small = make_tiny_llm(**common, num_blocks=13, preemption_mode=mode, swap_space_gb=0.01)
+    got = small.generate(prompts, params)
+    assert small.stats.preemptions > 0 and small.totals.cache_hit_blocks > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_all_blocks_free(small)
+
+
+def test_tensor_parallel_splits_the_scales_with_the_heads(make_tiny_llm, int8_tokens):
+    llm = make_tiny_llm(kv_cache_dtype="int8", tensor_parallel_size=2)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == int8_tokens
+    shards = llm.runner.kv_pool.addressable_shards
+    assert len(shards) == 2 and shards[0].data.shape[3] == llm.model_config.num_kv_heads // 2
+    assert shards[0].data.shape[-1] == llm.model_config.head_dim + 1
