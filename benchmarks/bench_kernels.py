@@ -21,7 +21,8 @@ arange(batch + 1) * q_len, the contract of `pallas_kernels.paged_attention`.
   fixed cost of a program cancel and what is left is device time; the calls rotate over
   several input sets living in disjoint pool blocks so the K/V bytes do not
   fit in L2 (>= --rotate_mb of K/V across the sets).
-  GB/s = K/V bytes that must be read (B * ctx * KVH * D * 2 * itemsize) /
+  GB/s = K/V bytes that must be read (B * ctx * KVH * D * 2 * itemsize; rows of
+  D + 1 bytes for a quantized --kv_dtype, int8 or float8_e4m3fn) /
   time; %copy = GB/s / device-to-device copy bandwidth measured in the same
   run (read + write of a --copy_mb buffer).
 
@@ -29,6 +30,7 @@ Writes <out>.md and <out>.csv (default benchmarks/kernels/results_<device>).
 
   python benchmarks/bench_kernels.py                      # on a GPU
   python benchmarks/bench_kernels.py --smoke              # tiny CPU run (interpret)
+  python benchmarks/bench_kernels.py --kv_dtype=int8 --variants=ours,reference   # quantized pool
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from pallas_kernels.reference import paged_attention_reference  # noqa: E402
+from pallas_kernels.reference import (is_quantized, paged_attention_reference,  # noqa: E402
+                                      quantize_rows)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64", "256"], "Batch sizes.")
@@ -61,7 +64,10 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("gqa", 4, "Query heads per KV head.")
 flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
-flags.DEFINE_string("dtype", "bfloat16", "K/V and q dtype.")
+flags.DEFINE_string("dtype", "bfloat16", "q dtype (and K/V's unless --kv_dtype).")
+flags.DEFINE_string("kv_dtype", None, "K/V pool dtype (default --dtype); int8 or float8_e4m3fn: "
+                    "quantized rows (head_dim values + a scale exponent). jax_ops and contig "
+                    "are skipped for quantized pools.")
 flags.DEFINE_integer("iters", 20, "n: unrolled attention calls per timed program (n and 2n are run).")
 flags.DEFINE_integer("reps", 10, "Timed repetitions (median is reported).")
 flags.DEFINE_enum("impl", None, list(pallas_kernels.IMPLS), "Our impl (default by backend: "
@@ -135,13 +141,17 @@ def copy_bandwidth(mb: float, reps: int) -> float:
     return 2 * n * 4 / per_call_seconds(build, 5, x, reps=reps) / 1e9
 
 
-def make_sets(rng, *, B, ctx, q_len, n_sets, H, KVH, D, BS, dtype):
+def make_sets(rng, *, B, ctx, q_len, n_sets, H, KVH, D, BS, dtype, kv_dtype=None):
     """One pool holding n_sets disjoint input sets (full-length sequences, q_len
     new tokens each): pool, block tables [n_sets, B, W], q [n_sets, B*q_len, H, D],
-    kv_lens [B], cu_q_lens [B + 1]."""
+    kv_lens [B], cu_q_lens [B + 1].  The pool is `kv_dtype` (default `dtype`),
+    `quantize_rows` of the random K/V when that is int8 / float8_e4m3fn."""
     W = -(-ctx // BS)
     nb = 1 + n_sets * B * W
-    pool = jnp.asarray(rng.standard_normal((nb, 1, 2, KVH, BS, D), np.float32), dtype)
+    kv_dtype = jnp.dtype(kv_dtype or dtype)
+    pool = rng.standard_normal((nb, 1, 2, KVH, BS, D), np.float32)
+    pool = (quantize_rows(jnp.asarray(pool), kv_dtype) if is_quantized(kv_dtype)
+            else jnp.asarray(pool, kv_dtype))
     perm = 1 + rng.permutation(nb - 1)
     bts = jnp.asarray(perm.reshape(n_sets, B, W).astype(np.int32))
     qs = jnp.asarray(rng.standard_normal((n_sets, B * q_len, H, D), np.float32), dtype)
@@ -186,7 +196,9 @@ def ours(impl: str):
 def bench_point(rng, B, ctx, impl, variants, bw):
     H, KVH, D, BS = FLAGS.num_kv_heads * FLAGS.gqa, FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.block_size
     dtype = jnp.dtype(FLAGS.dtype)
-    kv_bytes = B * ctx * KVH * D * 2 * dtype.itemsize
+    kv_dtype = jnp.dtype(FLAGS.kv_dtype or FLAGS.dtype)
+    quantized = is_quantized(kv_dtype)
+    kv_bytes = B * ctx * KVH * (D + quantized) * 2 * kv_dtype.itemsize
     row = dict(batch=B, context=ctx, kv_mb=round(kv_bytes / 2 ** 20, 2))
     if kv_bytes > FLAGS.max_kv_gb * 2 ** 30:
         row["note"] = "skipped: K/V larger than --max_kv_gb"
@@ -194,7 +206,8 @@ def bench_point(rng, B, ctx, impl, variants, bw):
     n_sets = int(min(FLAGS.max_sets, max(1, math.ceil(FLAGS.rotate_mb * 2 ** 20 / kv_bytes))))
     ql = FLAGS.q_len
     pool, bts, qs, kv_lens, cu_q_lens = make_sets(rng, B=B, ctx=ctx, q_len=ql, n_sets=n_sets, H=H,
-                                                  KVH=KVH, D=D, BS=BS, dtype=dtype)
+                                                  KVH=KVH, D=D, BS=BS, dtype=dtype,
+                                                  kv_dtype=kv_dtype)
     W = bts.shape[-1]
     iters, reps = FLAGS.iters, FLAGS.reps
     notes = []
@@ -216,6 +229,9 @@ def bench_point(rng, B, ctx, impl, variants, bw):
     if "reference" in variants:
         record("reference", lambda q, s, dep, pool, bts: paged_attention_reference(
             q, pool, 0, bts[s] + dep, kv_lens, cu_q_lens), pool, bts)
+    if quantized and ("jax_ops" in variants or "contig" in variants):
+        notes.append("jax_ops, contig: skipped (quantized pool)")
+        variants = [v for v in variants if v not in ("jax_ops", "contig")]
     if ("jax_ops" in variants and ql == 1
             and (jax.default_backend() == "gpu" or FLAGS.jax_ops_on_cpu)):
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
@@ -268,6 +284,7 @@ def main(argv):
     out = FLAGS.out or os.path.join("benchmarks", "kernels",
                                     f"results_{slug(dev)}"
                                     + (f"_q{FLAGS.q_len}" if FLAGS.q_len != 1 else "")
+                                    + (f"_kv{slug(FLAGS.kv_dtype)}" if FLAGS.kv_dtype else "")
                                     + ("_smoke" if FLAGS.smoke else ""))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 
@@ -289,6 +306,7 @@ def main(argv):
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cfg = (f"q_len={FLAGS.q_len} head_dim={FLAGS.head_dim} num_kv_heads={FLAGS.num_kv_heads} "
            f"gqa={FLAGS.gqa} block_size={FLAGS.block_size} dtype={FLAGS.dtype} "
+           f"kv_dtype={FLAGS.kv_dtype or FLAGS.dtype} "
            f"iters={FLAGS.iters} reps={FLAGS.reps}")
     cfg += "".join(f" {n}={getattr(FLAGS, n)}" for n in GPU_TUNING if getattr(FLAGS, n) is not None)
     kind = "decode" if FLAGS.q_len == 1 else f"{FLAGS.q_len}-token chunk"

@@ -3,8 +3,9 @@
 One public entry, `paged_attention_gpu`, with the contract of
 `pallas_kernels.paged_attention`: a flat ragged batch `q[T, H, D]` where
 sequence s owns tokens `cu_q_lens[s]:cu_q_lens[s + 1]`, K/V read straight out
-of the whole pool `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` through the
-block table (no gather copy, no per-layer slice copy; `layer` may be traced).
+of the whole pool `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` (D + 1 for
+a quantized pool, below) through the block table (no gather copy, no
+per-layer slice copy; `layer` may be traced).
 
 Rows.  The new tokens x the G query heads of one KV head are the M rows of
 every dot: row r of sequence s is token `cu_q_lens[s] + r // G`, query head
@@ -54,9 +55,25 @@ first tile are zeroed like keys past kv_len, and each row's window is masked
 per element.  Soft cap (static `soft_cap`): s = c * tanh(s / c) on the fp32
 scores before the mask.  Both None: the kernels are those without the options.
 
+Quantized pools (int8, float8_e4m3fn; `reference.quantize_rows`): rows of
+`head_dim + 1`, D values then the exponent e of the row's scale 2**e.  A key
+tile loads the first D columns (`pl.ds(0, D)`: D stays a power of two,
+whatever the row stride D + 1) and the exponent column as a [block_k] vector.  The
+1-byte values are converted in registers to q's dtype, which the dots run in
+(bf16 for bf16 q: int8 and e4m3 values are exact in bf16; fp32 for fp32 q,
+TF32x3 as for fp32 pools); K's scales multiply the scores' columns after
+q . k, V's the probabilities before p . v (l sums the unscaled ones), so the
+result is that of the dequantized rows in fp32 to rounding.  2**e is built
+from the exponent bits (exact).  Rows are D + 1 bytes, so their loads are
+byte loads (Triton cannot vectorise an odd row stride), one register per
+byte: key tiles default to 32 keys (`default_block_k`).  The unquantized
+kernels are unchanged (the same Triton IR).
+
 Masking never multiplies by a mask: keys/values past kv_len are replaced
 with `where`, so NaN in blocks a sequence does not own (block 0 included)
-never reaches the output.  Rows with no visible key produce zeros.
+never reaches the output; for a quantized pool the values and the scales of
+such keys are zeroed (an int8 row there may carry exponent 127, an fp8 row
+NaN).  Rows with no visible key produce zeros.
 
 On a non-GPU backend the kernels run with `interpret=True` automatically.
 """
@@ -71,8 +88,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import (attention_dims, attention_options, row_tile_span,
-                                      window_start)
+from pallas_kernels.reference import (attention_dims, attention_options, is_quantized,
+                                      row_tile_span, window_start)
 
 try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -142,18 +159,49 @@ def _pv(p, v, fp32_precision):
     return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
 
-def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision, soft_cap=None):
+def _pow2(e):
+    """2.0 ** e (fp32) of integer-valued exponents e (int8 or float8 values), exact:
+    the exponent field built from the bits (no exp2 approximation).  Only valid
+    rows' exponents (|e| <= 16) are used; others are replaced by the caller."""
+    if not jnp.issubdtype(e.dtype, jnp.integer):
+        e = e.astype(jnp.float32)          # Triton converts float8 to ints only via fp32
+    e = e.astype(jnp.int32)
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), jnp.float32)
+
+
+def _dequant_tile(x, e, key_valid, dot_dtype):
+    """Values [TK, D] (int8 / float8, poison zeroed with `where`) in `dot_dtype` (exact:
+    int8 and e4m3 values are bf16 numbers) and the row scales 2**e [TK] fp32, 0 for
+    invalid keys (whose exponent may be 127 or NaN)."""
+    x = jnp.where(key_valid[:, None], x.astype(dot_dtype), jnp.zeros((), dot_dtype))
+    return x, jnp.where(key_valid, _pow2(e), 0.0)
+
+
+def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision, soft_cap=None,
+                         scale_exps=None, dot_dtype=None):
     """One key tile of flash attention: (acc, m, l) updated with q [M, D] over k, v [TK, D].
 
     Keys past the sequence or before the window (key_valid False) are zeroed
     with `where`, never multiplied, so NaN in blocks a sequence does not own
     cannot leak; `visible` [M, TK] (which implies key_valid) masks the scores,
     soft-capped first when soft_cap is set.
+
+    Quantized K/V (`scale_exps` = the rows' exponents (ek, ev) [TK]): the
+    values go into the dots in `dot_dtype` (q's), K's row scales multiply the
+    scores (columns) after q . k and V's the probabilities before p . v, so that
+    (q . k) * 2**ek and (p * 2**ev) . v are the dots with dequantized rows.
     """
     acc, m_i, l_i = carry
-    k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
-    v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+    if scale_exps is None:
+        k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
+        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+        k_scale = v_scale = None
+    else:
+        k, k_scale = _dequant_tile(k, scale_exps[0], key_valid, dot_dtype)
+        v, v_scale = _dequant_tile(v, scale_exps[1], key_valid, dot_dtype)
     s = _qk(q.astype(k.dtype), k, fp32_precision)          # [M, TK] fp32
+    if k_scale is not None:
+        s = s * k_scale[None, :]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
     s = jnp.where(visible, s, MASK_VALUE)
@@ -161,7 +209,8 @@ def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision, sof
     alpha = jnp.exp(m_i - m_new)
     pr = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     l_new = l_i * alpha + jnp.sum(pr, axis=1)
-    return acc * alpha[:, None] + _pv(pr, v, fp32_precision), m_new, l_new
+    pv = pr if v_scale is None else pr * v_scale[None, :]
+    return acc * alpha[:, None] + _pv(pv, v, fp32_precision), m_new, l_new
 
 
 def _masks(pos, q_pos, kv_len, lo, sliding_window):
@@ -192,29 +241,45 @@ def _init_carry(rows: int, d: int):
             jnp.zeros((rows,), jnp.float32))
 
 
-def _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, block_k):
-    """K and V [block_k, D] of key tile `it` of sequence s, read straight from the pool.
+def _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, block_k, head_dim):
+    """K and V [block_k, D] of key tile `it` of sequence s, read straight from the pool,
+    and their rows' scale exponents ([block_k] each; None unless the pool is quantized).
 
     A tile is several whole pages (block_k > block_size: one gather-load of
     the page vector, no copy), one page, or a slice of one page (block_k <
     block_size: large pages are walked in pieces to bound registers and
-    shared memory).
+    shared memory).  A quantized pool's rows are D values then the exponent:
+    the values are the columns pl.ds(0, D), the exponents column D.
     """
-    d = kv_ref.shape[-1]
+    d = head_dim
+    quant = is_quantized(kv_ref.dtype)
+
+    def read(lead, kv, rows=(), shape=None):
+        """(values, exponents or None) of K (kv 0) or V (1) at lead + (layer, kv, h) + rows."""
+        at = lead + (layer, kv, h)
+        x = kv_ref[at + (rows or (slice(None),)) + (pl.ds(0, d),)] if quant else kv_ref[at + rows]
+        if shape is not None:
+            x = x.reshape(shape, d)
+        if not quant:
+            return x, None
+        e = kv_ref[at + (rows or (slice(None),)) + (d,)]
+        return x, (e if shape is None else e.reshape(shape))
+
     if block_k > block_size:
         ppi = block_k // block_size
         ids = bt_ref[s, pl.ds(it * ppi, ppi)]                     # [ppi] block ids
-        k = kv_ref[ids, layer, 0, h].reshape(block_k, d)          # gather-load, no copy
-        v = kv_ref[ids, layer, 1, h].reshape(block_k, d)
-        return k, v
+        (k, ek), (v, ev) = read((ids,), 0, shape=block_k), read((ids,), 1, shape=block_k)
+        return k, v, ek, ev                                       # gather-loads, no copy
     if block_k == block_size:
         blk = bt_ref[s, it]
-        return kv_ref[blk, layer, 0, h], kv_ref[blk, layer, 1, h]
+        (k, ek), (v, ev) = read((blk,), 0), read((blk,), 1)
+        return k, v, ek, ev
     tiles_per_page = block_size // block_k
     # lax.div/rem: `it` >= 0, so C semantics suffice (jnp's floor-mod adds sign fix-ups).
     blk = bt_ref[s, lax.div(it, tiles_per_page)]
-    rows = pl.ds(pl.multiple_of(lax.rem(it, tiles_per_page) * block_k, block_k), block_k)
-    return kv_ref[blk, layer, 0, h, rows], kv_ref[blk, layer, 1, h, rows]
+    rows = (pl.ds(pl.multiple_of(lax.rem(it, tiles_per_page) * block_k, block_k), block_k),)
+    (k, ek), (v, ev) = read((blk,), 0, rows), read((blk,), 1, rows)
+    return k, v, ek, ev
 
 
 def _tile_rows(q_start, q_len, row0, n: int, group: int, num_heads: int, h):
@@ -260,14 +325,23 @@ def num_partitions_heuristic(num_seqs: int, num_kv_heads: int, max_blocks: int, 
     return int(max(1, min(want, most)))
 
 
-def default_block_k(head_dim: int, itemsize: int) -> int:
+def default_block_k(head_dim: int, itemsize: int, quantized: bool = False) -> int:
     """Keys per loop iteration: a 16 KiB K tile for 16-bit K/V (64 tokens of bf16 x
-    128), 8 KiB for fp32 (32 tokens x 64, 16 x 128).
+    128), 8 KiB for fp32 (32 tokens x 64, 16 x 128); for a quantized pool
+    (`itemsize` that of q, the dots' dtype) at most 32 keys and 8 KiB of the
+    converted tile (bf16 q: 32 keys; fp32 q: 32 x 64, 16 x 128).
 
     Sized with `triton_aot` for sm_90: 16 KiB fp32 tiles push both kernels to
     the register limit (the decode kernel spills a few bytes at head_dim 64),
     and (fp32, head_dim 128, 128 keys) need more shared memory than an SM has.
+    Quantized rows are D + 1 bytes, loaded byte by byte (one register per
+    byte before the conversion): with bf16 q, 16 KiB tiles put the ragged
+    kernel at 255 registers, spilling 12-80 B, and 64 keys at head_dim 64
+    spill 4-16 B in the decode kernel at some block sizes; 32 keys spill
+    nowhere (`triton_sm90.md`).
     """
+    if quantized:
+        return max(_MIN_DOT, min(32, 8192 // (head_dim * itemsize)))
     budget = 16384 if itemsize <= 2 else 8192
     return max(_MIN_DOT, min(128, budget // (head_dim * itemsize)))
 
@@ -285,11 +359,20 @@ def default_decode_rows(group: int) -> int:
     return max(_MIN_DOT, _next_pow2(group))
 
 
+def tile_itemsize(kv_dtype, q_dtype) -> int:
+    """The element size `plan_tiling` sizes tiles by: the pool's, or for a quantized
+    pool (1-byte values converted in-kernel) that of q, the dtype its dots run in
+    (then with `quantized=True`)."""
+    if is_quantized(kv_dtype):
+        return jnp.dtype(q_dtype).itemsize
+    return jnp.dtype(kv_dtype).itemsize
+
+
 def key_tiling(block_k: int | None, W: int, BS: int, head_dim: int,
-               itemsize: int) -> tuple[int, int]:
+               itemsize: int, quantized: bool = False) -> tuple[int, int]:
     """(keys per tile, pages one tile spans, >= 1) for a [S, W] table of BS-token
     pages; block_k None takes `default_block_k`; never more than the table holds."""
-    tk = block_k or default_block_k(head_dim, itemsize)
+    tk = block_k or default_block_k(head_dim, itemsize, quantized)
     tk = max(1, min(_next_pow2(tk), _next_pow2(W * BS)))
     return tk, max(1, tk // BS)
 
@@ -307,10 +390,11 @@ class Tiling:
 
 
 def plan_tiling(T: int, G: int, D: int, BS: int, S: int, W: int, KVH: int, itemsize: int, *,
-                block_m: int | None = None, block_k: int | None = None,
+                quantized: bool = False, block_m: int | None = None, block_k: int | None = None,
                 decode_rows: int | None = None, num_partitions: int | None = None) -> Tiling:
-    """The static tiling for T tokens, S sequences, [S, W] tables (None = defaults)."""
-    tk, ppt = key_tiling(block_k, W, BS, D, itemsize)
+    """The static tiling for T tokens, S sequences, [S, W] tables (None = defaults);
+    `itemsize` is `tile_itemsize`'s, `quantized` whether the pool is."""
+    tk, ppt = key_tiling(block_k, W, BS, D, itemsize, quantized)
     bm = block_m or default_block_m(T * G, D, itemsize)
     if bm & (bm - 1):
         raise ValueError(f"block_m must be a power of two, got {bm}")
@@ -336,7 +420,7 @@ def _decode_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, o_ref, m_r
     h = pl.program_id(1)
     p = pl.program_id(2)
     layer = layer_ref[0]
-    d = kv_ref.shape[-1]
+    d = q_ref.shape[-1]
     q_start = cu_ref[s]
     q_len = cu_ref[s + 1] - q_start
     n_rows = q_len * group
@@ -360,10 +444,11 @@ def _decode_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, o_ref, m_r
     end = jnp.minimum(start + per_part, n_k)
 
     def body(it, carry):
-        k, v = _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, tk)
+        k, v, ek, ev = _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, tk, d)
         pos = it * tk + lax.iota(jnp.int32, tk)
         kvalid, vis = _masks(pos, q_pos, kv_len, lo, sliding_window)
-        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision, soft_cap)
+        return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision, soft_cap,
+                                    None if ek is None else (ek, ev), q_ref.dtype)
 
     acc, m_i, l_i = lax.fori_loop(start, jnp.maximum(start, end), body, _init_carry(rows, d))
     # Every partition of a short sequence writes (empty ones: m = MASK_VALUE,
@@ -381,7 +466,7 @@ def _decode_partials(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, *, grou
                      num_warps, num_stages, interpret, sliding_window=None, soft_cap=None):
     """(acc [S, KVH, P, rows, D], m, l [S, KVH, P, rows]) of the split-KV decode kernel."""
     S = kv_lens.shape[0]
-    KVH, BS, D = kv_pool.shape[3:]
+    KVH, BS, D = kv_pool.shape[3], kv_pool.shape[4], q2.shape[-1]
     P, R = t.num_partitions, t.decode_rows
     kernel = functools.partial(
         _decode_kernel, group=group, num_heads=KVH * group, block_size=BS, block_k=t.block_k,
@@ -441,7 +526,7 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, *rest,
         (o_ref,) = rest
     i = pl.program_id(0)
     h = pl.program_id(1)
-    d = kv_ref.shape[-1]
+    d = q_ref.shape[-1]
     s, j = _seq_of_tile(i, cu_ref, num_seqs, group, block_m)
     is_pad = s == num_seqs
     sc = jnp.minimum(s, num_seqs - 1)
@@ -496,10 +581,11 @@ def _ragged_kernel(layer_ref, bt_ref, kvl_ref, cu_ref, q_ref, kv_ref, *rest,
         lo, it0 = _first_key_tile(kv_len - q_len + first_tok, tk, sliding_window)
 
         def body(it, carry):
-            k, v = _load_kv_tile(kv_ref, bt_ref, sc, it, layer, h, block_size, tk)
+            k, v, ek, ev = _load_kv_tile(kv_ref, bt_ref, sc, it, layer, h, block_size, tk, d)
             pos = it * tk + lax.iota(jnp.int32, tk)
             kvalid, vis = _masks(pos, q_pos, kv_len, lo, sliding_window)
-            return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision, soft_cap)
+            return _online_softmax_step(carry, q, k, v, kvalid, vis, fp32_precision, soft_cap,
+                                        None if ek is None else (ek, ev), q_ref.dtype)
 
         acc, _, l_i = lax.fori_loop(it0, n_iters, body, _init_carry(block_m, d))
         ok_l = l_i > 0
@@ -511,7 +597,7 @@ def _ragged_call(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, partials, *
                  sm_scale, num_warps, num_stages, interpret, sliding_window=None, soft_cap=None):
     """out [T * H, D] of the ragged kernel (partials: the decode kernel's, or ())."""
     S = kv_lens.shape[0]
-    KVH, BS, D = kv_pool.shape[3:]
+    KVH, BS = kv_pool.shape[3:5]
     H = KVH * group
     kernel = functools.partial(
         _ragged_kernel, num_seqs=S, num_tokens=q2.shape[0] // H, group=group, num_heads=H,
@@ -540,8 +626,9 @@ def _prepare(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale, b
                                                       cu_q_lens, sm_scale, sliding_window,
                                                       soft_cap)
     _check_pow2(BS, D)
-    t = plan_tiling(T, G, D, BS, S, W, KVH, kv_pool.dtype.itemsize, block_m=block_m,
-                    block_k=block_k, decode_rows=decode_rows, num_partitions=num_partitions)
+    t = plan_tiling(T, G, D, BS, S, W, KVH, tile_itemsize(kv_pool.dtype, q.dtype),
+                    quantized=is_quantized(kv_pool.dtype), block_m=block_m, block_k=block_k,
+                    decode_rows=decode_rows, num_partitions=num_partitions)
     bt = block_tables.astype(jnp.int32)
     if t.table_width != W:  # pad with the null block so every page-vector load stays in bounds
         bt = jnp.pad(bt, ((0, 0), (0, t.table_width - W)))
@@ -612,7 +699,7 @@ def single_kernel(kernel: str):
             if not t.decode_rows:
                 raise ValueError("decode_rows=0 launches no decode kernel")
             return _decode_partials(t, *args, **launch)
-        S, KVH, D = kv_lens.shape[0], kv_pool.shape[3], kv_pool.shape[-1]
+        S, KVH, D = kv_lens.shape[0], kv_pool.shape[3], q.shape[-1]
         P, R = t.num_partitions, t.decode_rows
         partials = (jnp.zeros((S, KVH, P, R, D), jnp.float32), jnp.zeros((S, KVH, P, R)),
                     jnp.zeros((S, KVH, P, R))) if R else ()

@@ -199,7 +199,7 @@ def compile_for_cuda(kernel: TritonKernelIR, arch: int = 90) -> KernelResources:
 
 def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_size: int, gqa: int,
                             num_kv_heads: int = 8, num_seqs: int = 8, q_len: int | None = None,
-                            max_blocks: int = 64, arch: int = 90,
+                            max_blocks: int = 64, arch: int = 90, q_dtype: Any = None,
                             **launch: Any) -> tuple[dict, KernelResources]:
     """Compile one of our GPU kernels ("decode" or "ragged") for sm_<arch>.
 
@@ -209,26 +209,32 @@ def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_siz
     (`gpu.single_kernel`).  `launch` goes to the kernel (block_k, block_m,
     decode_rows, num_partitions, num_warps, ..., and the contract's static
     options sliding_window and soft_cap); omitted ones take the defaults.
-    Returns (the tiling used, resources).  The pool is 2^32+ bytes so that
-    offsets are 64-bit, as in a real pool.
+    `dtype` is the pool's; q's is `q_dtype`, default the pool's, or bfloat16
+    for a quantized pool (int8, float8_e4m3fn: rows of head_dim + 1, the
+    scale exponent last).  Returns (the tiling used, resources).  The pool is
+    2^32+ bytes so that offsets are 64-bit, as in a real pool.
     """
     import jax.numpy as jnp
     from pallas_kernels import gpu
+    from pallas_kernels.reference import is_quantized
 
     dtype = jnp.dtype(dtype)
-    itemsize = dtype.itemsize
-    per_block = 2 * num_kv_heads * block_size * head_dim * itemsize
+    quantized = is_quantized(dtype)
+    q_dtype = jnp.dtype(q_dtype or (jnp.bfloat16 if quantized else dtype))
+    row = head_dim + int(quantized)
+    per_block = 2 * num_kv_heads * block_size * row * dtype.itemsize
     num_blocks = max(max_blocks + 1, 2 ** 32 // per_block + 1)
     q_len = q_len or (1 if kernel == "decode" else 64)
     T = num_seqs * q_len
-    args = (jax.ShapeDtypeStruct((T, num_kv_heads * gqa, head_dim), dtype),
-            jax.ShapeDtypeStruct((num_blocks, 1, 2, num_kv_heads, block_size, head_dim), dtype),
+    args = (jax.ShapeDtypeStruct((T, num_kv_heads * gqa, head_dim), q_dtype),
+            jax.ShapeDtypeStruct((num_blocks, 1, 2, num_kv_heads, block_size, row), dtype),
             0,
             jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
     (ir,) = capture_ttir(gpu.single_kernel(kernel), *args, interpret=False, **launch)
-    t = gpu.plan_tiling(T, gqa, head_dim, block_size, num_seqs, max_blocks, num_kv_heads, itemsize,
+    t = gpu.plan_tiling(T, gqa, head_dim, block_size, num_seqs, max_blocks, num_kv_heads,
+                        gpu.tile_itemsize(dtype, q_dtype), quantized=quantized,
                         **{k: launch.get(k) for k in ("block_m", "block_k", "decode_rows",
                                                       "num_partitions")})
     tiling = dict(block_k=t.block_k)

@@ -25,6 +25,12 @@ selection, not the product:
 * every case fills all pool memory a sequence may not read with NaN (block 0,
   unowned blocks, the tail of each last block, every layer but the one read;
   layer > 0 throughout).
+* quantized pools (int8, float8_e4m3fn rows with a scale-exponent column):
+  the table's cases (split-KV decode, page-vector gather-loads, slices of
+  128-token pages, one page per tile with a window and a soft cap; fp32 and
+  bf16 queries) and `test_quantized_tilings` (fp8 with fp32 queries on the
+  no-dot 8-key path, int8 through the ragged kernel alone).  Unowned rows
+  hold NaN (fp8) or random bytes with exponent 127 (int8: ~2e40, inf in fp32).
 
 Tolerances (`cases.TOL`): fp32 atol 2e-5 / rtol 1e-5 (3x for the soft-capped
 scores of +-60..90: `cases.BIG_LOGITS`), bf16 2e-2.
@@ -44,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.cases import (FAST_COMPILE, NUM_LAYERS, TOL, attention_per_layer, cases_for,
-                           check_ragged, fresh_seed, make_ragged_case, mixed_seqs)
+from kernels.cases import (FAST_COMPILE, FP8, INT8, NUM_LAYERS, TOL, attention_per_layer,
+                           cases_for, check_ragged, fresh_seed, make_ragged_case, mixed_seqs)
 
 import pallas_kernels
 from pallas_kernels import gpu as kgpu
@@ -86,6 +92,19 @@ def test_fuzz_fixed_shapes():
         if not seqs:
             args = (args[0].at[0].set(jnp.nan),) + args[1:]
         check_ragged(fn(*args), args, seed, f"fuzz draw {draw} {seqs}")
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,tuning", [
+    (FP8, F32, dict(block_k=8, num_partitions=2)),       # no-dot path, slices of 16-key pages
+    (INT8, BF16, dict(decode_rows=0, block_k=64)),       # ragged kernel only, 4-page gathers
+], ids=["fp8-f32-tiny-tiles", "int8-bf16-no-split"])
+def test_quantized_tilings(kv_dtype, dtype, tuning):
+    """Quantized pools on the tilings the shared cases leave out."""
+    seed = fresh_seed()
+    seqs = [(70, 1), (33, 33), (100, 12), (17, 1), (0, 0), (48, 3)]
+    args = make_ragged_case(seed, seqs, G=3, KVH=2, D=64, BS=16, dtype=dtype, kv_dtype=kv_dtype)
+    out = fast_jit(kgpu.paged_attention_gpu, **tuning)(*args)
+    check_ragged(out, args, seed, f"{np.dtype(kv_dtype).name} {tuning} {seqs}")
 
 
 # --------------------------------------------------------------------------
@@ -156,6 +175,13 @@ def test_plan_tiling_defaults_and_checks():
     assert (t.block_k, t.block_m, t.decode_rows, t.num_partitions) == (64, 64, 16, 1)
     t = kgpu.plan_tiling(T=1, G=4, D=128, BS=16, S=1, W=2048, KVH=8, itemsize=4)
     assert (t.block_k, t.block_m, t.num_partitions) == (16, 16, 33)   # fp32 x 128: small tiles
+    # quantized pools: tiles sized by q's dtype (the dots'): <= 32 keys and 8 KiB of it
+    assert kgpu.tile_itemsize(INT8, BF16) == 2 and kgpu.tile_itemsize(FP8, F32) == 4
+    assert kgpu.tile_itemsize(BF16, F32) == 2
+    for D, itemsize, block_k in [(64, 2, 32), (128, 2, 32), (64, 4, 32), (128, 4, 16)]:
+        t = kgpu.plan_tiling(T=64, G=4, D=D, BS=16, S=64, W=128, KVH=8, itemsize=itemsize,
+                             quantized=True)
+        assert t.block_k == block_k and t.block_m == (16 if D * itemsize > 256 else 64)
     assert kgpu.plan_tiling(4, 4, 64, 16, 2, 10, 2, 4, decode_rows=0).num_partitions == 1
     with pytest.raises(ValueError):
         kgpu.plan_tiling(4, 4, 64, 16, 2, 10, 2, 4, decode_rows=8)    # < 16 rows / not >= G
@@ -169,6 +195,7 @@ def test_plan_tiling_defaults_and_checks():
 # --------------------------------------------------------------------------
 # The kernels must lower through the Pallas Triton backend (no GPU needed:
 # lowering to Triton IR runs on CPU; test_triton_sm90.py compiles it).
+# dtype: q's and the pool's, or (q's, the pool's) for quantized pools.
 LOWER_CASES = [  # (D, G, BS, dtype, T, tuning)
     (128, 4, 16, BF16, 3, {}),
     (64, 3, 8, F32, 40, {}),
@@ -176,13 +203,21 @@ LOWER_CASES = [  # (D, G, BS, dtype, T, tuning)
     (128, 1, 128, BF16, 64, dict(decode_rows=0)),
     (64, 4, 16, F32, 16, dict(block_k=8)),
     (128, 4, 16, BF16, 40, dict(sliding_window=64, soft_cap=50.0)),   # Gemma 2's options
+    # quantized pools: page-vector gathers, one page, slices of a page, the no-dot path
+    (64, 3, 16, (F32, INT8), 40, {}),
+    (64, 3, 16, (BF16, FP8), 40, {}),
+    (128, 4, 32, (BF16, INT8), 40, dict(block_k=32, sliding_window=64, soft_cap=50.0)),
+    (128, 8, 128, (BF16, FP8), 64, dict(num_partitions=2)),
+    (64, 4, 16, (F32, FP8), 16, dict(block_k=8)),
 ]
 
 
 def _lower(D, G, BS, dtype, T, num_warps=4, **kw):
     S, KVH, W, NB = 3, 2, 8, 30
-    args = (jax.ShapeDtypeStruct((T, KVH * G, D), dtype),
-            jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D), dtype), 1,
+    q_dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    quantized = kv_dtype in (INT8, FP8)
+    args = (jax.ShapeDtypeStruct((T, KVH * G, D), q_dtype),
+            jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D + quantized), kv_dtype), 1,
             jax.ShapeDtypeStruct((S, W), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32),
             jax.ShapeDtypeStruct((S + 1,), jnp.int32))
     return triton_aot.capture_ttir(kgpu.paged_attention_gpu, *args, interpret=False,
@@ -198,6 +233,11 @@ def test_lowers_to_triton(D, G, BS, dtype, T, kw):
     for ir in irs:
         assert "tt.func public @" in ir.ttir and (ir.num_warps, ir.num_stages) == (4, 2)
         assert ("tanh" in ir.ttir) == ("soft_cap" in kw), ir.name     # the cap reaches the IR
+    if isinstance(dtype, tuple):                  # the pool is read as 1-byte values
+        pool_ty = {INT8: "i8", FP8: "f8E4M3FN"}[dtype[1]]
+        for ir in irs:
+            assert f"!tt.ptr<{pool_ty}>" in ir.ttir, ir.name
+            assert (dtype[1] == FP8) == ("tt.fp_to_fp" in ir.ttir), ir.name
 
 
 def test_capture_on_newer_jaxlib(monkeypatch):

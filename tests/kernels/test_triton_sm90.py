@@ -19,7 +19,8 @@ from pallas_kernels import triton_aot  # noqa: E402
 # (kernel, dtype, head_dim, block_size, gqa): the two pallas_calls of
 # `paged_attention_gpu` ("decode" = split-KV, "ragged" = query tiles) at the
 # benchmark shape (bf16, D 128, block 16, GQA 4), the embedded model's (fp32,
-# D 64, GQA 3), big pages, GQA 8 and fp32 x D 128 (the register-hungriest).
+# D 64, GQA 3), big pages, GQA 8 and fp32 x D 128 (the register-hungriest);
+# quantized pools below.
 CASES = [
     ("decode", jnp.bfloat16, 128, 16, 4),
     ("decode", jnp.bfloat16, 128, 128, 8),
@@ -58,6 +59,26 @@ def test_window_and_soft_cap_compile_for_sm90_without_spills(kernel, dtype, head
                                                    block_size=block_size, gqa=gqa,
                                                    sliding_window=4096, soft_cap=50.0)
     what = f"{kernel} window+cap {jnp.dtype(dtype).name} D={head_dim} BS={block_size} {tiling}: {r}"
+    assert r.spill_stores == 0 and r.stack_bytes == 0, what
+    assert r.fits and r.ctas_per_sm >= 2, what
+
+
+# Quantized pools (int8, float8_e4m3fn rows with a scale-exponent column; Triton converts
+# the 1-byte values in registers, fp8 with sm_90's cvt): SmolLM2-135M's shape (D 64, GQA 3)
+# with fp32 queries (the embedded model's dtype) and bf16 ones, and D 128 with bf16.
+QUANT_CASES = [(kernel, kv, q, d, 16, g) for kernel in ("decode", "ragged")
+               for kv in (jnp.int8, jnp.float8_e4m3fn)
+               for q, d, g in ((jnp.float32, 64, 3), (jnp.bfloat16, 64, 3), (jnp.bfloat16, 128, 4))]
+
+
+@pytest.mark.parametrize("kernel,kv_dtype,q_dtype,head_dim,block_size,gqa", QUANT_CASES)
+def test_quantized_pools_compile_for_sm90_without_spills(kernel, kv_dtype, q_dtype, head_dim,
+                                                          block_size, gqa):
+    tiling, r = triton_aot.jpaged_kernel_resources(kernel, dtype=kv_dtype, q_dtype=q_dtype,
+                                                   head_dim=head_dim, block_size=block_size,
+                                                   gqa=gqa)
+    what = (f"{kernel} pool {jnp.dtype(kv_dtype).name} q {jnp.dtype(q_dtype).name} D={head_dim} "
+            f"BS={block_size} {tiling}: {r}")
     assert r.spill_stores == 0 and r.stack_bytes == 0, what
     assert r.fits and r.ctas_per_sm >= 2, what
 
