@@ -2,7 +2,9 @@
 
 Contract: `pallas_kernels.paged_attention` (flat ragged batch q[T, H, D],
 `cu_q_lens[S + 1]`, `kv_lens[S]`, `block_tables[S, W]`, the whole pool
-`kv_pool[num_blocks, num_layers, 2, KVH, BS, D]`, a traced or static `layer`).
+`kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` (fp32, bf16) or
+`[..., BS, D + 1]` (quantized: int8, float8_e4m3fn; see below), a traced or
+static `layer`).
 The design follows tpu-inference's ragged_paged_attention.
 
 Query tiles.  Each sequence's q_len new tokens are cut into tiles of at most
@@ -28,20 +30,20 @@ once per KV head whatever G.  q, kv_pool and the output stay in HBM
   last token sees, `pages_per_compute_block` pages per step, in a
   `lax.fori_loop` with a dynamic trip count: the cost never depends on W nor
   on padding.  One DMA per page copies K and V of the block's heads,
-  `kv_pool.at[page, layer, :, heads]` (one contiguous [2, KVH, BS, D] chunk
-  when the block is all heads), into one of 2 VMEM slots.  While a step
-  computes, the next step's pages are in flight, and the last step of a tile
-  fetches the next tile's first pages, so a run of decode tiles keeps the DMA
-  engine busy across grid steps.  Pages past the causal bound are never
-  copied.
+  `kv_pool.at[page, layer, :, heads]` (one contiguous [2, KVH, BS, D] chunk,
+  [2, KVH, BS, D + 1] quantized, when the block is all heads), into one of 2
+  VMEM slots.  While a step computes, the next step's pages are in flight,
+  and the last step of a tile fetches the next tile's first pages, so a run
+  of decode tiles keeps the DMA engine busy across grid steps.  Pages past
+  the causal bound are never copied.
 * out: only the tile's n rows (dynamic-size copy) from one of 2 VMEM slots;
   the copy is waited one grid step later (or at the last step).  Tiles of
   padding tokens write zeros; empty tiles issue no DMA and do no compute.
 
 Decode stays cheap: a tile of at most `block_q_small` tokens (default
-cdiv(sublanes, G), i.e. one 8-row fp32 / 16-row bf16 tile of rows) runs a
-second instance of the compute whose dots and softmax have block_q_small * G
-rows instead of block_q * G: a decode token costs ~G rows of MXU/VPU work,
+cdiv(sublanes, G), i.e. one 8-row fp32 / 16-row bf16 tile of the dots' rows)
+runs a second instance of the compute whose dots and softmax have
+block_q_small * G rows instead of block_q * G: a decode token costs ~G rows of MXU/VPU work,
 not block_q * G, and a decode batch costs one grid step per sequence.
 
 Sliding window (static `sliding_window`): a tile's page walk starts at the
@@ -60,15 +62,49 @@ anywhere a sequence does not own never reaches its output (rows past the
 tile's tokens compute on stale q and are never copied out); rows with no
 visible key give zeros.  fp32 online
 softmax (m, l, acc in VMEM scratch); fp32 K/V use HIGHEST-precision dots, bf16
-K/V bf16 dots (q is scaled in fp32, then rounded to the K/V dtype).
+K/V bf16 dots (q is scaled in fp32, then rounded to the dots' dtype).
+
+Quantized pools (int8, float8_e4m3fn; `reference.quantize_rows`): a row is D
+values in the pool dtype, then its scale exponent e (an integer in [-16, 16]
+stored as a pool-dtype number), and stands for values * 2**e.  The page DMAs
+copy whole rows, values and exponent column together (the pool's bytes, no
+separate scale array), into a kv_buf of [.., N, D + 1] 8-bit rows; each K/V
+step dequantizes one head's K and V in VMEM just before its dots: values
+converted to fp32 (fp8 through an `extf`, int8 through `sitofp`) times 2**e,
+where 2**e is built exactly from its bits ((e + 127) << 23 as fp32: integer
+VPU ops, no transcendental), then rounded to the dots' dtype
+(`compute_dtype`): fp32 (HIGHEST dots) with fp32 q, else bf16, which holds
+every dequantized value exactly (at most 8 significant bits times a power of
+two), so the result matches the reference to the usual fp32 / bf16
+tolerance.  Rows a sequence does not own may hold anything (fp8 NaN; int8
+random bytes with exponent 127, inf once dequantized): V is selected with
+`where` after dequantization, K's bad rows only reach score columns the mask
+replaces, as for NaN in an fp32 pool.  Dequantizing K and V costs 2 * N * D
+converts and multiplies per head and step on the VPU, the same for every
+query row, so it weighs most on decode tiles (few rows per dot).
 
 Real-TPU constraints (interpret mode accepts anything; this kernel has run in
-TPU interpret mode and been lowered to Mosaic for a v5e target, but never been
-compiled by libtpu nor run on a TPU):
+TPU interpret mode and been lowered to Mosaic for a v5e target, fp32 / bf16 /
+int8 / fp8 pools, but never been compiled by libtpu nor run on a TPU: none of
+the layout costs below has been measured):
 * head_dim a multiple of 128 (64 works with half the lanes idle);
-* block_size a multiple of 8 for fp32 K/V and of 16 for bf16: pages are
-  stacked along sublanes in VMEM (DMA destinations at page offsets);
+* block_size a multiple of 8 for fp32 K/V, of 16 for bf16 and of 32 for
+  int8 / fp8 (native VMEM tiles of 8 / 16 / 32 rows): pages are stacked
+  along sublanes in VMEM (DMA destinations at page offsets);
   pages_per_compute_block * block_size ideally a multiple of 128;
+* quantized rows are D + 1 lanes wide, so in VMEM each row of kv_buf pads
+  to the next multiple of 128 lanes: 129 -> 256 bytes for D = 128 (as many
+  as a bf16 row), 65 -> 128 for D = 64; the exponent is a 1-lane load at
+  lane offset D (a lane-aligned second vreg column for D = 128, mid-vreg for
+  D = 64, which Mosaic has to shift) broadcast along the row's lanes.  The
+  pool in HBM holds (D + 1)-byte rows, but XLA:TPU most likely tiles HBM
+  arrays' two minor dimensions too (8-bit: 32 x 128 tiles), which would pad
+  the rows, and block_size below 32, there as well: then a quantized pool
+  of D = 128 saves no HBM over bf16.  A layout with the exponents outside
+  the D value lanes (a change of the pool contract, `reference.py`) would
+  avoid both paddings;
+* fp8 -> fp32 converts on chips without fp8 hardware (v4, v5e) are left to
+  Mosaic's emulation, if it has one;
 * the G heads of a KV head are sliced out of q's sublane (head) axis and
   folded into rows in fp32, as tpu-inference's kernel does; rows are padded to
   whole sublane tiles, which is exact for G dividing 8 (16 for bf16) and
@@ -92,7 +128,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import attention_dims, attention_options, window_start
+from pallas_kernels.reference import attention_dims, attention_options, is_quantized, window_start
 
 MASK_VALUE = -1e30
 KEYS_PER_COMPUTE_BLOCK = 256   # default pages_per_compute_block = this // block_size
@@ -116,6 +152,22 @@ def _sublanes(dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
+def compute_dtype(q_dtype, kv_dtype):
+    """dtype of the dots' operands: the pool's for fp32 / bf16 pools; for a quantized
+    pool fp32 with fp32 q, else bf16 (a dequantized int8 / fp8 value is exact in bf16:
+    at most 8 significant bits, times a power of two in [2**-16, 2**16])."""
+    if not is_quantized(kv_dtype):
+        return jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.float32 if jnp.dtype(q_dtype) == jnp.float32 else jnp.bfloat16)
+
+
+def _pow2(e):
+    """2.0**e (fp32) of integer exponents e (int32, |e| <= 126), exactly: the bits of
+    the float with biased exponent e + 127 and a zero mantissa (integer VPU ops,
+    no transcendental)."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
+
+
 def _on_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
@@ -137,11 +189,12 @@ def _default_heads_per_block(KVH: int, G: int, q_dtype, compiled: bool) -> int:
     return KVH
 
 
-def block_sizes(T: int, G: int, BS: int, W: int, kv_dtype, block_q=None, block_q_small=None,
+def block_sizes(T: int, G: int, BS: int, W: int, dot_dtype, block_q=None, block_q_small=None,
                 pages_per_compute_block=None) -> tuple[int, int, int]:
-    """(block_q, block_q_small, pages_per_compute_block) with the defaults filled in."""
+    """(block_q, block_q_small, pages_per_compute_block) with the defaults filled in;
+    `dot_dtype`: `compute_dtype` (the pool's dtype when not quantized)."""
     bq = block_q or min(128, max(8, _pow2_floor(ROWS_PER_TILE // G)), _round_up(T, 8))
-    small = max(1, min(block_q_small or _cdiv(_sublanes(kv_dtype), G), bq))
+    small = max(1, min(block_q_small or _cdiv(_sublanes(dot_dtype), G), bq))
     ppcb = max(1, min(pages_per_compute_block or KEYS_PER_COMPUTE_BLOCK // BS, W))
     return bq, small, ppcb
 
@@ -187,9 +240,10 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
     BS, P, G, hb = block_size, pages_per_cb, group, heads_per_blk
     N = P * BS
     D = q_buf.shape[-1]
-    kv_dtype = kv_buf.dtype
-    sublanes = _sublanes(kv_dtype)
-    prec = lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None
+    quantized = is_quantized(kv_buf.dtype)   # kv_buf rows: D values, then the exponent
+    cd = qs_sc.dtype                         # the dots' dtype (`compute_dtype`)
+    sublanes = _sublanes(cd)
+    prec = lax.Precision.HIGHEST if cd == jnp.float32 else None
     hblk = pl.program_id(0)
     i = pl.program_id(1)
     NT = pl.num_programs(1)
@@ -274,7 +328,7 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
         qslot = i % 2
         for h in range(hb):
             qh = q_buf[qslot, :ntok, h * G:(h + 1) * G, :].astype(jnp.float32).reshape(R, D)
-            qs_sc[h, :R] = (qh * sm_scale).astype(kv_dtype)
+            qs_sc[h, :R] = (qh * sm_scale).astype(cd)
         m_sc[:, :Rp] = jnp.full((hb, Rp, 1), MASK_VALUE, jnp.float32)
         l_sc[:, :Rp] = jnp.zeros((hb, Rp, 1), jnp.float32)
         acc_sc[:, :Rp] = jnp.zeros((hb, Rp, D), jnp.float32)
@@ -307,10 +361,21 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
                 vis &= key_row >= first_key
                 kv_ok &= key_col >= cur["lo"]
 
+            def rows(kv, h):
+                """K (kv 0) or V (1) rows [N, D] of head h in the dots' dtype: a
+                quantized row's values (fp32) times 2**exponent (its last column)."""
+                if not quantized:
+                    return kv_buf[slot, kv, h]
+                vals = kv_buf[slot, kv, h, :, :D].astype(jnp.float32)       # [N, D]
+                e = kv_buf[slot, kv, h, :, D:]                               # [N, 1]
+                if jnp.issubdtype(e.dtype, jnp.floating):                    # fp8: via fp32
+                    e = e.astype(jnp.float32)
+                return (vals * _pow2(e.astype(jnp.int32))).astype(cd)
+
             def head(h, carry):
-                k = kv_buf[slot, 0, h]                                       # [N, D]
-                v = kv_buf[slot, 1, h]
-                v = jnp.where(kv_ok, v, jnp.zeros_like(v))
+                k = rows(0, h)                                               # [N, D]
+                v = rows(1, h)
+                v = jnp.where(kv_ok, v, jnp.zeros_like(v))   # after dequantizing: inf, NaN
                 s = lax.dot_general(qs_sc[h, :Rp], k, (((1,), (1,)), ((), ())), precision=prec,
                                     preferred_element_type=jnp.float32)      # [Rp, N]
                 if soft_cap is not None:
@@ -322,7 +387,7 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
                 p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
                 l_sc[h, :Rp] = alpha * l_sc[h, :Rp] + jnp.sum(p, axis=1, keepdims=True)
                 acc_sc[h, :Rp] = alpha * acc_sc[h, :Rp] + lax.dot_general(
-                    p.astype(kv_dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                    p.astype(cd), v, (((1,), (0,)), ((), ())), precision=prec,
                     preferred_element_type=jnp.float32)
                 m_sc[h, :Rp] = m_new
                 return carry
@@ -373,12 +438,16 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
 
 
 def _vmem_bytes(block_q, hb, G, D, N, q_dtype, kv_dtype) -> int:
-    qi, ki = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    cd = compute_dtype(q_dtype, kv_dtype)
+    qi, ki, ci = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize, cd.itemsize
     hq = hb * G
-    R = _round_up(block_q * G, _sublanes(kv_dtype))
+    R = _round_up(block_q * G, _sublanes(cd))
+    quantized = is_quantized(kv_dtype)
+    Dp = _round_up(D + 1, 128) if quantized else D    # a row's lanes in VMEM
     return (2 * block_q * hq * D * qi * 2      # q_buf, o_buf
-            + hb * R * D * ki                  # qs_sc
-            + 2 * 2 * hb * N * D * ki          # kv_buf
+            + hb * R * D * ci                  # qs_sc
+            + 2 * 2 * hb * N * Dp * ki         # kv_buf
+            + quantized * 2 * N * D * 4        # dequantized K, V in flight
             + block_q * hq * D * 4             # fin
             + hb * R * (D + 2 * 128) * 4       # acc, m, l (lane-padded)
             + 3 * R * N * 4)                   # scores / probabilities in flight
@@ -401,7 +470,8 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
         power of two in 8..128, at most T rounded up to 8).  Bigger tiles
         re-read a long prompt's K/V fewer times.
       block_q_small: tokens of the decode code path (default cdiv(8, G) for
-        fp32 K/V, cdiv(16, G) for bf16); tiles of at most this many tokens use it.
+        fp32 dots, cdiv(16, G) for bf16: `compute_dtype`); tiles of at most
+        this many tokens use it.
       pages_per_compute_block: pages per K/V step (default 256 // block_size,
         at most W).
       kv_heads_per_block: KV heads per grid step, a divisor of KVH (default
@@ -414,7 +484,8 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
     sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
     if interpret is None:
         interpret = default_interpret()
-    bq, small, ppcb = block_sizes(T, G, BS, W, kv_pool.dtype, block_q, block_q_small,
+    cd = compute_dtype(q.dtype, kv_pool.dtype)
+    bq, small, ppcb = block_sizes(T, G, BS, W, cd, block_q, block_q_small,
                                   pages_per_compute_block)
     hb = kv_heads_per_block or _default_heads_per_block(KVH, G, q.dtype, not interpret)
     if KVH % hb:
@@ -436,7 +507,8 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
                                block_q_small=small, group=G, heads_per_blk=hb, width=W,
                                head_blocks=head_blocks, sm_scale=scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
-    R = _round_up(bq * G, _sublanes(kv_pool.dtype))
+    R = _round_up(bq * G, _sublanes(cd))
+    Dp = kv_pool.shape[-1]                                      # D, or D + 1 when quantized
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
         grid=(head_blocks, NT),
@@ -444,8 +516,8 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=[
             pltpu.VMEM((2, bq, hb * G, D), q.dtype),            # q_buf
-            pltpu.VMEM((hb, R, D), kv_pool.dtype),              # qs_sc: scaled q rows
-            pltpu.VMEM((2, 2, hb, ppcb * BS, D), kv_pool.dtype),  # kv_buf: slot, K/V, head
+            pltpu.VMEM((hb, R, D), cd),                         # qs_sc: scaled q rows
+            pltpu.VMEM((2, 2, hb, ppcb * BS, Dp), kv_pool.dtype),  # kv_buf: slot, K/V, head
             pltpu.VMEM((2, bq, hb * G, D), q.dtype),            # o_buf
             pltpu.VMEM((bq, hb * G, D), jnp.float32),           # fin
             pltpu.VMEM((hb, R, 1), jnp.float32),                # m

@@ -18,6 +18,11 @@ covering selection, not a product:
   (> block) and past every context (the scan test), soft caps deciding the
   softmax, fp32 and bf16; NaN in every key before a sequence's window and the
   null block in its table entries before it;
+* quantized pools (rows of head_dim values and a scale exponent): int8 with
+  fp32 q (a window and a soft cap; decode), fp8 with bf16 q and with fp32 q
+  (one KV head per grid step), held to the fp32 / bf16 tolerances; rows a
+  sequence may not read hold int8 random bytes with exponent 127 (inf once
+  dequantized) or fp8 NaN;
 * fixed shapes with several draws (no padding at all, padding only);
 * 2 simulated TensorCores (head blocks split over cores), eager DMAs;
 * every run checks the exact number of DMAs the kernel issued: q, the pages
@@ -26,7 +31,7 @@ covering selection, not a product:
   empty tiles or unused table entries (so the cost does not scale with W,
   nor with kv_len under a window);
 * a racy kernel is reported (the detector is live), and the kernel lowers to
-  a Mosaic `tpu_custom_call` for a v5e target.
+  a Mosaic `tpu_custom_call` for a v5e target (fp32, bf16, int8 and fp8 pools).
 
 Tolerances: `cases.TOL` (fp32 2e-5 abs + 1e-5 rel, 3x for the soft-capped scores of
 +-60..90 of `cases.BIG_LOGITS`; bf16 2e-2).
@@ -43,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu as ktpu
+from pallas_kernels.reference import is_quantized
 from kernels.cases import (TOL, attention_per_layer, cases_for, check_ragged, fresh_seed,
                            make_ragged_case, mixed_seqs)
 
@@ -193,6 +199,22 @@ def test_nan_isolation_and_layer():
 
 
 # --------------------------------------------------------------------------
+# Quantized pools beyond the shared cases (window5-cap-int8, decode-int8-split: int8
+# with fp32 q; mixed-fp8-bf16-gpu: fp8 with bf16 q): fp8 with fp32 q, so the fp8
+# dequantization is held to fp32 tolerance, one KV head per grid step (page DMAs
+# of a head slice of D + 1-wide rows); NaN in every row the batch may not read.
+
+def test_fp8_pool_fp32_q_head_blocks():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    seqs = mixed_seqs(rng, 3, 16, 48, 12)
+    args = make_ragged_case(seed, seqs, G=2, KVH=2, D=64, BS=16, kv_dtype=jnp.float8_e4m3fn)
+    assert np.isnan(np.asarray(args[1][0], np.float32)).all()
+    out = run_tpu(args, head_blocks=2, kv_heads_per_block=1)
+    check_ragged(out, args, seed, f"tpu fp8 fp32-q heads-per-block 1 {seqs}")
+
+
+# --------------------------------------------------------------------------
 # Two simulated TensorCores: the "parallel" head-block axis is split over them.
 
 def test_two_cores_no_race():
@@ -255,24 +277,31 @@ def test_traced_layer_in_scan(monkeypatch):
 # Lowering to Mosaic for a TPU v5e target (no TPU needed; the final libtpu
 # compile, which checks layouts, is not run here).
 GEMMA_OPTIONS = dict(sliding_window=4096, soft_cap=50.0)
-LOWER_CASES = [  # (D, G, KVH, BS, dtype, kv_heads_per_block, options)
-    (128, 4, 8, 16, jnp.bfloat16, None, {}),
-    (128, 4, 8, 16, jnp.bfloat16, 4, {}),
-    (128, 8, 2, 32, jnp.bfloat16, None, {}),
-    (64, 1, 2, 8, np.float32, None, {}),
-    (128, 3, 2, 16, np.float32, None, {}),
-    (256, 2, 4, 16, jnp.bfloat16, None, GEMMA_OPTIONS),   # Gemma 2 9B's attention shape
+# Quantized pools (kv_dtype int8 / fp8: rows of D + 1 bytes, the scale exponent last):
+# 129- and 65-wide lane dims, 8-bit to fp32 / bf16 converts.
+LOWER_CASES = [  # (D, G, KVH, BS, dtype, kv_dtype (None: dtype), kv_heads_per_block, options)
+    (128, 4, 8, 16, jnp.bfloat16, None, None, {}),
+    (128, 4, 8, 16, jnp.bfloat16, None, 4, {}),
+    (128, 8, 2, 32, jnp.bfloat16, None, None, {}),
+    (64, 1, 2, 8, np.float32, None, None, {}),
+    (128, 3, 2, 16, np.float32, None, None, {}),
+    (256, 2, 4, 16, jnp.bfloat16, None, None, GEMMA_OPTIONS),   # Gemma 2 9B's attention shape
+    (128, 4, 8, 32, jnp.bfloat16, np.int8, 4, {}),
+    (64, 3, 2, 32, np.float32, np.int8, None, {}),
+    (128, 4, 2, 32, jnp.bfloat16, jnp.float8_e4m3fn, None, GEMMA_OPTIONS),
+    (64, 2, 2, 32, np.float32, jnp.float8_e4m3fn, None, {}),
 ]
 
 
-@pytest.mark.parametrize("D,G,KVH,BS,dtype,hb,options", LOWER_CASES)
-def test_lowers_to_mosaic(monkeypatch, D, G, KVH, BS, dtype, hb, options):
+@pytest.mark.parametrize("D,G,KVH,BS,dtype,kv_dtype,hb,options", LOWER_CASES)
+def test_lowers_to_mosaic(monkeypatch, D, G, KVH, BS, dtype, kv_dtype, hb, options):
     from jax._src.pallas.mosaic import tpu_info
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     T, S, W, NB = 256, 16, 64, 600
+    kv_dtype = kv_dtype or dtype
     q = jax.ShapeDtypeStruct((T, KVH * G, D), dtype)
-    pool = jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D), dtype)
+    pool = jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D + is_quantized(kv_dtype)), kv_dtype)
     bt = jax.ShapeDtypeStruct((S, W), jnp.int32)
     kv_lens = jax.ShapeDtypeStruct((S,), jnp.int32)
     cu = jax.ShapeDtypeStruct((S + 1,), jnp.int32)
