@@ -15,6 +15,23 @@ API (the scheduler is its only writer):
   match(seq)               the longest run of cached full blocks for seq's tokens
   cache_full_blocks(seq)   registers seq's newly filled, computed blocks
 
+Sequence-level operations (what the scheduler calls) cover every layer group
+of the KV layout (jpaged.core.kv_layout): seq.block_table is group 0's table,
+seq.group_tables the others'.  A sliding-window group's table holds the null
+block for every logical block wholly before the window of the next token to
+compute (`prepare_seq_write` gives those blocks back), so its blocks per
+sequence stop growing past the window.  Its cached blocks are found through
+group 0's prefix-index handles: a prefix hit needs, in every sliding group,
+the blocks that the first recomputed token's window reaches (`find_hit`).
+
+  find_hit(seq) -> PrefixHit         the usable cached prefix in every group
+  admit(seq, hit, end) -> bool       takes the hit's blocks and makes [.., end) writable
+  prepare_seq_write(seq, start, end) every group's blocks for positions [start, end)
+  truncate_seq(seq, num_tokens)      drops blocks past num_tokens (rejected drafts)
+  fork(leader, child)                the child shares every block of the leader
+  release(seq)                       gives back every group's blocks
+  swap_out(seq) / swap_in(seq, ...)  blocks to copy to host and back
+
 A block may be written only when its refcount is 1 and it is not in the prefix
 index: cached content is immutable, so a request whose whole prompt is cached
 copies its last block before recomputing the last prompt token (for its
@@ -33,6 +50,7 @@ import collections
 import dataclasses
 from typing import Any
 
+from jpaged.core.kv_layout import KVLayout
 from jpaged.core.prefix_cache import ROOT, make_index
 from jpaged.core.rounding import cdiv
 from jpaged.core.stats import EngineStats
@@ -85,21 +103,43 @@ class BlockTable:
     by the BlockManager, which owns the block size)."""
 
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    start: int = 0  # entries before it are the null block (a sliding group's, before its window)
 
     def release(self, allocator: "BlockAllocator | BlockManager") -> None:
-        """Frees every block, last first (so that the deepest is evicted first)."""
+        """Frees every block, last first (so that the deepest is evicted first);
+        null entries (a sliding group's blocks before its window) hold nothing."""
         for block in reversed(self.block_ids):
-            allocator.free(block)
+            if block != NULL_BLOCK:
+                allocator.free(block)
         self.block_ids.clear()
+        self.start = 0
+
+
+@dataclasses.dataclass
+class PrefixHit:
+    """A usable cached prefix: num_blocks full blocks.  `tables`: each group's
+    blocks for them (null where a sliding group needs none), `handles`: group
+    0's prefix-index handles."""
+    num_blocks: int = 0
+    handles: list = dataclasses.field(default_factory=list)
+    tables: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupKey:
+    """A cached block of group > 0: found by group 0's handle of the same logical block."""
+    group: int
+    handle: Any
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  index: str = "hash", allocator: BlockAllocator | None = None,
-                 stats: EngineStats | None = None):
+                 stats: EngineStats | None = None, layout: KVLayout | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.index_kind = index
+        self.layout = layout if layout is not None else KVLayout(1, ((0,),), (None,))
         self.stats = stats if stats is not None else EngineStats()  # shared with the engine
         self.reset(num_blocks, allocator=allocator)
 
@@ -109,6 +149,7 @@ class BlockManager:
         self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks or self.num_blocks)
         self.num_blocks = self.allocator.num_blocks
         self.index = make_index(self.index_kind)
+        self._group_index: dict[_GroupKey, int] = {}  # groups > 0: cached blocks by group 0's handle
         self.refcount = [0] * self.num_blocks
         self._handle: dict[int, Any] = {}  # block -> its index handle, for cached blocks
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -131,6 +172,10 @@ class BlockManager:
         return len(self._handle)
 
     @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
 
@@ -150,7 +195,11 @@ class BlockManager:
 
     def _evict_one(self) -> None:
         block, _ = self._evictable.popitem(last=False)
-        self.index.remove(self._handle.pop(block), block)
+        handle = self._handle.pop(block)
+        if isinstance(handle, _GroupKey):
+            del self._group_index[handle]
+        else:
+            self.index.remove(handle, block)
         self.allocator.free(block)
         self.stats.evictions += 1
 
@@ -269,6 +318,7 @@ class BlockManager:
         if len(keys) >= num_full:
             return
         token_ids, extra = seq.token_ids, seq.extra_keys
+        groups = self.tables(seq)[1:]
         for i in range(len(keys), num_full):
             block = table[i]
             handle = self._handle.get(block)
@@ -279,6 +329,168 @@ class BlockManager:
                     self._handle[block] = handle
                 # else: the same content is cached in another block; ours stays private.
             keys.append(handle)
+            for g, group_table in enumerate(groups, start=1):
+                block = group_table.block_ids[i] if i < len(group_table.block_ids) else NULL_BLOCK
+                key = _GroupKey(g, handle)
+                if block != NULL_BLOCK and block not in self._handle and key not in self._group_index:
+                    self._group_index[key] = block
+                    self._handle[block] = key
+
+    # ------------------------------------------------------ sequence level
+    def tables(self, seq) -> list[BlockTable]:
+        """seq's table of every group (group 0's is seq.block_table)."""
+        while len(seq.group_tables) < self.num_groups - 1:
+            seq.group_tables.append(BlockTable())
+        return [seq.block_table, *seq.group_tables]
+
+    def _first_needed(self, group: int, position: int) -> int:
+        return self.layout.first_needed_block(group, position, self.block_size)
+
+    def pages_to_hold(self, start: int, end: int) -> int:
+        """Blocks a sequence holds, over every group, while computing positions [start, end)."""
+        n = self.blocks_for(end)
+        return sum(n - self._first_needed(g, start) for g in range(self.num_groups))
+
+    def _write_cost(self, tables: list[list[int]], start: int, end: int) -> int:
+        """Blocks that making [start, end) writable takes: copies of shared or cached
+        blocks the positions fall in, and new blocks (none before a window)."""
+        need, n = 0, self.blocks_for(end)
+        for g, ids in enumerate(tables):
+            need += sum(ids[i] != NULL_BLOCK and self.needs_cow(ids[i])
+                        for i in range(start // self.block_size, min(n, len(ids))))
+            need += max(0, n - max(len(ids), self._first_needed(g, start)))
+        return need
+
+    def _drop_before(self, table: BlockTable, first: int) -> None:
+        """Gives back table's blocks before logical block `first` (out of every future window)."""
+        ids = table.block_ids
+        for j in range(table.start, min(first, len(ids))):
+            if ids[j] != NULL_BLOCK:
+                self.free(ids[j])
+                ids[j] = NULL_BLOCK
+        table.start = max(table.start, first)
+
+    def prepare_seq_write(self, seq, start: int, end: int) -> bool:
+        """Makes positions [start, end) of seq writable in every group (prepare_write
+        per table); a sliding group first gives back its blocks wholly before the
+        window of the token at `start` (no later token sees them) and gets null
+        entries for them when it grows.  False when the pool cannot provide the
+        blocks, changing nothing else."""
+        tables = self.tables(seq)
+        for g, table in enumerate(tables):
+            self._drop_before(table, self._first_needed(g, start))
+        if self._write_cost([t.block_ids for t in tables], start, end) > self.num_free_blocks:
+            return False
+        n = self.blocks_for(end)
+        for g, table in enumerate(tables):
+            ids = table.block_ids
+            for i in range(start // self.block_size, min(n, len(ids))):
+                if ids[i] != NULL_BLOCK:
+                    ids[i] = self.cow(ids[i])
+            first = self._first_needed(g, start)
+            ids += [NULL_BLOCK if j < first else self.allocate() for j in range(len(ids), n)]
+        return True
+
+    def truncate_seq(self, seq, num_tokens: int) -> int:
+        """truncate() of every group's table; returns the blocks freed."""
+        freed = 0
+        for table in self.tables(seq):
+            keep = self.blocks_for(num_tokens)
+            extra = [b for b in table.block_ids[keep:] if b != NULL_BLOCK]
+            for block in reversed(extra):
+                self.free(block)
+            del table.block_ids[keep:]
+            table.start = min(table.start, keep)
+            freed += len(extra)
+        return freed
+
+    def find_hit(self, seq) -> PrefixHit:
+        """The longest cached prefix seq can use: group 0's run of cached full blocks
+        (`match`), cut back until every sliding group also holds the blocks that
+        the first recomputed token's window reaches."""
+        handles, blocks = self.match(seq)
+        if self.num_groups == 1 or not blocks:
+            return PrefixHit(len(blocks), handles, [blocks] + [[] for _ in range(self.num_groups - 1)])
+        found = [[self._group_index.get(_GroupKey(g, h)) for h in handles] for g in range(1, self.num_groups)]
+        # last_missing[g][j]: the last logical block <= j that group g does not hold (-1: none)
+        last_missing = []
+        for row in found:
+            marks, last = [], -1
+            for j, block in enumerate(row):
+                last = j if block is None else last
+                marks.append(last)
+            last_missing.append(marks)
+        h = len(blocks)
+        while h > 0:
+            computed = min(h * self.block_size, seq.num_tokens - 1)
+            if all(marks[h - 1] < self._first_needed(g + 1, computed) for g, marks in enumerate(last_missing)):
+                break
+            h -= 1
+        computed = min(h * self.block_size, seq.num_tokens - 1)
+        tables = [blocks[:h]]
+        for g, row in enumerate(found, start=1):
+            first = min(self._first_needed(g, computed), h)
+            tables.append([NULL_BLOCK] * first + row[first:h])
+        return PrefixHit(h, handles[:h], tables)
+
+    def admit(self, seq, hit: PrefixHit, computed: int, end: int) -> bool:
+        """Gives seq the hit's blocks (computed tokens of them) and makes positions
+        [computed, end) writable; False, changing nothing, when the pool cannot
+        provide the blocks this takes (cached blocks revived, copies, new ones)."""
+        revived = sum(self.refcount[b] == 0 for ids in hit.tables for b in ids if b != NULL_BLOCK)
+        cost = self._write_cost(hit.tables, computed, end) if end > computed else 0
+        if revived + cost > self.num_free_blocks:
+            return False
+        for g, (table, ids) in enumerate(zip(self.tables(seq), hit.tables)):
+            for b in ids:
+                if b != NULL_BLOCK:
+                    self.share(b)
+            table.block_ids = list(ids)
+            table.start = min(self._first_needed(g, computed), len(ids))
+        seq.block_keys = list(hit.handles)
+        if end > computed:
+            ok = self.prepare_seq_write(seq, computed, end)
+            assert ok, "admission accounting is off"
+        return True
+
+    def fork(self, leader, child) -> None:
+        """child shares every block of leader (parallel sampling)."""
+        for src, dst in zip(self.tables(leader), self.tables(child)):
+            for b in src.block_ids:
+                if b != NULL_BLOCK:
+                    self.share(b)
+            dst.block_ids, dst.start = list(src.block_ids), src.start
+        child.block_keys = list(leader.block_keys)
+
+    def release(self, seq) -> None:
+        """Gives back every block of seq (last first: the deepest is evicted first)."""
+        for table in reversed(self.tables(seq)):
+            table.release(self)
+        seq.block_keys = []
+
+    def swap_out(self, seq) -> list[int]:
+        """The blocks holding seq's computed tokens, every group's in order (a sliding
+        group's null entries skipped; which were null is kept for swap_in)."""
+        n = self.blocks_for(seq.num_computed_tokens)
+        tables = [t.block_ids[:n] for t in self.tables(seq)]
+        seq.swapped_tables = [[b != NULL_BLOCK for b in ids] for ids in tables]
+        return [b for ids in tables for b in ids if b != NULL_BLOCK]
+
+    def swap_in_need(self, seq) -> int:
+        """Blocks a swapped-out seq needs to resume: its own and its next token's."""
+        n, grow = self.blocks_for(seq.num_computed_tokens), self.blocks_for(seq.num_computed_tokens + 1)
+        return sum(map(sum, seq.swapped_tables)) + (grow - n) * self.num_groups
+
+    def swap_in(self, seq) -> list[int]:
+        """Fresh private blocks in place of the swapped-out ones (the host copy is
+        their content), in swap_out's order."""
+        blocks = []
+        for table, present in zip(self.tables(seq), seq.swapped_tables):
+            table.block_ids = [self.allocate() if p else NULL_BLOCK for p in present]
+            table.start = next((j for j, p in enumerate(present) if p), len(present))
+            blocks += [b for b in table.block_ids if b != NULL_BLOCK]
+        seq.block_keys = []
+        return blocks
 
     def record_admission(self, num_tokens: int, num_cached_tokens: int, num_hit_blocks: int) -> None:
         s = self.stats
@@ -306,4 +518,4 @@ class BlockManager:
             if b in self._evictable:
                 assert rc == 0 and b in self._handle
         assert shared == self.num_shared_blocks
-        assert len(self.index) == len(self._handle)
+        assert len(self.index) + len(self._group_index) == len(self._handle)

@@ -43,6 +43,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.block_size = 16               # tokens per block, 1..256
     c.num_blocks = 0                # 0 -> sized from kv_memory_fraction
     c.kv_memory_fraction = 0.3      # of the memory left after the weights
+    # auto: models mixing sliding-window and global layers (Gemma 2/3) keep them in
+    # separate block tables, and sliding layers give back blocks behind their window;
+    # shared: one table for every layer (jpaged.core.kv_layout)
+    c.kv_layout = "auto"
     # Automatic prefix caching: full blocks are reused across requests by content
     c.enable_prefix_caching = True
     c.prefix_cache_index = "hash"   # hash (chained block digests) | radix (token-block tree)
@@ -134,6 +138,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
+KV_LAYOUTS = ("auto", "shared")
 PREFIX_CACHE_INDEXES = ("hash", "radix")
 SCHEDULERS = ("continuous", "static")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -182,6 +187,7 @@ FIELDS: dict[str, FieldSpec] = {
     "load_format": _choice(*LOAD_FORMATS),
     "dtype": _choice(*DTYPES),
     "kv_cache_dtype": _choice(*KV_CACHE_DTYPES),
+    "kv_layout": _choice(*KV_LAYOUTS),
     "cache_dir": FieldSpec("str", '"" (the default) or a writable directory'),
     "compilation_cache": _BOOL,
     "block_size": _ints(1, 256),

@@ -38,7 +38,7 @@ import collections
 import dataclasses
 import time
 
-from jpaged.core.block_manager import BlockManager
+from jpaged.core.block_manager import BlockManager, PrefixHit
 from jpaged.core.sequence import Sequence, Status
 from jpaged.core.stats import EngineStats
 from jpaged.core.swap_space import HostSwapSpace
@@ -188,11 +188,11 @@ class Scheduler:
             seq = self.waiting[0]
             if self._seats_taken() + seq.num_seats > self.max_num_seqs:
                 break
-            match = self.block_manager.match(seq)
-            if self._prefix_in_flight(seq, len(match[1])):
+            hit = self.block_manager.find_hit(seq)
+            if self._prefix_in_flight(seq, hit.num_blocks):
                 deferred.append(self.waiting.popleft())
                 continue
-            n = self._try_admit(seq, budget, match)
+            n = self._try_admit(seq, budget, hit)
             if n is None:
                 if not self.running:  # not even an empty pool holds its first chunk
                     self.waiting.popleft()
@@ -242,46 +242,29 @@ class Scheduler:
         if up - n > n // 8 and down >= 32 and last.num_new > n - down and not last.drafts:
             last.num_new -= n - down
 
-    def _try_admit(self, seq: Sequence, budget: int, match: tuple[list, list[int]]) -> int | None:
-        """Reuses seq's longest cached prefix (`match`: BlockManager.match(seq)) and
-        makes room for its first chunk; returns the chunk's token count (0: a fork
-        leader that is fully cached), or None, changing nothing, when the pool
-        cannot hold it."""
+    def _try_admit(self, seq: Sequence, budget: int, hit: PrefixHit) -> int | None:
+        """Reuses seq's longest usable cached prefix (`hit`: BlockManager.find_hit)
+        and makes room for its first chunk; returns the chunk's token count (0: a
+        fork leader that is fully cached), or None, changing nothing, when the
+        pool cannot hold it.  Writing into the last reused block (a fully cached
+        prompt) copies it."""
         bm = self.block_manager
-        handles, blocks = match
-        bs = bm.block_size
         # Always recompute the last token (its logits give the next one).
-        computed = min(len(blocks) * bs, seq.num_tokens - 1)
+        computed = min(hit.num_blocks * bm.block_size, seq.num_tokens - 1)
         n = min(seq.prefill_target - computed, budget)
-        end = computed + n
-        revived = sum(bm.refcount[b] == 0 for b in blocks)
-        fresh = max(0, bm.blocks_for(end) - len(blocks))
-        # Writing into the last reused block (a fully cached prompt) copies it.
-        cow = int(n > 0 and computed < len(blocks) * bs)
-        if revived + fresh + cow > bm.num_free_blocks:
+        if not bm.admit(seq, hit, computed, computed + n):
             return None
-        for b in blocks:
-            bm.share(b)
-        seq.block_table.block_ids = list(blocks)
-        seq.block_keys = list(handles)
         seq.num_computed_tokens = computed
-        bm.record_admission(seq.num_tokens, computed, len(blocks))
+        bm.record_admission(seq.num_tokens, computed, hit.num_blocks)
         if not seq.output_token_ids:
             seq.num_cached_tokens = computed
-        if n:
-            ok = self._prepare_write(seq, end)
-            assert ok, "admission accounting is off"
         return n
 
     def _fork(self, leader: Sequence) -> None:
         """Parallel sampling: the samples share every block of the prefilled prompt."""
-        bm = self.block_manager
         at = self.running.index(leader) + 1
         for child in leader.forks:
-            for b in leader.block_table.block_ids:
-                bm.share(b)
-            child.block_table.block_ids = list(leader.block_table.block_ids)
-            child.block_keys = list(leader.block_keys)
+            self.block_manager.fork(leader, child)
             child.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt's, computed once
             child.num_computed_tokens = leader.num_computed_tokens
             child.status = Status.PREFILLING
@@ -292,7 +275,7 @@ class Scheduler:
         """Makes room for num_tokens of seq, preempting the latest-arrived running
         sequence while the pool is short (seq itself when it is the latest: False).
         A sequence that needs more blocks than the whole pool ends with an error."""
-        if self.block_manager.blocks_for(num_tokens) > self.block_manager.num_blocks - 1:
+        if self.block_manager.pages_to_hold(seq.num_computed_tokens, num_tokens) > self.block_manager.num_blocks - 1:
             self._fail(seq, f"sequence of {num_tokens} tokens needs more KV blocks than the "
                             f"whole pool has ({self.block_manager.num_blocks - 1})")
             return False
@@ -321,11 +304,10 @@ class Scheduler:
     def _prepare_write(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes positions [num_computed_tokens, num_tokens) of seq writable (see
         BlockManager.prepare_write)."""
-        return self.block_manager.prepare_write(seq.block_table, seq.num_computed_tokens, num_tokens)
+        return self.block_manager.prepare_seq_write(seq, seq.num_computed_tokens, num_tokens)
 
     def _release(self, seq: Sequence) -> None:
-        seq.block_table.release(self.block_manager)  # last block first: deepest evicted first
-        seq.block_keys = []
+        self.block_manager.release(seq)
 
     def _preempt(self, victim: Sequence) -> None:
         """Takes victim off the running list.  recompute: its blocks are dropped
@@ -345,10 +327,11 @@ class Scheduler:
             self.stats.swap_preemptions += 1
             return
         if self.preemption_mode == "swap":
-            n = self.block_manager.blocks_for(victim.num_computed_tokens)
+            blocks = self.block_manager.swap_out(victim)
+            n = len(blocks)
             slots = self.swap_space.allocate(n) if n and self.swap_space is not None else None
             if slots is not None:
-                self._swap_out.append(SwapOut(victim, victim.block_table.block_ids[:n], slots))
+                self._swap_out.append(SwapOut(victim, blocks, slots))
                 status = victim.status
                 self._release(victim)
                 self._park(victim, slots, status)
@@ -376,10 +359,8 @@ class Scheduler:
             seq = self.swapped[0]
             if self._seats_taken() + seq.num_seats > self.max_num_seqs:
                 return False
-            n = len(seq.swap_slots)
             # Room for the restored blocks and for its next token.
-            need = max(n, bm.blocks_for(seq.num_computed_tokens + 1))
-            if need > bm.num_free_blocks:
+            if bm.swap_in_need(seq) > bm.num_free_blocks:
                 if not self.running:  # an empty pool cannot hold it: it never will
                     self.swapped.pop(0)
                     self._fail(seq, f"swapped-out sequence of {seq.num_tokens} tokens cannot fit "
@@ -387,9 +368,7 @@ class Scheduler:
                     continue
                 return False
             self.swapped.pop(0)
-            blocks = [bm.allocate() for _ in range(n)]  # private: the host copy is the content
-            seq.block_table.block_ids = blocks
-            seq.block_keys = []
+            blocks = bm.swap_in(seq)  # private: the host copy is the content
             self._swap_in.append(SwapIn(seq, seq.swap_slots, list(blocks), seq.swap_status))
             seq.status, seq.swap_slots, seq.swap_status = seq.swap_status, [], None
             self.running.append(seq)

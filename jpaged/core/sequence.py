@@ -127,6 +127,7 @@ class Sequence:
         self.weights_version = weights_version  # K/V of other versions must never be shared
         self.status = Status.WAITING
         self.block_table = BlockTable()
+        self.group_tables: list[BlockTable] = []  # the other KV layer groups' (jpaged.core.kv_layout)
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -156,6 +157,7 @@ class Sequence:
         # Preemption.
         self.swap_slots: list[int] = []   # host swap-space slots holding its blocks
         self.swap_status: Status | None = None  # status to resume with after swap-in
+        self.swapped_tables: list[list[bool]] = []  # per group: which swapped blocks were not null
 
     @property
     def needs_prompt_logprobs(self) -> bool:

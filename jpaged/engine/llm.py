@@ -37,6 +37,7 @@ from jpaged.engine.setup import (engine_mesh, load_model, program_cache_dir, res
                                  resolve_kv_cache_dtype, resolve_layer_loop, size_pool)
 from jpaged.engine.speculation import Speculator
 from jpaged.engine.step_stats import StepStats
+from jpaged.core.kv_layout import kv_layout
 from jpaged.runtime.kv_pool import block_shape, bytes_per_block
 from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
 from jpaged.runtime.params import check_finite_params, check_same_structure
@@ -77,19 +78,24 @@ class LLM:
         model = load_model(cfg, self.mesh, self.scan_layers)
         self.loaded, self.model_config, self.tokenizer = model.loaded, model.model_config, model.tokenizer
         self.graphdef, self.params = model.graphdef, model.params
-        self.num_blocks = size_pool(cfg, model, self.kv_dtype, tensor_parallel_size(self.mesh))
+        self.kv_layout = kv_layout(self.model_config, cfg.kv_layout)
+        self.num_blocks = size_pool(cfg, model, self.kv_dtype, tensor_parallel_size(self.mesh), self.kv_layout)
         self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
         if self.attention_note:
             log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
         self.step_stats = StepStats(cfg.block_size)
         self.totals = self.step_stats.totals  # since start; block manager and scheduler count into it too
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size, index=cfg.prefix_cache_index,
-                                          enable_prefix_caching=cfg.enable_prefix_caching, stats=self.totals)
+                                          enable_prefix_caching=cfg.enable_prefix_caching, stats=self.totals,
+                                          layout=self.kv_layout)
         self.swap_space = HostSwapSpace(self._swap_capacity(cfg.preemption_mode),
-                                        block_shape(self.model_config, cfg.block_size, self.kv_dtype), self.kv_dtype)
+                                        block_shape(self.model_config, cfg.block_size, self.kv_dtype,
+                                                    self.kv_layout.layers_per_page), self.kv_dtype)
         self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
                                   num_blocks=self.num_blocks, block_size=cfg.block_size,
-                                  kv_dtype=self.kv_dtype, attention_impl=self.attention_impl,
+                                  kv_dtype=self.kv_dtype, layers_per_page=self.kv_layout.layers_per_page,
+                                  kv_groups=self.kv_layout.num_groups,
+                                  attention_impl=self.attention_impl,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space,
@@ -150,7 +156,13 @@ class LLM:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_blocks * bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one pool block (a page of the KV layout's layers)."""
+        return bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype,
+                               self.kv_layout.layers_per_page)
 
     def memory_per_device(self) -> dict[str, tuple[int, int]]:
         """(weight bytes, KV pool bytes) held on each of this engine's devices."""
@@ -165,8 +177,7 @@ class LLM:
 
     def _swap_capacity(self, preemption_mode: str) -> int:
         """Host blocks for swapped-out K/V: swap_space_gb's worth in swap mode, none otherwise."""
-        block_bytes = bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
-        return swap_capacity_blocks(self.config.swap_space_gb, block_bytes) if preemption_mode == "swap" else 0
+        return swap_capacity_blocks(self.config.swap_space_gb, self.block_bytes) if preemption_mode == "swap" else 0
 
     def install_pool(self, num_blocks: int, preemption_mode: str) -> None:
         """Experiments: an empty pool of num_blocks blocks (at most the device pool's,
@@ -285,7 +296,7 @@ class LLM:
         """Prompt tokens a new request would find in the prefix cache now (a router's
         question: changes nothing)."""
         probe = Sequence(-1, list(prompt_token_ids), params, weights_version=self.weights_version)
-        return len(self.block_manager.match(probe)[1]) * self.config.block_size
+        return self.block_manager.find_hit(probe).num_blocks * self.config.block_size
 
     def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput:
         """The RequestOutput of a finished request (seq: its first sample)."""
@@ -482,7 +493,7 @@ class LLM:
             if self._stops(seq, token, s.output_index + i) or seq.is_done:
                 return
         if s.drafts:  # the rejected drafts' blocks
-            self.block_manager.truncate(seq.block_table, seq.num_tokens)
+            self.block_manager.truncate_seq(seq, seq.num_tokens)
         self.block_manager.cache_full_blocks(seq)
 
     def _stops(self, seq: Sequence, token: int, index: int) -> bool:

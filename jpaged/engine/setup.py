@@ -24,6 +24,7 @@ from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weight
 from jpaged.models import build_model, weight_shapes
 from jpaged.models.base import split_model
 from jpaged.runtime.distributed import broadcast_step
+from jpaged.core.kv_layout import KVLayout, kv_layout
 from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for
 from jpaged.runtime.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
                                      tensor_parallel_size)
@@ -136,26 +137,39 @@ def check_memory_before_loading(cfg: ml_collections.ConfigDict, num_shards: int)
     dtype = jnp.dtype(cfg.dtype)
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     weight_bytes = sum(math.prod(s) for s in weight_shapes(model_config).values()) * dtype.itemsize // num_shards
+    geometry = pool_geometry(cfg, kv_layout(model_config, cfg.kv_layout))
     num_blocks = num_blocks_for(
         model_config, block_size=cfg.block_size, dtype=kv_dtype, num_blocks=cfg.num_blocks,
         kv_memory_fraction=cfg.kv_memory_fraction, weight_bytes=weight_bytes, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=cfg.max_model_len, num_shards=num_shards, weights_loaded=False)
+        max_model_len=cfg.max_model_len, num_shards=num_shards, weights_loaded=False, **geometry)
     if cfg.preemption_mode == "swap":
-        check_swap_space(cfg.swap_space_gb, num_blocks * bytes_per_block(model_config, cfg.block_size, kv_dtype))
+        check_swap_space(cfg.swap_space_gb, num_blocks * bytes_per_block(
+            model_config, cfg.block_size, kv_dtype, geometry["layers_per_page"]))
 
 
-def size_pool(cfg: ml_collections.ConfigDict, model: LoadedModel, kv_dtype: jnp.dtype, num_shards: int) -> int:
+def pool_geometry(cfg: ml_collections.ConfigDict, layout: KVLayout) -> dict[str, int]:
+    """num_blocks_for's layout arguments: the layers of a page, and the most pages a
+    sequence of max_model_len holds at once."""
+    return dict(layers_per_page=layout.layers_per_page,
+                pages_per_seq=layout.max_pages_per_seq(cfg.max_model_len, cfg.block_size,
+                                                       cfg.max_num_batched_tokens))
+
+
+def size_pool(cfg: ml_collections.ConfigDict, model: LoadedModel, kv_dtype: jnp.dtype, num_shards: int,
+              layout: KVLayout) -> int:
     """The KV pool's block count: cfg.num_blocks, or what kv_memory_fraction of the
     free device memory holds; in a multi-process run, process 0's count for all.
     Every memory setting is checked here, after the weights are on the devices
     and before the pool (or the host swap space) is allocated: ConfigError when
     num_blocks, kv_memory_fraction or swap_space_gb does not fit this machine."""
+    geometry = pool_geometry(cfg, layout)
     num_blocks = num_blocks_for(
         model.model_config, block_size=cfg.block_size, dtype=kv_dtype, num_blocks=cfg.num_blocks,
         kv_memory_fraction=cfg.kv_memory_fraction, weight_bytes=model.weight_bytes,
-        max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_shards=num_shards)
+        max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_shards=num_shards, **geometry)
     if cfg.preemption_mode == "swap":  # host memory, checked before anything is allocated
-        check_swap_space(cfg.swap_space_gb, num_blocks * bytes_per_block(model.model_config, cfg.block_size, kv_dtype))
+        check_swap_space(cfg.swap_space_gb, num_blocks * bytes_per_block(
+            model.model_config, cfg.block_size, kv_dtype, geometry["layers_per_page"]))
     if jax.process_count() > 1:  # free memory differs by host
         num_blocks = int(broadcast_step(num_blocks))
         if cfg.preemption_mode == "swap":

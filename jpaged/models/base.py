@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jpaged.core.kv_layout import kv_layout
 from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
 from jpaged.runtime.sharding import POOL_SPEC
@@ -51,6 +52,9 @@ class StepMetadata:
     logits_indices[S]  each sequence's last token this step: the row it samples from
                        ([S * (k + 1)] when the step verifies k drafts per row:
                        jpaged.runtime.step_inputs)
+    group_block_tables[G-1, S, W], group_write_blocks[G-1, T]: the hybrid KV
+                       layout's groups 1.. (jpaged.core.kv_layout), None with one
+                       group; the fields above without a group are group 0's.
     """
 
     positions: jax.Array
@@ -60,6 +64,15 @@ class StepMetadata:
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     logits_indices: jax.Array
+    group_block_tables: jax.Array | None = None
+    group_write_blocks: jax.Array | None = None
+
+    def for_group(self, group: int) -> "StepMetadata":
+        """The metadata a layer of KV group `group` attends with (its block table and write blocks)."""
+        if group == 0:
+            return self
+        return dataclasses.replace(self, block_tables=self.group_block_tables[group - 1],
+                                   write_blocks=self.group_write_blocks[group - 1])
 
 
 def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -90,7 +103,12 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
                     window: int | None, kv_pool: jax.Array, meta: StepMetadata, backend: Backend
                     ) -> tuple[jax.Array, jax.Array]:
     """Writes this step's k, v [T, kv_heads, head_dim] into the pool, then attends
-    q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool)."""
+    q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool).
+    With a hybrid KV layout (meta.group_block_tables set) the layer reads and
+    writes its group's blocks, at its slot within the group's pages."""
+    if meta.group_block_tables is not None:
+        group, layer = kv_layout(cfg).place(layer)
+        meta = meta.for_group(group)
     rotation = kv_rotation(cfg.head_dim) if is_quantized(kv_pool.dtype) else None
 
     def write_and_attend(q, k, v, kv_pool, meta, layer=layer):

@@ -7,6 +7,9 @@ contiguous slab: copy-on-write and swap move a block with one slice.
 
     kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim (+ 1 quantized)]
 
+(num_layers: the layers of one page, fewer than the model's in a hybrid layout,
+jpaged.core.kv_layout.)
+
 Block 0 is the null block: padded block-table entries and padding tokens point
 at it, and it is never handed out.
 """
@@ -26,15 +29,19 @@ from jpaged.core.rounding import cdiv, next_pow2
 from pallas_kernels.reference import is_quantized
 
 
-def block_shape(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> tuple[int, ...]:
-    """One block of the pool (every layer, K and V): also the host swap space's unit.
+def block_shape(cfg: ModelConfig, block_size: int, dtype: jnp.dtype,
+                layers_per_page: int | None = None) -> tuple[int, ...]:
+    """One block of the pool (K and V of every layer, or of `layers_per_page` layers
+    in a hybrid layout: jpaged.core.kv_layout): also the host swap space's unit.
     Rows of a quantized pool (int8, fp8) carry their scale in one more column."""
-    return (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim + int(is_quantized(dtype)))
+    return (layers_per_page or cfg.num_layers, 2, cfg.num_kv_heads, block_size,
+            cfg.head_dim + int(is_quantized(dtype)))
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype,
+                    layers_per_page: int | None = None) -> int:
     """What one block really holds: values and, quantized, their scales."""
-    return math.prod(block_shape(cfg, block_size, dtype)) * jnp.dtype(dtype).itemsize
+    return math.prod(block_shape(cfg, block_size, dtype, layers_per_page)) * jnp.dtype(dtype).itemsize
 
 
 def free_device_memory(weight_bytes: int, *, weights_loaded: bool = True) -> int:
@@ -54,14 +61,16 @@ def free_device_memory(weight_bytes: int, *, weights_loaded: bool = True) -> int
 
 def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_blocks: int,
                    kv_memory_fraction: float, weight_bytes: int, max_num_seqs: int,
-                   max_model_len: int, num_shards: int = 1, weights_loaded: bool = True) -> int:
+                   max_model_len: int, num_shards: int = 1, weights_loaded: bool = True,
+                   layers_per_page: int | None = None, pages_per_seq: int | None = None) -> int:
     """Pool size: explicit `num_blocks`, else a fraction of the memory left after the
     weights, capped at what max_num_seqs sequences of max_model_len can ever use.
     ConfigError when an explicit num_blocks does not fit in that memory, or the
     fraction holds fewer than 2 blocks (checked before the pool is allocated).
     With the pool split over num_shards devices, each holds 1/num_shards of a
-    block (weight_bytes: one device's share)."""
-    block_bytes = bytes_per_block(cfg, block_size, dtype)
+    block (weight_bytes: one device's share).  A hybrid layout's blocks hold
+    layers_per_page layers, and a sequence holds at most pages_per_seq of them."""
+    block_bytes = bytes_per_block(cfg, block_size, dtype, layers_per_page)
     platform = jax.local_devices()[0].platform
     free = free_device_memory(weight_bytes, weights_loaded=weights_loaded)
     # What one memory holds of each block: CPU "devices" share one memory (no per-device budget).
@@ -79,7 +88,7 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
         raise ConfigError("kv_memory_fraction", f"{kv_memory_fraction:g} of the {_mib(free)} of {where} "
                           f"after the weights holds {by_budget} KV blocks of {_mib(share)}",
                           "a fraction that holds at least 2 blocks, or an explicit num_blocks")
-    useful = max_num_seqs * cdiv(max_model_len, block_size) + 1
+    useful = max_num_seqs * (pages_per_seq or cdiv(max_model_len, block_size)) + 1
     return int(min(by_budget, useful))
 
 
@@ -115,11 +124,12 @@ def available_host_memory() -> int | None:
 
 
 def create_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
-                   sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+                   sharding: jax.sharding.Sharding | None = None,
+                   layers_per_page: int | None = None) -> jax.Array:
     """A zeroed pool; with `sharding`, created in place on its devices (never whole on one)."""
     if not 1 <= block_size <= 256:
         raise ValueError(f"block_size must be in [1, 256], got {block_size}")
-    shape = (num_blocks, *block_shape(cfg, block_size, dtype))
+    shape = (num_blocks, *block_shape(cfg, block_size, dtype, layers_per_page))
     if sharding is None:
         return jnp.zeros(shape, dtype=dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype=dtype), out_shardings=sharding)()

@@ -110,6 +110,7 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
+                 layers_per_page: int | None = None, kv_groups: int = 1,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
                  mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
@@ -119,11 +120,13 @@ class ModelRunner:
         self.mesh = mesh
         self.block_size = block_size
         self.table_width = cdiv(max_model_len, block_size)
+        self.kv_groups = kv_groups  # block tables per sequence (jpaged.core.kv_layout)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model_cfg.vocab_size  # the logit masks' width
         self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs, buckets_per_octave)
         self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype,
-                                           sharding=None if mesh is None else pool_sharding(mesh))
+                                           sharding=None if mesh is None else pool_sharding(mesh),
+                                           layers_per_page=layers_per_page)
         self.kv_pool = self._new_pool()
         self.swap_space = swap_space
         # Asynchronous scheduling: each step reads the tokens the previous one sampled
@@ -220,7 +223,8 @@ class ModelRunner:
         queued on the builder thread (returning at once)."""
         def inputs(T: int, K: int = 0) -> StepInputs:
             return self._with_token_buffer(padding_step_inputs(T, self.seq_bucket(T), self.table_width,
-                                                               chained=self.chained, num_speculative_tokens=K))
+                                                               chained=self.chained, num_speculative_tokens=K,
+                                                               kv_groups=self.kv_groups))
         steps = [inputs(T) for T in precompile_buckets(self.token_buckets, max_num_tokens)]
         if self.num_speculative_tokens and max_speculative_tokens:
             steps += [inputs(T, self.num_speculative_tokens)
@@ -271,7 +275,7 @@ class ModelRunner:
         return self._with_token_buffer(build_step_inputs(
             scheduled, num_tokens=T, num_seqs=self.seq_bucket(T), block_size=self.block_size,
             table_width=self.table_width, vocab_size=self.vocab_size, chained=self.chained,
-            num_speculative_tokens=self.num_speculative_tokens))
+            num_speculative_tokens=self.num_speculative_tokens, kv_groups=self.kv_groups))
 
     def _new_token_buffer(self) -> jax.Array:
         zeros = np.zeros(self.seq_bucket(self.token_buckets[-1]), np.int32)

@@ -137,13 +137,15 @@ jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seqs: int,
                       block_size: int, table_width: int, vocab_size: int, chained: bool = False,
-                      num_speculative_tokens: int = 0) -> StepInputs:
+                      num_speculative_tokens: int = 0, kv_groups: int = 1) -> StepInputs:
     """The step's inputs (numpy) for the scheduled sequences, padded to the bucket:
     num_tokens (T) flat tokens, num_seqs (S) sequences, block tables
     table_width wide, logit masks vocab_size wide, drafts num_speculative_tokens
     wide.  `chained` (asynchronous scheduling): the step may read tokens the
-    previous step samples (prev_rows; the runner attaches prev_tokens)."""
-    tokens, meta = _tokens_and_metadata(scheduled, num_tokens, num_seqs, block_size, table_width)
+    previous step samples (prev_rows; the runner attaches prev_tokens).
+    `kv_groups` > 1: the hybrid KV layout's other groups get tables and write
+    blocks of their own (StepMetadata.group_block_tables)."""
+    tokens, meta = _tokens_and_metadata(scheduled, num_tokens, num_seqs, block_size, table_width, kv_groups)
     logprobs = any(s.seq.params.logprobs is not None or s.seq.params.prompt_logprobs is not None
                    for s in scheduled)
     inputs = StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
@@ -174,16 +176,19 @@ def _with_drafts(inputs: StepInputs, scheduled: list[ScheduledSeq], S: int, K: i
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False,
-                        num_speculative_tokens: int = 0) -> StepInputs:
+                        num_speculative_tokens: int = 0, kv_groups: int = 1) -> StepInputs:
     """A greedy step of nothing but padding (all zeros): what precompile traces.
     `chained`: with prev_rows (all -1; the runner attaches prev_tokens);
     `num_speculative_tokens` K > 0: the variant that verifies drafts."""
     def zeros(*shape):
         return np.zeros(shape, np.int32)
+    groups = kv_groups > 1
     meta = StepMetadata(positions=zeros(num_tokens), write_blocks=zeros(num_tokens),
                         write_offsets=zeros(num_tokens), block_tables=zeros(num_seqs, table_width),
                         kv_lens=zeros(num_seqs), cu_q_lens=zeros(num_seqs + 1),
-                        logits_indices=zeros(num_seqs))
+                        logits_indices=zeros(num_seqs),
+                        group_block_tables=zeros(kv_groups - 1, num_seqs, table_width) if groups else None,
+                        group_write_blocks=zeros(kv_groups - 1, num_tokens) if groups else None)
     prev_rows = np.full(num_tokens, -1, np.int32) if chained else None
     inputs = StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows)
     if not num_speculative_tokens:
@@ -223,34 +228,37 @@ def _prev_rows(scheduled: list[ScheduledSeq], tokens: np.ndarray) -> np.ndarray:
 
 
 def _tokens_and_metadata(scheduled: list[ScheduledSeq], T: int, S: int, block_size: int,
-                         table_width: int) -> tuple[np.ndarray, StepMetadata]:
+                         table_width: int, kv_groups: int = 1) -> tuple[np.ndarray, StepMetadata]:
     """The step's flat host arrays: each token's id, position and (block, offset)."""
     n = sum(s.num_new for s in scheduled)
     if n > T or len(scheduled) > S:
         raise ValueError(f"{len(scheduled)} sequences of {n} tokens exceed the bucket ({S}, {T})")
     bs = block_size
     tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
-    write_blocks, write_offsets = np.zeros(T, np.int32), np.zeros(T, np.int32)
-    block_tables = np.zeros((S, table_width), np.int32)
+    write_blocks, write_offsets = np.zeros((kv_groups, T), np.int32), np.zeros(T, np.int32)
+    block_tables = np.zeros((kv_groups, S, table_width), np.int32)
     kv_lens, cu_q_lens = np.zeros(S, np.int32), np.full(S + 1, n, np.int32)
     logits_indices = np.zeros(S, np.int32)
     end = 0
     for i, s in enumerate(scheduled):
         seq, start, k = s.seq, s.start, s.num_new
-        ids = seq.block_table.block_ids
-        block_tables[i, :len(ids)] = ids
+        for g, table in enumerate([seq.block_table, *seq.group_tables[:kv_groups - 1]]):
+            block_tables[g, i, :len(table.block_ids)] = table.block_ids
         pos = np.arange(start, start + k, dtype=np.int32)
         tokens[end:end + k] = seq.token_slice(start, start + k - len(s.drafts)) + s.drafts
         positions[end:end + k] = pos
-        write_blocks[end:end + k] = block_tables[i, pos // bs]
+        write_blocks[:, end:end + k] = block_tables[:, i, pos // bs]
         write_offsets[end:end + k] = pos % bs
         cu_q_lens[i] = end
         end += k
         kv_lens[i] = start + k
         logits_indices[i] = end - 1
-    meta = StepMetadata(positions=positions, write_blocks=write_blocks,
-                        write_offsets=write_offsets, block_tables=block_tables,
-                        kv_lens=kv_lens, cu_q_lens=cu_q_lens, logits_indices=logits_indices)
+    groups = kv_groups > 1
+    meta = StepMetadata(positions=positions, write_blocks=write_blocks[0],
+                        write_offsets=write_offsets, block_tables=block_tables[0],
+                        kv_lens=kv_lens, cu_q_lens=cu_q_lens, logits_indices=logits_indices,
+                        group_block_tables=block_tables[1:] if groups else None,
+                        group_write_blocks=write_blocks[1:] if groups else None)
     return tokens, meta
 
 
