@@ -8,9 +8,11 @@ scores and the final logits and alternates sliding and global layers; Gemma 3
 drops the caps, normalises each q/k head, puts one global layer after every
 five sliding ones and gives sliding layers their own RoPE base.
 
-Every layer keeps its K/V in the shared pool for the whole sequence: sliding
-layers only read the last `sliding_window` keys (the kernels skip the blocks
-before), but their blocks are not freed early.
+Sliding layers only read the last `sliding_window` keys (the kernels skip the
+blocks before).  With the hybrid KV layout (kv_layout=auto, the default) they
+keep their K/V in block tables of their own, which give back the blocks
+behind the window (jpaged.core.kv_layout); with kv_layout=shared every layer
+keeps its K/V for the whole sequence.
 """
 
 from __future__ import annotations
