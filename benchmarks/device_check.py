@@ -14,18 +14,27 @@ part failed):
                    in interpret mode, inside `make test`).
   3. kernel_bench  benchmarks/bench_kernels.py on a small decode grid (ours vs jax's
                    own Pallas paged attention `jax_ops` vs contiguous attention),
-                   bandwidth as a fraction of the nominal and the copy bandwidth.
-                   On a CPU: one smoke-sized point in interpret mode (code path only).
+                   bandwidth as a fraction of the nominal and the copy bandwidth;
+                   then ours alone on int8 and float8_e4m3fn pools (--kv_dtype, bf16
+                   q; one short run each, at batch 32 and 128), against the bf16 pool.
+                   On a CPU: one smoke-sized point in interpret mode (code path only;
+                   of the quantized pools, int8 only).
   4. serve_batch   scripts/serve_batch.py on SmolLM2 with attention_impl=pallas_gpu
                    and =reference: greedy token ids compared request by request,
-                   wall and generate tok/s of each.  On a CPU: skipped (pallas_gpu
-                   needs a GPU; reference vs cpu takes 20-40 s here, over this
-                   mode's budget; --serve_batch_on_cpu runs it anyway).
+                   wall and generate tok/s of each; then pallas_gpu with an int8 KV
+                   pool (--config.kv_cache_dtype=int8), its ids against the reference's.
+                   On a CPU: skipped (pallas_gpu needs a GPU; reference vs cpu takes
+                   20-40 s here, over this mode's budget; --serve_batch_on_cpu runs it
+                   anyway).
   5. dummy_decode  a Llama-3-8B-shaped model with random weights (load_format=dummy)
                    in bfloat16 through jpaged.LLM: decode tok/s and median step
                    time at batch 1, 32, 128 against the time to read the weights
                    once at the device's bandwidth.  On a CPU: a tiny Llama shape at
                    batch 1 and 4 (labelled as such), so CI runs the code path.
+
+The quantized-pool runs of parts 3 and 4 are extras: each starts only if it can
+finish without eating into what later parts need (--dummy_decode_reserve_s for
+part 5, and part 4's two caps for part 3's), else it is reported as skipped.
 
 Writes benchmarks/results/device/device_check_<device>_<YYYYmmdd-HHMM>.md and
 .json (same numbers), plus the parts' logs and bench_kernels' own .md/.csv
@@ -77,7 +86,16 @@ _TESTS_CAP = flags.DEFINE_float("kernel_tests_timeout_s", 100.0, "Time cap of pa
 _BENCH_CAP = flags.DEFINE_float("kernel_bench_timeout_s", 100.0, "Time cap of part 3 (s).")
 _BENCH_BATCHES = flags.DEFINE_list("kernel_batch_sizes", ["1", "32", "128"], "Part 3's batch sizes (GPU).")
 _BENCH_CONTEXTS = flags.DEFINE_list("kernel_context_lens", ["4096"], "Part 3's context lengths (GPU).")
+_BENCH_KV = flags.DEFINE_list("kernel_kv_dtypes", ["int8", "float8_e4m3fn"], "Quantized pools part 3 "
+                              "also times, ours only ('' = none; on a CPU the first only).")
+_BENCH_KV_BATCHES = flags.DEFINE_list("kernel_kv_batch_sizes", ["32", "128"], "Their batch sizes (GPU).")
+_BENCH_KV_CAP = flags.DEFINE_float("kernel_kv_timeout_s", 45.0,
+                                   "Time cap of each quantized run of part 3 (s).")
 _SERVE_CAP = flags.DEFINE_float("serve_timeout_s", 60.0, "Time cap of each serve_batch run (s).")
+_SERVE_KV = flags.DEFINE_enum("serve_kv_cache_dtype", "int8", ["none", "int8", "fp8_e4m3"],
+                              "kv_cache_dtype of part 4's third run (the kernel on a quantized pool).")
+_RESERVE = flags.DEFINE_float("dummy_decode_reserve_s", 120.0, "Budget (s) the quantized-pool runs of parts "
+                              "3 and 4 leave to part 5 (part 3's also leave part 4's two serve caps).")
 _SERVE_TOKENS = flags.DEFINE_integer("serve_max_tokens", 128, "max_tokens of part 4's requests (GPU).")
 _SERVE_ON_CPU = flags.DEFINE_bool("serve_batch_on_cpu", False, "On a CPU, run part 4 as reference vs "
                                   "cpu on 2 prompts of 8 tokens (20-40 s) instead of skipping it.")
@@ -280,6 +298,15 @@ def part_environment(ctx: Context, part: Part) -> None:
     ctx.nominal_gbps, ctx.copy_gbps = nominal, measured
 
 
+def extra_cap(ctx: Context, cap: float, keep: float) -> float:
+    """Time cap of an optional run: `cap`, cut to leave `keep` s of the budget to
+    the parts after it; Skip when under 15 s would be left for it."""
+    left = ctx.remaining() - keep
+    if left < 15:
+        raise Skip(f"time budget: {ctx.remaining():.0f} s left, {keep:.0f} s of it kept for later parts")
+    return min(cap, left)
+
+
 # ------------------------------------------------------------ 2. kernel tests
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
@@ -339,27 +366,72 @@ def bench_row(raw: dict[str, str], nominal: float | None) -> dict[str, Any]:
     return row
 
 
-BENCH_COLUMNS = ["batch", "context", "kv_mb", "ours_us", "ours_GBps", "ours_pct_copy", "ours_pct_nominal",
-                 "jax_ops_us", "jax_ops_GBps", "jax_ops_pct_nominal", "jax_ops_us / ours_us",
-                 "reference_us", "contig_us", "paging_overhead_pct", "note"]
+BENCH_COLUMNS = ["kv_dtype", "batch", "context", "kv_mb", "ours_us", "ours_GBps", "ours_pct_copy",
+                 "ours_pct_nominal", "jax_ops_us", "jax_ops_GBps", "jax_ops_pct_nominal", "jax_ops_us / ours_us",
+                 "bf16_us / ours_us", "reference_us", "contig_us", "paging_overhead_pct", "note"]
+
+
+def quant_bench_flags(on_gpu: bool) -> list[str]:
+    if not on_gpu:
+        return [f for f in CPU_BENCH_FLAGS if not f.startswith("--variants=")] + ["--variants=ours"]
+    return [f"--batch_sizes={','.join(_BENCH_KV_BATCHES.value)}",
+            f"--context_lens={','.join(_BENCH_CONTEXTS.value)}", "--variants=ours", "--iters=10", "--reps=5",
+            "--copy_mb=256"]
+
+
+def bench_run(ctx: Context, kv_dtype: str, flags_: list[str], cap: float) -> tuple[list[str], float, list]:
+    """One bench_kernels.py subprocess (bf16 q): (its command, seconds, CSV rows)."""
+    import csv
+    suffix = "" if kv_dtype == "bfloat16" else f"_kv{kv_dtype}"
+    prefix = ctx.path(f"_kernels{suffix}")
+    cmd = [sys.executable, "benchmarks/bench_kernels.py", f"--out={prefix}", "--dtype=bfloat16",
+           *([f"--kv_dtype={kv_dtype}"] if suffix else []), *flags_]
+    rc, secs, last = run_logged(cmd, ctx.path(f"_kernel_bench{suffix}.log"), cap, ctx)
+    if rc != 0:
+        raise RuntimeError(f"bench_kernels.py --kv_dtype={kv_dtype} exited {rc}: {last}")
+    with open(f"{prefix}.csv") as f:
+        return cmd, secs, [{"kv_dtype": kv_dtype, **r} for r in csv.DictReader(f)]
 
 
 def part_kernel_bench(ctx: Context, part: Part) -> None:
-    import csv
+    cmd, secs, raw = bench_run(ctx, "bfloat16", bench_flags(ctx.on_gpu), _BENCH_CAP.value)
+    part.rows = [bench_row(r, ctx.nominal_gbps) for r in raw]
     prefix = ctx.path("_kernels")
-    cmd = [sys.executable, "benchmarks/bench_kernels.py", f"--out={prefix}", *bench_flags(ctx.on_gpu)]
-    rc, secs, last = run_logged(cmd, ctx.path("_kernel_bench.log"), _BENCH_CAP.value, ctx)
-    if rc != 0:
-        raise RuntimeError(f"bench_kernels.py exited {rc}: {last}")
-    with open(f"{prefix}.csv") as f:
-        part.rows = [bench_row(r, ctx.nominal_gbps) for r in csv.DictReader(f)]
     part.info.update({"command": " ".join(cmd[1:]), "seconds": round(secs, 1),
                       "bench_kernels' own report": f"{prefix.name}.md, {prefix.name}.csv"})
+    bf16_us = {(r.get("batch"), r.get("context")): number(r.get("ours_us")) for r in part.rows}
+    keep = _RESERVE.value + 2 * _SERVE_CAP.value
+    errors = []
+    kv_dtypes = _BENCH_KV.value if ctx.on_gpu else _BENCH_KV.value[:1]
+    for kv in kv_dtypes:
+        try:
+            cmd, secs, raw = bench_run(ctx, kv, quant_bench_flags(ctx.on_gpu),
+                                       extra_cap(ctx, _BENCH_KV_CAP.value, keep))
+        except Skip as e:
+            part.rows.append({"kv_dtype": kv, "note": f"skipped: {e}"})
+            continue
+        except Exception as e:  # noqa: BLE001 - the other pool still runs; the part fails below
+            errors.append(f"kv_dtype={kv}: {type(e).__name__}: {e}")
+            part.rows.append({"kv_dtype": kv, "note": "failed (see the part's error)"})
+            continue
+        for r in (bench_row(r, ctx.nominal_gbps) for r in raw):
+            base, ours = bf16_us.get((r.get("batch"), r.get("context"))), number(r.get("ours_us"))
+            if base and ours:
+                r["bf16_us / ours_us"] = round(base / ours, 2)
+            part.rows.append(r)
+        part.info[f"{kv}: seconds"] = round(secs, 1)
+    if kv_dtypes:
+        part.info["quantized pools: command"] = " ".join(["benchmarks/bench_kernels.py --dtype=bfloat16 "
+                                                         "--kv_dtype=<pool>", *quant_bench_flags(ctx.on_gpu)])
     if not ctx.on_gpu:
         part.notes.append("CPU: one smoke-sized point in interpret mode; the times say nothing about "
                           "kernel speed (jax_ops runs on a GPU only).")
     part.notes.append("GB/s = K/V bytes / time; pct_copy: of bench_kernels' own copy bandwidth; "
-                      "pct_nominal: of the spec sheet's HBM bandwidth; jax_ops_us / ours_us > 1: ours faster.")
+                      "pct_nominal: of the spec sheet's HBM bandwidth; jax_ops_us / ours_us > 1: ours faster. "
+                      "Quantized pools (int8, float8_e4m3fn: rows of head_dim + 1 bytes) with bf16 q, ours "
+                      "only; bf16_us / ours_us > 1: faster than on the bf16 pool at that batch and context.")
+    if errors:
+        raise RuntimeError("; ".join(errors))
 
 
 # ------------------------------------------------------------ 4. serve_batch
@@ -392,17 +464,22 @@ def compare_tokens(ours: dict[int, list[int]], ref: dict[int, list[int]]) -> dic
     return {"equal": len(equal), "total": len(indices), "first_divergence": diverged}
 
 
-def serve_run(ctx: Context, impl: str, prompts: pathlib.Path | None, max_tokens: int) -> dict[str, Any]:
+def serve_run(ctx: Context, impl: str, prompts: pathlib.Path | None, max_tokens: int,
+              kv_cache_dtype: str = "auto", cap: float | None = None) -> dict[str, Any]:
     """One serve_batch subprocess: its summary numbers and its outputs' token ids."""
-    out, summary = ctx.path(f"_serve_{impl}.jsonl"), ctx.path(f"_serve_{impl}_summary.json")
+    name = impl if kv_cache_dtype == "auto" else f"{impl}_{kv_cache_dtype}"
+    out, summary = ctx.path(f"_serve_{name}.jsonl"), ctx.path(f"_serve_{name}_summary.json")
     cmd = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
            f"--config.attention_impl={impl}", f"--config.max_tokens={max_tokens}",
+           *([f"--config.kv_cache_dtype={kv_cache_dtype}"] if kv_cache_dtype != "auto" else []),
            f"--output={out}", f"--summary_json={summary}"] + ([f"--prompts={prompts}"] if prompts else [])
-    rc, secs, last = run_logged(cmd, ctx.path(f"_serve_{impl}.log"), _SERVE_CAP.value, ctx)
+    rc, secs, last = run_logged(cmd, ctx.path(f"_serve_{name}.log"), cap or _SERVE_CAP.value, ctx)
     if rc != 0:
-        raise RuntimeError(f"serve_batch.py with attention_impl={impl} exited {rc}: {last}")
+        raise RuntimeError(f"serve_batch.py with attention_impl={impl} kv_cache_dtype={kv_cache_dtype} "
+                           f"exited {rc}: {last}")
     s = json.loads(summary.read_text())
-    return {"attention_impl": impl, "requests": s["requests"], "errors": s["errors"],
+    return {"attention_impl": impl, "kv_cache_dtype": kv_cache_dtype, "requests": s["requests"],
+            "errors": s["errors"],
             "output_tokens": s["output_tokens"], "process_wall_s": round(secs, 2),
             "generate_wall_s": round(s["wall_s"], 2), "generate_tok_per_s": round(s["output_tok_per_s"], 1),
             "compilations": s["compilations"], "compile_s": round(s["compile_s"], 1),
@@ -420,7 +497,8 @@ def part_serve_batch(ctx: Context, part: Part) -> None:
         prompts = ctx.path("_serve_prompts.jsonl")
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CPU_SERVE_PROMPTS))
     runs = [serve_run(ctx, impl, prompts, max_tokens) for impl in impls]
-    cmp = compare_tokens(runs[0].pop("_tokens"), runs[1].pop("_tokens"))
+    ref_tokens = runs[1].pop("_tokens")
+    cmp = compare_tokens(runs[0].pop("_tokens"), ref_tokens)
     part.rows = runs
     part.info.update({"prompts": "the 8 demo prompts" if prompts is None else f"{len(CPU_SERVE_PROMPTS)} "
                       "short prompts", "max_tokens": max_tokens, "greedy token ids equal (requests)":
@@ -430,6 +508,25 @@ def part_serve_batch(ctx: Context, part: Part) -> None:
             ", ".join(f"{i} -> {n}" for i, n in cmp["first_divergence"].items()))
     part.notes.append(f"{impls[0]} vs {impls[1]}, SmolLM2-135M fp32, greedy; process_wall_s includes "
                       "loading and compiling, generate_* is the batch alone.")
+    kv = _SERVE_KV.value
+    if kv == "none":
+        return
+    try:
+        run = serve_run(ctx, impls[0], prompts, max_tokens, kv,
+                        cap=extra_cap(ctx, _SERVE_CAP.value, _RESERVE.value))
+    except Skip as e:
+        part.rows.append({"attention_impl": impls[0], "kv_cache_dtype": kv, "note": f"skipped: {e}"})
+        return
+    qcmp = compare_tokens(run.pop("_tokens"), ref_tokens)
+    part.rows.append(run)
+    part.info[f"{impls[0]} with kv_cache_dtype={kv} vs {impls[1]}: greedy token ids equal (requests)"] = (
+        f"{qcmp['equal']}/{qcmp['total']}")
+    if qcmp["first_divergence"]:
+        part.info[f"{kv}: unequal requests: index -> tokens equal before the first difference"] = (
+            ", ".join(f"{i} -> {n}" for i, n in qcmp["first_divergence"].items()))
+    part.notes.append(f"kv_cache_dtype={kv}: K/V stored quantized (a power-of-two scale per row), so "
+                      "greedy ids may part from the fp32 reference's after a near tie; the kernel's "
+                      "exactness on quantized pools is part 2's to check.")
 
 
 # ------------------------------------------------------------ 5. dummy decode
