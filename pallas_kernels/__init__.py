@@ -10,8 +10,13 @@ vLLM V1 and tpu-inference.  Every implementation takes that contract:
 * "pallas_tpu": Pallas/Mosaic TPU kernel (`tpu.py`): pool in HBM, pages DMA'd to VMEM.
 * "cpu": C++ XLA FFI custom calls (`cpu.py`, built with g++ on first use) that
   read K/V through the block table for decode and prefill alike; when the
-  kernel cannot be built (`cpu.available()` False, reason logged once) or for
-  dtypes other than float32 / bfloat16 it falls back to the reference.
+  kernel cannot be built (`cpu.available()` False, reason logged once), for
+  queries other than float32 / bfloat16 or pools other than float32 /
+  bfloat16 / int8 / float8_e4m3fn it falls back to the reference.
+
+Every implementation reads quantized pools (int8, float8_e4m3fn: rows of
+head_dim values and a power-of-two scale exponent, `reference.quantize_rows`)
+and writes them through `quantize_rows`.
 
 Every implementation also takes Gemma's two attention variants, as static
 options: `sliding_window` (local attention over the last W positions) and

@@ -12,8 +12,14 @@ FMA peak on AVX2), so prefill runs near the machine's matmul efficiency; items
 of at most 4 rows (decode with G <= 4) take Q K^T as dot products over the head
 dim instead.  Items, largest first, are spread over XLA's intra-op thread
 pool; each is computed by one thread (results do not depend on the thread
-count).  K/V may be float32 or bfloat16 (converted on load); q and the output
-float32 or bfloat16.  Timings: benchmarks/bench_cpu_attention.py,
+count).  q and the output may be float32 or bfloat16; the K/V pool float32,
+bfloat16 (converted on load), or quantized: int8 or float8_e4m3fn rows of
+head_dim values and a power-of-two scale exponent (`reference.quantize_rows`),
+dequantized exactly while a chunk of keys is staged (int8: sign-extend and
+convert; fp8: its bits shifted into a binary16 that vcvtph2ps converts, no
+table lookup per value), so every micro-kernel runs unchanged on them.  Decode
+reads 65 bytes per int8 / fp8 row of head_dim 64 where fp32 reads 256: it takes
+about half fp32's time.  Timings: benchmarks/bench_cpu_attention.py,
 benchmarks/results/cpu_attention.md.
 
 Gemma's options are FFI attributes (0 = none): `window` starts an item's key
@@ -23,7 +29,12 @@ mask.
 
 `write_kv_cpu` writes the new tokens' K/V rows into the pool in place (the
 result aliases the pool; donate it to keep one buffer).  XLA:CPU's own scatter
-converts a whole bf16 pool to f32 and back on every write.
+converts a whole bf16 or fp8 pool to f32 and back on every write.  For a
+quantized pool the rows are quantized by `reference.quantize_rows` (jnp, one
+small fusion: the same quantizer as the reference's, so the pool is
+bit-identical) and copied in place by the kernel.  A C++ quantizer would not
+be: XLA:CPU's log2 and exp2 are approximations (its ceil(log2(y)) is k, not
+k + 1, for y 1-8 ulps above 2^k; exp2(-13), exp2(15), ... are not exact).
 
 `paged_attention_or_reference` / `write_kv_or_reference` (what
 `pallas_kernels.get_backend("cpu")` returns) use the kernels when they apply
@@ -58,7 +69,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import (attention_dims, attention_options, paged_attention_reference,
+from pallas_kernels.reference import (attention_dims, attention_options, is_quantized,
+                                      paged_attention_reference, pool_head_dim, quantize_rows,
                                       write_kv_reference)
 
 log = logging.getLogger(__name__)
@@ -240,13 +252,16 @@ def unavailable_reason() -> str:
     return _state.get("reason", "")
 
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # q, output, K/V to write
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+POOL_DTYPES = SUPPORTED_DTYPES + QUANTIZED_DTYPES
 
 
 def supports(q: jax.Array, kv_pool: jax.Array) -> bool:
-    """Whether `paged_attention_cpu` takes these operands ([T, H, D] q, f32/bf16, kernel built)."""
+    """Whether `paged_attention_cpu` takes these operands ([T, H, D] q of f32/bf16, a
+    f32/bf16/int8/fp8 pool, kernel built)."""
     return (q.ndim == 3 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
-            and jnp.dtype(kv_pool.dtype) in SUPPORTED_DTYPES and available())
+            and jnp.dtype(kv_pool.dtype) in POOL_DTYPES and available())
 
 
 def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
@@ -260,10 +275,11 @@ def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int
     be traced).  `max_threads` > 0 caps the threads used (default: XLA's
     intra-op pool size, at most the number of cores).
     """
-    for name, x in (("q", q), ("kv_pool", kv_pool)):
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise TypeError(f"paged_attention_cpu: {name} dtype {x.dtype} unsupported "
-                            "(float32 or bfloat16)")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"paged_attention_cpu: q dtype {q.dtype} unsupported (float32 or bfloat16)")
+    if jnp.dtype(kv_pool.dtype) not in POOL_DTYPES:
+        raise TypeError(f"paged_attention_cpu: kv_pool dtype {kv_pool.dtype} unsupported "
+                        "(float32, bfloat16, int8 or float8_e4m3fn)")
     *_, scale = attention_dims(q, kv_pool, block_tables, kv_lens, cu_q_lens, sm_scale,
                                sliding_window, soft_cap)
     sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
@@ -292,7 +308,7 @@ def paged_attention_or_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Ar
 
 def _write_args_ok(kv_pool: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     return (kv_pool.ndim == 6 and k.ndim == 3 and k.shape == v.shape and k.dtype == v.dtype
-            and jnp.dtype(kv_pool.dtype) in SUPPORTED_DTYPES
+            and jnp.dtype(kv_pool.dtype) in POOL_DTYPES
             and jnp.dtype(k.dtype) in SUPPORTED_DTYPES)
 
 
@@ -302,19 +318,27 @@ def write_kv_cpu(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: ja
 
     The result aliases the pool (donate it to keep one buffer); writes whose
     block, offset or layer is out of range are dropped, like the reference's
-    scatter.  Padding tokens carry block 0, the null block.
+    scatter.  Padding tokens carry block 0, the null block.  A quantized pool
+    gets `quantize_rows` of k and v (bit-identical to `write_kv_reference`).
     """
     if not _write_args_ok(kv_pool, k, v):
         raise TypeError(f"write_kv_cpu: kv_pool {kv_pool.shape} {kv_pool.dtype}, k {k.shape} "
-                        f"{k.dtype}, v {v.shape} {v.dtype}: need a 6-d pool and [T, KVH, D] k/v "
-                        "of one dtype, float32 or bfloat16")
+                        f"{k.dtype}, v {v.shape} {v.dtype}: need a 6-d pool (float32, bfloat16, "
+                        "int8 or float8_e4m3fn) and [T, KVH, D] k/v of one dtype, float32 or "
+                        "bfloat16")
     blocks, offsets = jnp.asarray(blocks, jnp.int32), jnp.asarray(offsets, jnp.int32)
-    if k.shape[1:] != (kv_pool.shape[3], kv_pool.shape[5]) or blocks.shape != k.shape[:1] \
+    if k.shape[1:] != (kv_pool.shape[3], pool_head_dim(kv_pool)) or blocks.shape != k.shape[:1] \
             or offsets.shape != k.shape[:1]:
         raise ValueError(f"write_kv_cpu: k/v {k.shape}, blocks {blocks.shape}, offsets "
                          f"{offsets.shape} do not fit pool {kv_pool.shape}")
     if not available():
         raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    if is_quantized(kv_pool.dtype):
+        # Quantized here, by the reference's own quantizer (one small fusion over the new
+        # rows), so that the pool is bit-identical to write_kv_reference's; the kernel
+        # copies the D + 1 bytes of each row.  XLA's scatter would be the slow part:
+        # into an fp8 pool it converts the whole pool to f32 and back.
+        k, v = quantize_rows(k, kv_pool.dtype), quantize_rows(v, kv_pool.dtype)
     call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(kv_pool, k, v, jnp.asarray(layer, jnp.int32).reshape(()), blocks, offsets)

@@ -64,7 +64,7 @@ def quantize_rows(x: jax.Array, dtype) -> jax.Array:
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     exp = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / qmax))
     exp = jnp.clip(exp, -SCALE_EXP_MAX, SCALE_EXP_MAX)
-    scaled = jnp.clip(x * jnp.exp2(-exp), -qmax, qmax)  # log2's rounding may overshoot by an ulp
+    scaled = jnp.clip(x * pow2(-exp), -qmax, qmax)  # log2's rounding may overshoot by an ulp
     if dtype == jnp.int8:
         scaled = jnp.round(scaled)
     return jnp.concatenate([scaled, exp], axis=-1).astype(dtype)
@@ -73,7 +73,13 @@ def quantize_rows(x: jax.Array, dtype) -> jax.Array:
 def dequantize_rows(rows: jax.Array) -> jax.Array:
     """rows [..., D + 1] of a quantized pool as fp32 [..., D]: values * 2**exponent."""
     rows = rows.astype(jnp.float32)
-    return rows[..., :-1] * jnp.exp2(rows[..., -1:])
+    return rows[..., :-1] * pow2(rows[..., -1:])
+
+
+def pow2(exp: jax.Array) -> jax.Array:
+    """2 ** exp, exactly, for integer-valued fp32 exp in [-126, 127] (built from the
+    float's bits: XLA:CPU's exp2 is off by an ulp at some integers)."""
+    return jax.lax.bitcast_convert_type((exp.astype(jnp.int32) + 127) << 23, jnp.float32)
 
 
 def read_rows(rows: jax.Array) -> jax.Array:

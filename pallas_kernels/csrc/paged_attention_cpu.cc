@@ -10,8 +10,10 @@
 // visible key of its last token) in chunks of kChunk keys and runs an fp32
 // online softmax.  K/V rows are read straight from the pool
 // through the block table (one pointer per key row; bf16 rows, and V rows when
-// head_dim is not a multiple of 8, go through a chunk-sized fp32 copy) -- never
-// a padded gather of the sequence -- and the next chunk's rows are prefetched.
+// head_dim is not a multiple of 8, go through a chunk-sized fp32 copy, and so
+// do quantized rows -- int8 or float8_e4m3fn values and a power-of-two scale
+// per row -- dequantized exactly on the way) -- never a padded gather of the
+// sequence -- and the next chunk's rows are prefetched.
 // Per chunk:
 //
 //   S^T[key][row] = K . Q^T      register-blocked micro-kernel, kQkKeys keys
@@ -49,7 +51,12 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -121,6 +128,127 @@ inline vf vload8(const uint16_t* p) {
   vf v;
   for (int i = 0; i < kLanes; ++i) v[i] = load_f(p[i]);
   return v;
+}
+
+// ---------------------------------------------------------------------------
+// Quantized rows (pallas_kernels.reference: quantize_rows / dequantize_rows):
+// head_dim values of one byte then the row's scale exponent e, an integer in
+// [-16, 16] stored as a number of the pool's dtype; the row means values * 2^e.
+// The element types: int8_t (int8), Fp8 (float8_e4m3fn bits).  Rows are
+// dequantized to fp32 while a chunk is staged, so every micro-kernel below
+// runs unchanged on them; 2^e is built from exponent bits, so dequantization
+// is exact.
+
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no inf; NaN is S.1111.111.
+struct Fp8 {
+  uint8_t bits;
+};
+static_assert(sizeof(Fp8) == 1, "a pool of Fp8 is addressed by bytes");
+
+template <typename KT>
+constexpr bool kQuantized = std::is_same_v<KT, int8_t> || std::is_same_v<KT, Fp8>;
+
+// 2^e for an integer e in [-126, 127]: the exponent bits of a normal float (exact).
+inline float pow2i(int32_t e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Every float8_e4m3fn value as fp32 (exact), for scalar reads: the exponent
+// column and the head-dim tail past the last multiple of 8.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int x = 0; x < 256; ++x) {
+      const int e = (x >> 3) & 15, m = x & 7;
+      const float mag = (x & 0x7f) == 0x7f ? NAN
+                        : e == 0           ? std::ldexp(static_cast<float>(m), -9)  // subnormal
+                                           : std::ldexp(static_cast<float>(8 + m), e - 10);
+      v[x] = x & 0x80 ? -mag : mag;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+inline float elem_f(int8_t x) { return x; }
+inline float elem_f(Fp8 x) { return kFp8.v[x.bits]; }
+
+// The scale exponent of a row (its element D).  Rows of the contract hold an
+// integer in [-16, 16]; only the poisoned rows a sequence does not own hold
+// anything else (int8 127, fp8 NaN), and the kernel never loads those.  The
+// clamp to [-100, 100] keeps every power of two built from it (below) a
+// normal float.
+constexpr int32_t kExpClamp = 100;
+template <typename KT>
+inline int32_t row_exponent(const KT* row, int64_t D) {
+  const float e = elem_f(row[D]);
+  return e >= -kExpClamp && e <= kExpClamp ? static_cast<int32_t>(e) : kExpClamp;  // NaN too
+}
+
+// Quantized row (D values + exponent) -> D fp32 values, dequantized: value * 2^e.
+//
+// int8: sign-extend to int32, convert, scale (vpmovsxbd + vcvtdq2ps + vmulps).
+// GCC 12 builds __builtin_convertvector from 8-byte vectors one element at a
+// time (scalar loads and inserts, several times slower), hence the intrinsics.
+//
+// float8_e4m3fn (S.EEEE.MMM, bias 7): the byte sign-extended to 16 bits and
+// shifted left by 7 is the binary16 S.0EEEE.MMM0000000 (bit 14, the copy of
+// the sign, cleared), whose value is the fp8 value * 2^-8 -- subnormals
+// included, since binary16's exponent bias (15) is 8 more than fp8's and its
+// subnormals are the same shape.  vcvtph2ps converts that exactly (MXCSR's
+// DAZ does not apply to it), and 2^(e + 8) scales it back and applies the
+// row's scale in one multiply.  fp8 NaN (|x| = 0x7f) would come out as 480:
+// it is made a binary16 NaN first.  Measured here (one core, 64-value rows in
+// L1): int8 ~4 ns a row, fp8 ~7.5 (~2 of them the NaN fix), the exact fp8
+// formula below ~12, a 256-entry table read with vpgatherdd ~25.  Without
+// AVX2 + F16C, that formula from the bit fields: |x| = mant * 2^(max(E, 1) - 10),
+// mant = M + 8 for normals and M for subnormals, with the row's exponent in
+// the same power of two.
+template <typename KT>
+inline void dequant_row(const KT* src, int64_t D, float* dst) {
+  const int32_t e = row_exponent(src, D);
+  const float scale = pow2i(e);
+  int64_t d = 0;
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    const vf vscale = vbcast(scale);
+    for (; d + kLanes <= D; d += kLanes) {
+#if defined(__AVX2__)
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+      const vi x = (vi)_mm256_cvtepi8_epi32(b);
+#else
+      vi x;
+      for (int i = 0; i < kLanes; ++i) x[i] = src[d + i];
+#endif
+      vstore(dst + d, __builtin_convertvector(x, vf) * vscale);
+    }
+  } else {
+#if defined(__AVX2__) && defined(__F16C__)
+    const vf vscale = vbcast(pow2i(e + 8));
+    const __m128i clear14 = _mm_set1_epi16(static_cast<int16_t>(0xbfff));
+    const __m128i abs_mask = _mm_set1_epi16(0x7fff), nan_in = _mm_set1_epi16(0x3f80),
+                  nan_exp = _mm_set1_epi16(0x7c00);
+    for (; d + kLanes <= D; d += kLanes) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&src[d].bits));
+      __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), clear14);
+      const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, abs_mask), nan_in);
+      h = _mm_or_si128(h, _mm_and_si128(nan, nan_exp));
+      vstore(dst + d, (vf)_mm256_cvtph_ps(h) * vscale);
+    }
+#else
+    for (; d + kLanes <= D; d += kLanes) {
+      vi x;
+      for (int i = 0; i < kLanes; ++i) x[i] = src[d + i].bits;
+      const vi ex = (x >> 3) & 15, m = x & 7;
+      const vi mant = m | ((ex != 0) & 8);
+      const vi pw = ((ex > 1 ? ex : 1) + (117 + e)) << 23;  // 117 = 127 (bias) - 10
+      const vi bits = (vi)(__builtin_convertvector(mant, vf) * (vf)pw) | ((x & 0x80) << 24);
+      vstore(dst + d, (vf)((x & 0x7f) == 0x7f ? vi{} + 0x7fc00000 : bits));
+    }
+#endif
+  }
+  for (; d < D; ++d) dst[d] = elem_f(src[d]) * scale;
 }
 
 // In-register 8x8 transpose: r[i][j] -> r[j][i].
@@ -266,6 +394,7 @@ struct Params {
   const int32_t* kv_lens;
   void* out;
   int64_t T, H, D, Dp, NB, L, KVH, BS, W, G, S;
+  int64_t Dr;  // elements per pool row: D, + 1 (the scale exponent) when quantized
   int64_t layer;
   int64_t tile_tokens, max_rows_p;
   float scale;  // sm_scale * log2(e): scores are kept in base-2 units
@@ -309,14 +438,15 @@ struct Scratch {
 
 // Row pointers of keys [k0, k0 + nk) of (sequence, kv head) into sc.krow /
 // sc.vrow, block by block through the block table: straight into the pool
-// for fp32 (V rows too when D is a multiple of 8), else through fp32 copies.
+// for fp32 (V rows too when D is a multiple of 8), else through fp32 copies
+// (bf16 converted, quantized rows dequantized).
 template <typename KT>
 void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int64_t nk,
                 Scratch& sc) {
-  constexpr bool f32 = sizeof(KT) == sizeof(float);
+  constexpr bool f32 = std::is_same_v<KT, float>;
   const KT* pool = static_cast<const KT*>(p.pool);
-  const int64_t D = p.D, Dp = p.Dp;
-  const int64_t head_stride = p.BS * D;
+  const int64_t D = p.D, Dp = p.Dp, Dr = p.Dr;
+  const int64_t head_stride = p.BS * Dr;
   const int64_t kv_stride = p.KVH * head_stride;
   const int64_t block_stride = p.L * 2 * kv_stride;
   const int64_t base = p.layer * 2 * kv_stride + kvh * head_stride;
@@ -325,20 +455,26 @@ void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int
     const int64_t j = k / p.BS, off = k % p.BS;
     const int64_t n = std::min(p.BS - off, k0 + nk - k);
     const int64_t phys = std::min<int64_t>(std::max<int64_t>(bt[j], 0), p.NB - 1);
-    const KT* ksrc = pool + phys * block_stride + base + off * D;
+    const KT* ksrc = pool + phys * block_stride + base + off * Dr;
     const KT* vsrc = ksrc + kv_stride;
     for (int64_t t = 0; t < n; ++t) {
       const int64_t idx = k - k0 + t;
       if constexpr (f32) {
-        sc.krow[idx] = reinterpret_cast<const float*>(ksrc + t * D);
+        sc.krow[idx] = reinterpret_cast<const float*>(ksrc + t * Dr);
+      } else if constexpr (kQuantized<KT>) {
+        dequant_row(ksrc + t * Dr, D, sc.kb + idx * D);
+        sc.krow[idx] = sc.kb + idx * D;
       } else {
-        to_f32(ksrc + t * D, D, sc.kb + idx * D);
+        to_f32(ksrc + t * Dr, D, sc.kb + idx * D);
         sc.krow[idx] = sc.kb + idx * D;
       }
       if (v_direct) {
-        sc.vrow[idx] = reinterpret_cast<const float*>(vsrc + t * D);
+        sc.vrow[idx] = reinterpret_cast<const float*>(vsrc + t * Dr);
       } else {
-        to_f32(vsrc + t * D, D, sc.vb + idx * Dp);
+        if constexpr (kQuantized<KT>)
+          dequant_row(vsrc + t * Dr, D, sc.vb + idx * Dp);
+        else
+          to_f32(vsrc + t * Dr, D, sc.vb + idx * Dp);
         sc.vrow[idx] = sc.vb + idx * Dp;
       }
     }
@@ -353,7 +489,7 @@ void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int
 template <typename KT>
 void prefetch_chunk(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int64_t nk) {
   const char* pool = static_cast<const char*>(p.pool);
-  const int64_t row = p.D * static_cast<int64_t>(sizeof(KT));
+  const int64_t row = p.Dr * static_cast<int64_t>(sizeof(KT));
   const int64_t head_stride = p.BS * row;
   const int64_t kv_stride = p.KVH * head_stride;
   const int64_t block_stride = p.L * 2 * kv_stride;
@@ -658,6 +794,17 @@ void run_item(const Params& p, const Item& it, Scratch& sc) {
 
 using ItemFn = void (*)(const Params&, const Item&, Scratch&);
 
+// run_item for q of type QT and a pool of (checked) dtype kt.
+template <typename QT>
+ItemFn item_fn(ffi::DataType kt) {
+  switch (kt) {
+    case ffi::DataType::F32: return &run_item<QT, float>;
+    case ffi::DataType::BF16: return &run_item<QT, uint16_t>;
+    case ffi::DataType::S8: return &run_item<QT, int8_t>;
+    default: return &run_item<QT, Fp8>;  // F8E4M3FN
+  }
+}
+
 struct Shared {
   Params p;
   ItemFn fn;
@@ -722,7 +869,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   p.BS = pd[4];
   p.S = bd[0];
   p.W = bd[1];
-  if (pd[5] != p.D) return ffi::Error::InvalidArgument("paged_attention_cpu: head_dim mismatch");
+  const auto qt = q.element_type(), kt = kv_pool.element_type();
+  const bool q32 = qt == ffi::DataType::F32;
+  const bool quant = kt == ffi::DataType::S8 || kt == ffi::DataType::F8E4M3FN;
+  if (!q32 && qt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q must be f32 or bf16");
+  if (!quant && kt != ffi::DataType::F32 && kt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: kv_pool must be f32, bf16, int8 or float8_e4m3fn");
+  p.Dr = p.D + (quant ? 1 : 0);  // a quantized row ends with its scale exponent
+  if (pd[5] != p.Dr)
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: head_dim mismatch (a quantized pool's rows are head_dim + 1)");
   if (p.KVH <= 0 || p.H % p.KVH != 0)
     return ffi::Error::InvalidArgument("paged_attention_cpu: num_heads % num_kv_heads != 0");
   p.G = p.H / p.KVH;
@@ -742,10 +900,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   p.tile_tokens = std::max<int64_t>(1, kTileRows / p.G);
   p.max_rows_p = round_up(p.tile_tokens * p.G, kLanes);
 
-  const auto qt = q.element_type(), kt = kv_pool.element_type();
-  const bool q32 = qt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
-  if ((!q32 && qt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("paged_attention_cpu: q and kv_pool must be f32 or bf16");
   if (p.T == 0 || p.H == 0 || p.D == 0) return ffi::Error::Success();
   const int64_t row = p.H * p.D;
   auto zero = q32 ? zero_tokens<float> : zero_tokens<uint16_t>;
@@ -794,10 +948,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   std::stable_sort(sh->items.begin(), sh->items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  if (q32 && k32) sh->fn = &run_item<float, float>;
-  else if (q32) sh->fn = &run_item<float, uint16_t>;
-  else if (k32) sh->fn = &run_item<uint16_t, float>;
-  else sh->fn = &run_item<uint16_t, uint16_t>;
+  sh->fn = q32 ? item_fn<float>(kt) : item_fn<uint16_t>(kt);
   sh->p = p;
 
   const int64_t n_items = static_cast<int64_t>(sh->items.size());
@@ -823,9 +974,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
 }
 
 // ---------------------------------------------------------------------------
-// K/V write, in place.  XLA:CPU lowers a scatter into a bf16 buffer by
-// converting the whole buffer to f32 and back; this touches only the rows
-// written.
+// K/V write, in place.  XLA:CPU lowers a scatter into a bf16 (or fp8) buffer
+// by converting the whole buffer to f32 and back; this touches only the rows
+// written.  Rows of a quantized pool arrive quantized (D + 1 bytes) and are
+// copied as they are.
 
 template <typename PT, typename KT>
 void write_rows(void* pool, const void* k, const void* v, const int32_t* blocks,
@@ -873,14 +1025,21 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return ffi::Error::InvalidArgument("write_kv_cpu: output must match the pool");
   const auto pt = pool.element_type(), kt = k.element_type();
   const bool p32 = pt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
-  if ((!p32 && pt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("write_kv_cpu: pool and k/v must be f32 or bf16");
+  // A quantized pool takes rows quantized already (by quantize_rows, the one
+  // quantizer), of its own dtype and row length: they are copied as bytes.
+  const bool quant = pt == ffi::DataType::S8 || pt == ffi::DataType::F8E4M3FN;
+  if (quant ? kt != pt
+            : (!p32 && pt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(
+        "write_kv_cpu: pool and k/v must be f32 or bf16, or k/v quantized rows of the pool's "
+        "dtype (int8, float8_e4m3fn)");
   if (out->untyped_data() != pool.untyped_data())  // XLA did not alias: copy, then write
     std::memcpy(out->untyped_data(), pool.untyped_data(), pool.size_bytes());
   const int64_t lay = layer.typed_data()[0];
   if (lay < 0 || lay >= pd[1]) return ffi::Error::Success();  // dropped, like the scatter
-  auto fn = p32 ? (k32 ? write_rows<float, float> : write_rows<float, uint16_t>)
-                : (k32 ? write_rows<uint16_t, float> : write_rows<uint16_t, uint16_t>);
+  auto fn = quant ? write_rows<uint8_t, uint8_t>
+           : p32  ? (k32 ? write_rows<float, float> : write_rows<float, uint16_t>)
+                  : (k32 ? write_rows<uint16_t, float> : write_rows<uint16_t, uint16_t>);
   fn(out->untyped_data(), k.untyped_data(), v.untyped_data(), blocks.typed_data(),
      offsets.typed_data(), kd[0], pd[0], pd[1], pd[3], pd[4], pd[5], lay);
   return ffi::Error::Success();
@@ -906,8 +1065,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionCpu, PagedAttentionImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()         // kv_pool (aliased to the result)
-                                  .Arg<ffi::AnyBuffer>()         // k [T, KVH, D]
-                                  .Arg<ffi::AnyBuffer>()         // v [T, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()         // k [T, KVH, D (+ 1: quantized)]
+                                  .Arg<ffi::AnyBuffer>()         // v [T, KVH, D (+ 1: quantized)]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // blocks [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // offsets [T]

@@ -5,7 +5,10 @@ the cases listing "cpu"):
 
 * head_dim {64, 128} (and 20, the scalar paths for a head_dim that is not a
   multiple of 8) x GQA {1, 3, 4, 8} x block size {1, 8, 16, 32} x dtype
-  {fp32, bf16} for queries and pool, mixed q / pool dtypes included.
+  {fp32, bf16} for queries and {fp32, bf16, int8, fp8 e4m3} for the pool
+  (quantized rows: head_dim values + a power-of-two scale exponent), every
+  q / pool pairing included.  Every int8 / fp8 byte value under every scale
+  exponent in [-16, 16] reads exactly (value * 2**e).
 * decode-only batches (contexts up to ~1100 with exact block boundaries,
   boundary + 1 and 1: `cases.lens_profile`), whole prompts, chunked
   prefill over a cached prefix, mixed batches (`cases.mixed_seqs`);
@@ -14,7 +17,8 @@ the cases listing "cpu"):
   sequence with cached K/V mid-batch, an all-padding batch.
 * every case fills all pool memory a sequence may not read with NaN (block 0,
   unowned blocks, the tail of each last block, every layer but the one read;
-  layer > 0 unless stated); a traced layer inside jit and lax.scan.
+  layer > 0 unless stated; int8 pools: random bytes with scale exponent 127,
+  ~2e40 -> inf in fp32); a traced layer inside jit and lax.scan.
 * sliding windows smaller than, equal to and larger than the block size,
   window 1 and a window past every context, soft caps that decide the
   softmax (scores ~ +-100 under a cap of 50); with a window every key before
@@ -25,7 +29,9 @@ the cases listing "cpu"):
 * a hypothesis test draws random ragged batches at fixed shapes.
 
 K/V write vs `write_kv_reference` (all dtype pairs, padding tokens to the null
-block, out-of-range writes dropped), in place when the pool is donated.
+block, out-of-range writes dropped), in place when the pool is donated;
+quantized pools byte for byte (exponents clamped at -16 and 16, saturation).
+The cpu backend uses the kernels for quantized pools (never the reference).
 Fallbacks: the reference when the kernel is unavailable or a dtype unsupported,
 with the options passed through.
 
@@ -42,12 +48,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernels.cases import (NUM_LAYERS, OPTIONS, TOL, cases_for, check_ragged, fresh_seed,
-                           make_ragged_case, mixed_seqs, reference)
+from kernels.cases import (FP8, INT8, NUM_LAYERS, OPTIONS, TOL, cases_for, check_ragged,
+                           fresh_seed, make_ragged_case, mixed_seqs, reference)
 
 import pallas_kernels
 from pallas_kernels import cpu
-from pallas_kernels.reference import write_kv_reference
+from pallas_kernels.reference import is_quantized, quantize_rows, write_kv_reference
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"CPU kernel unavailable: {cpu.unavailable_reason()}")
@@ -55,6 +61,15 @@ pytestmark = pytest.mark.skipif(not cpu.available(),
 BF16 = jnp.bfloat16
 F32 = np.float32
 kernel = jax.jit(cpu.paged_attention_cpu, static_argnames=OPTIONS + ("max_threads",))
+
+
+def assert_poisoned(rows):
+    """Pool rows a sequence may not read hold NaN, or (int8: no NaN) random bytes with
+    scale exponent 127, which dequantize to up to ~2e40 (inf in fp32)."""
+    if rows.dtype == jnp.int8:
+        assert (np.asarray(rows)[..., -1] == 127).all()
+    else:
+        assert np.isnan(np.asarray(rows, np.float32)).all()
 
 
 def run(args, seed, what, **kw):
@@ -67,21 +82,50 @@ def run(args, seed, what, **kw):
 def test_matches_reference(case):
     seed = fresh_seed()
     seqs, args = case.make(seed)
-    assert np.isnan(np.asarray(args[1][0], np.float32)).all()   # the null block is poisoned
+    assert_poisoned(args[1][0])                                   # the null block
     case.check(kernel(*args, **case.options), args, seed, seqs, "cpu")
 
 
-@pytest.mark.parametrize("q_dtype,pool_dtype", [(F32, BF16), (BF16, F32)])
+@pytest.mark.parametrize("q_dtype,pool_dtype", [(F32, BF16), (BF16, F32), (F32, INT8),
+                                                  (BF16, INT8), (F32, FP8), (BF16, FP8)])
 def test_mixed_dtypes(q_dtype, pool_dtype):
+    """q of either float dtype over any pool dtype.  A quantized pool is read exactly
+    (dequantized in fp32): fp32 queries get the fp32 tolerance."""
     seed = fresh_seed()
     seqs = mixed_seqs(np.random.default_rng(seed), 7, 16, 200, 40)
-    q, *rest = make_ragged_case(seed, seqs, G=3, KVH=2, D=64, BS=16, dtype=pool_dtype)
-    args = (q.astype(q_dtype), *rest)
+    args = make_ragged_case(seed, seqs, G=3, KVH=2, D=64, BS=16, dtype=q_dtype,
+                            kv_dtype=pool_dtype)
+    assert args[1].dtype == jnp.dtype(pool_dtype)
+    assert args[1].shape[-1] == 64 + is_quantized(pool_dtype)    # + the scale exponent
     out = kernel(*args)
     assert out.dtype == jnp.dtype(q_dtype)
     ref = np.asarray(reference(*args), np.float32)
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref, **TOL[np.dtype(BF16)],
-                               err_msg=f"seed={seed}")
+    tol = TOL[np.dtype(BF16 if BF16 in (q_dtype, pool_dtype) else F32)]
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, **tol, err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("D", [64, 20])
+@pytest.mark.parametrize("pool_dtype", [INT8, FP8])
+def test_quantized_values_exact(pool_dtype, D):
+    """Every byte value (fp8: subnormals, +-0, +-448 and NaN included) under every scale
+    exponent in [-16, 16] reads as exactly value * 2**e: one key per sequence, so each
+    output row is its V row (softmax weight exactly 1).  D = 20: the scalar tail too."""
+    all_bytes = np.arange(256, dtype=np.uint8).view(np.dtype(pool_dtype))
+    values = np.resize(all_bytes, -(-256 // D) * D).reshape(-1, D)   # every byte at least once
+    rows = [(v, e) for e in range(-16, 17) for v in values]            # one sequence each
+    S, KVH, BS = len(rows), 1, 4
+    pool = np.zeros((S + 1, NUM_LAYERS, 2, KVH, BS, D + 1), np.dtype(pool_dtype))
+    for s, (v, e) in enumerate(rows):
+        pool[s + 1, 1, 0, 0, 0, :D] = np.ones(D, np.float32).astype(pool_dtype)  # K: finite
+        pool[s + 1, 1, 1, 0, 0, :D] = v
+        pool[s + 1, 1, :, 0, 0, D] = np.float32(e).astype(pool_dtype)
+    q = jnp.asarray(np.random.default_rng(fresh_seed()).standard_normal((S, 2, D)), F32)
+    bt = jnp.arange(1, S + 1, dtype=jnp.int32)[:, None]
+    out = np.asarray(kernel(q, jnp.asarray(pool), 1, bt, jnp.ones(S, jnp.int32),
+                            jnp.arange(S + 1, dtype=jnp.int32)))
+    want = np.stack([v.astype(np.float64) * 2.0 ** e for v, e in rows])  # ml_dtypes: exact
+    for g in range(2):
+        np.testing.assert_array_equal(out[:, g], want.astype(np.float32))
 
 
 def test_padding():
@@ -150,7 +194,9 @@ def test_traced_layer_in_scan_and_vmap():
 @given(data=st.data())
 def test_random_ragged_batches(data):
     """Random mixes of decodes, prompts and chunks at fixed shapes (one compile per config)."""
-    G, KVH, D, BS, dtype = data.draw(st.sampled_from([(3, 3, 64, 16, F32), (4, 2, 128, 8, BF16)]))
+    G, KVH, D, BS, dtype, kv_dtype = data.draw(st.sampled_from(
+        [(3, 3, 64, 16, F32, None), (4, 2, 128, 8, BF16, None), (3, 3, 64, 16, F32, INT8),
+         (4, 2, 128, 8, BF16, FP8)]))
     T, S, max_len = 96, 6, 150
     budget, seqs = T - 1, []
     for _ in range(data.draw(st.integers(1, S - 1), label="n_seqs")):
@@ -166,18 +212,26 @@ def test_random_ragged_batches(data):
     seed = fresh_seed()
     n_blk = -(-max_len // BS)
     args = make_ragged_case(seed, seqs, G=G, KVH=KVH, D=D, BS=BS, dtype=dtype, layer=layer,
+                            kv_dtype=kv_dtype,
                             pad_tokens=T - sum(q for _, q in seqs), pad_seqs=S - len(seqs),
                             width=n_blk + 1, num_blocks=1 + (S - 1) * n_blk + 3)
-    run(args, seed, f"hypothesis seqs={seqs} layer={layer}")
+    run(args, seed, f"hypothesis seqs={seqs} layer={layer} pool {args[1].dtype}")
 
 
 # ---------------------------------------------------------------------------
 # K/V write
 
 def _write_case(rng, *, pool_dtype, kv_dtype, T=21, NB=9, KVH=2, BS=8, D=64):
-    pool = jnp.asarray(rng.standard_normal((NB, NUM_LAYERS, 2, KVH, BS, D)), pool_dtype)
-    k = jnp.asarray(rng.standard_normal((T, KVH, D)), kv_dtype)
-    v = jnp.asarray(rng.standard_normal((T, KVH, D)), kv_dtype)
+    pool = rng.standard_normal((NB, NUM_LAYERS, 2, KVH, BS, D))
+    if is_quantized(pool_dtype):
+        pool = quantize_rows(jnp.asarray(pool), pool_dtype)
+    pool = jnp.asarray(pool, pool_dtype)
+    # Rows of magnitudes 2**-30 .. 2**30 (scale exponents clamped at -16 and at 16, where
+    # values saturate), one all-zero row.
+    mag = 2.0 ** rng.uniform(-30, 30, (2, T, KVH, 1))
+    mag[0, 0, 0], mag[1, 0, 0], mag[0, 2, 0] = 2.0 ** 30, 2.0 ** -30, 0   # token 0: a real write
+    k = jnp.asarray(rng.standard_normal((T, KVH, D)) * mag[0], kv_dtype)
+    v = jnp.asarray(rng.standard_normal((T, KVH, D)) * mag[1], kv_dtype)
     slots = rng.permutation((NB - 1) * BS)[:T] + BS                # distinct rows past block 0
     blocks, offsets = (slots // BS).astype(np.int32), (slots % BS).astype(np.int32)
     blocks[-3:], offsets[-3:] = 0, [0, 1, 1]                       # padding tokens: null block
@@ -201,10 +255,31 @@ def test_write_kv_matches_reference_in_place(pool_dtype, kv_dtype):
     np.testing.assert_array_equal(got[0, [0, 2]], want[0, [0, 2]])  # other layers untouched
 
 
-def test_write_kv_traced_layer_in_scan():
+@pytest.mark.parametrize("kv_dtype", [F32, BF16])
+@pytest.mark.parametrize("pool_dtype", [INT8, FP8])
+def test_write_kv_quantized_bit_identical_in_place(pool_dtype, kv_dtype):
+    """A quantized pool gets quantize_rows of k and v, byte for byte the reference's
+    (clamped exponents and saturated values included), written in place."""
+    rng = np.random.default_rng(fresh_seed())
+    pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=pool_dtype, kv_dtype=kv_dtype)
+    want = np.asarray(write_kv_reference(pool, 1, k, v, blocks, offsets)).view(np.uint8)
+    exps = np.asarray(want[1:, 1, ..., -1].view(pool_dtype), np.float32)
+    assert exps.min() == -16 and exps.max() == 16                   # both clamps reached
+    write = jax.jit(cpu.write_kv_or_reference, donate_argnums=0)
+    ptr = pool.unsafe_buffer_pointer()
+    got = write(pool, jnp.int32(1), k, v, blocks, offsets)
+    assert got.unsafe_buffer_pointer() == ptr                       # the donated pool, in place
+    assert pool.is_deleted() and got.dtype == jnp.dtype(pool_dtype)
+    got = np.asarray(got).view(np.uint8)
+    np.testing.assert_array_equal(got[1:], want[1:])               # block 0 is scratch
+    np.testing.assert_array_equal(got[0, [0, 2]], want[0, [0, 2]])  # other layers untouched
+
+
+@pytest.mark.parametrize("pool_dtype", [F32, INT8])
+def test_write_kv_traced_layer_in_scan(pool_dtype):
     """The engine's pattern: write then read each layer inside a scan over layers."""
     rng = np.random.default_rng(fresh_seed())
-    pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=F32, kv_dtype=F32)
+    pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=pool_dtype, kv_dtype=F32)
 
     def step(write):
         def body(pool, layer):
@@ -238,6 +313,34 @@ def test_backend_dispatch():
     np.testing.assert_array_equal(
         np.asarray(pallas_kernels.paged_attention(*args, impl="cpu", **opts)),
         np.asarray(kernel(*args, **opts)))
+
+
+@pytest.mark.parametrize("pool_dtype", [INT8, FP8])
+def test_backend_dispatch_quantized_uses_kernels(monkeypatch, pool_dtype):
+    """The cpu backend reads and writes quantized pools with the kernels: with the
+    reference's attention and write made to fail, both entry points still work."""
+    seed = fresh_seed()
+    args = make_ragged_case(seed, [(20, 20), (90, 1), (33, 5)], G=3, KVH=2, D=64, BS=8,
+                            kv_dtype=pool_dtype)
+    pool, k, v, blocks, offsets = _write_case(np.random.default_rng(seed), pool_dtype=pool_dtype,
+                                              kv_dtype=BF16)
+    want_pool = np.asarray(write_kv_reference(pool, 1, k, v, blocks, offsets)).view(np.uint8)
+    want = {dt: np.asarray(kernel(args[0].astype(dt), *args[1:])) for dt in (F32, BF16)}
+
+    def no_reference(*a, **kw):
+        raise AssertionError("the cpu backend fell back to the reference")
+    monkeypatch.setattr(cpu, "paged_attention_reference", no_reference)
+    monkeypatch.setattr(cpu, "write_kv_reference", no_reference)
+    backend = pallas_kernels.get_backend("cpu")
+    for dt in (F32, BF16):
+        q = args[0].astype(dt)
+        assert cpu.supports(q, args[1])
+        np.testing.assert_array_equal(np.asarray(jax.jit(backend.attention)(q, *args[1:])),
+                                      want[dt])
+        np.testing.assert_array_equal(
+            np.asarray(pallas_kernels.paged_attention(q, *args[1:], impl="cpu")), want[dt])
+    got = jax.jit(backend.write_kv)(pool, 1, k, v, blocks, offsets)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8)[1:], want_pool[1:])
 
 
 def test_fallback_to_reference(monkeypatch):
