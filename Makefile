@@ -92,6 +92,13 @@ bench-http-serving: $(STAMP)
 bench-cpu-attention: $(STAMP)
 	$(PY) benchmarks/bench_cpu_attention.py $(ARGS)
 
+# Quantized KV pools (kv_cache_dtype bfloat16 / int8 / fp8_e4m3 vs float32): greedy agreement, logprob
+# drift, the which-scale ablation, capacity (benchmarks/results/kv_quant*.{csv,md}); the timings:
+# ARGS='--parts=write_speed,step'.
+.PHONY: bench-kv-quant
+bench-kv-quant: $(STAMP)
+	$(PY) benchmarks/bench_kv_quant.py $(ARGS)
+
 # Where each millisecond of a batch-1 decode step goes: host pieces of llm.step(), the
 # server's per-token path, the jitted program in pieces (benchmarks/results/decode_profile.{csv,md}).
 .PHONY: bench-decode-profile

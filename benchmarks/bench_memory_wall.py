@@ -1,15 +1,20 @@
 """The memory wall: KV bytes reserved by a contiguous max-length cache, a growing
 (dynamic) cache and the paged pool, for concurrency 1..32; and how many sequences
-fit a fixed KV budget, contiguous vs paged.
+fit a fixed KV budget, contiguous vs paged, per KV pool dtype.
 
-    python benchmarks/bench_memory_wall.py [--max_tokens=512 --max_model_len=2048 --budget_gib=1]
+    python benchmarks/bench_memory_wall.py [--max_tokens=512 --max_model_len=2048 --budget_gib=1 \
+        --kv_dtypes=float32,bfloat16,int8,fp8_e4m3]
 
 Sequence lengths (prompt + answer) are real: the 8 demo prompts are run through
 jpaged first; concurrency c takes the first c of them, cycling.  Bytes come
 from jpaged.runtime.kv_pool.bytes_per_block.  `contiguous` reserves max_model_len slots
 per sequence (HF StaticCache); `dynamic` holds exactly the tokens (HF
 DynamicCache, before its grow-by-copy transients); `paged` holds ceil(len /
-block_size) blocks.  wasted % = reserved slots not holding a token.
+block_size) blocks.  wasted % = reserved slots not holding a token.  The
+reservation table is for the engine's pool dtype (kv_cache_dtype auto = the
+float32 weights' dtype); the fit table has one row per --kv_dtypes pool dtype,
+its bytes from bytes_per_block(cfg, block_size, dtype) (int8 / fp8 rows carry
+their scale column: head_dim + 1 bytes).
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 from absl import app, flags
 
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
+from jpaged.engine.setup import resolve_kv_cache_dtype
 from jpaged.runtime.kv_pool import bytes_per_block
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Max new tokens of the real answers.")
@@ -27,6 +35,8 @@ _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 2048, "Contiguous reserva
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Paged block size.")
 _BUDGET = flags.DEFINE_float("budget_gib", 1.0, "Fixed KV budget for the fit test.")
 _CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Concurrency levels.")
+_KV_DTYPES = flags.DEFINE_list("kv_dtypes", ["float32", "bfloat16", "int8", "fp8_e4m3"],
+                               "KV pool dtypes (kv_cache_dtype values) of the fit table.")
 
 
 def main(argv):
@@ -58,26 +68,44 @@ def main(argv):
                                            "dynamic_waste_pct": ".1f", "paged_waste_pct": ".1f"},
              title=f"KV reserved, max_model_len {L}, block_size {bs}")
     budget = int(_BUDGET.value * G)
-    fit_contig = budget // (L * per_tok)
-    used, fit_paged = 0, 0
-    for n in itertools.cycle(lens):
-        need = math.ceil(n / bs) * per_blk
-        if used + need > budget:
-            break
-        used += need
-        fit_paged += 1
-    fit = [{"kv_budget_gib": _BUDGET.value, "contiguous_seqs": fit_contig, "paged_seqs": fit_paged,
-            "paged_over_contiguous": fit_paged / max(fit_contig, 1)}]
-    B.report("memory_wall_fit", fit, formats={"paged_over_contiguous": ".1f"},
-             title="Sequences that fit a fixed KV budget (real length mix, cycled)")
+    fit = []
+    for name in _KV_DTYPES.value:
+        dt = resolve_kv_cache_dtype(name, llm.dtype)
+        tok_b, blk_b = bytes_per_block(llm.model_config, 1, dt), bytes_per_block(llm.model_config, bs, dt)
+        fit_contig = budget // (L * tok_b)
+        used, fit_paged = 0, 0
+        for n in itertools.cycle(lens):
+            need = math.ceil(n / bs) * blk_b
+            if used + need > budget:
+                break
+            used += need
+            fit_paged += 1
+        fit.append({"kv_dtype": name, "kv_budget_gib": _BUDGET.value, "bytes_per_token": tok_b,
+                    "contiguous_mib_per_seq": L * tok_b / 2**20,
+                    "paged_mib_per_seq": sum(math.ceil(n / bs) for n in lens) * blk_b / len(lens) / 2**20,
+                    "contiguous_seqs": fit_contig, "paged_seqs": fit_paged,
+                    "paged_over_contiguous": fit_paged / max(fit_contig, 1)})
+    base = next((r for r in fit if r["kv_dtype"] == "float32"), fit[0])
+    for r in fit:
+        r["paged_vs_fp32_paged"] = r["paged_seqs"] / max(base["paged_seqs"], 1)
+        r["paged_vs_fp32_contiguous"] = r["paged_seqs"] / max(base["contiguous_seqs"], 1)
+    B.report("memory_wall_fit", fit, formats={"contiguous_mib_per_seq": ".1f", "paged_mib_per_seq": ".2f",
+                                              "paged_over_contiguous": ".1f", "paged_vs_fp32_paged": ".2f",
+                                              "paged_vs_fp32_contiguous": ".1f"},
+             title="Sequences that fit a fixed KV budget (real length mix, cycled), per KV pool dtype")
     fig, (a1, a2) = B.figure(2)
     x = [r["concurrency"] for r in rows]
     for k, lab in (("contiguous_gib", "contiguous (max len)"), ("dynamic_gib", "dynamic (exact)"),
                    ("paged_gib", f"paged (block {bs})")):
         a1.plot(x, [r[k] for r in rows], "o-", label=lab)
     a1.set_xscale("log", base=2); a1.set_xlabel("concurrent sequences"); a1.set_ylabel("KV GiB"); a1.legend()
-    a2.bar(["contiguous", "paged"], [fit_contig, fit_paged])
-    a2.set_ylabel(f"sequences in {_BUDGET.value:g} GiB KV")
+    xs = np.arange(len(fit))
+    a2.bar(xs - 0.2, [r["contiguous_seqs"] for r in fit], 0.4, label=f"contiguous ({L} slots)")
+    a2.bar(xs + 0.2, [r["paged_seqs"] for r in fit], 0.4, label=f"paged (block {bs})")
+    for xi, r in zip(xs, fit):
+        a2.annotate(str(r["paged_seqs"]), (xi + 0.2, r["paged_seqs"]), ha="center", va="bottom", fontsize=8)
+    a2.set_xticks(xs, [r["kv_dtype"] for r in fit])
+    a2.set_ylabel(f"sequences in {_BUDGET.value:g} GiB KV"); a2.legend()
     B.save_figure("memory_wall", fig, "The memory wall")
 
 
