@@ -134,9 +134,10 @@ def test_int8_logprobs_drift_less_than_fp8(tiny_llm, int8_llm, fp8_llm):
     assert int8.max() < 0.25 and fp8.max() < 1.0, (int8.max(), fp8.max())
 
 
-@pytest.mark.parametrize("impl", ["cpu", "pallas_gpu", "pallas_tpu"])
-def test_kernels_give_the_reference_tokens_on_an_int8_pool(make_tiny_llm, int8_tokens, impl):
-    llm = make_tiny_llm(kv_cache_dtype="int8", attention_impl=impl)
+def test_cpu_kernel_gives_the_reference_tokens_on_an_int8_pool(make_tiny_llm, int8_tokens):
+    """(The Pallas kernels' int8 / fp8 reads are checked against the reference in
+    tests/kernels, case by case; through the engine in interpret mode they cost ~30 s.)"""
+    llm = make_tiny_llm(kv_cache_dtype="int8", attention_impl="cpu")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == int8_tokens
 
 
