@@ -99,6 +99,12 @@ bench-cpu-attention: $(STAMP)
 bench-kv-quant: $(STAMP)
 	$(PY) benchmarks/bench_kv_quant.py $(ARGS)
 
+# KV held per sequence at 4K / 16K tokens, Gemma 2 / 3 shapes: one table vs the hybrid layout
+# (benchmarks/results/kv_layout.{csv,md}).
+.PHONY: bench-kv-layout
+bench-kv-layout: $(STAMP)
+	$(PY) benchmarks/bench_kv_layout.py $(ARGS)
+
 # Where each millisecond of a batch-1 decode step goes: host pieces of llm.step(), the
 # server's per-token path, the jitted program in pieces (benchmarks/results/decode_profile.{csv,md}).
 .PHONY: bench-decode-profile

@@ -55,7 +55,8 @@ class StepStats:
         used, bs = block_manager.num_used_blocks, self.block_size
         s.peak_blocks_used = max(s.peak_blocks_used, used)
         s.slots_allocated += used * bs
-        # Shared blocks hold tokens of several sequences: cap at the slots held.
-        s.slots_filled += min(used * bs, sum(min(q.num_computed_tokens, len(q.block_table.block_ids) * bs)
-                                             for q in running))
+        # Shared blocks hold tokens of several sequences: cap at the slots held.  Every
+        # layer group's table counts (a sliding group's, from its first block held).
+        s.slots_filled += min(used * bs, sum(min(q.num_computed_tokens, len(t.block_ids) * bs) - t.start * bs
+                                             for q in running for t in block_manager.tables(q)))
         s.swap_blocks_peak = max(s.swap_blocks_peak, swap_space.num_used_blocks)
