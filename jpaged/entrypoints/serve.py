@@ -104,7 +104,7 @@ def build_engine(config: Any, precompile: bool) -> Any:
     if precompile:
         llm.precompile()
     print(f"engine ready in {time.perf_counter() - t0:.1f} s: {llm.loaded.source}, {llm.num_blocks} KV blocks "
-          f"x {config.block_size} tokens, attention {llm.attention_impl}", flush=True)
+          f"x {config.block_size} tokens, {llm.kv_dtype.name}, attention {llm.attention_impl}", flush=True)
     return llm
 
 
