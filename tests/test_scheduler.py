@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.core.block_manager import NULL_BLOCK, BlockManager
+from jpaged.core.kv_layout import KVLayout
 from jpaged.core.rounding import cdiv
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
 from jpaged.core.sequence import SamplingParams, Sequence, Status
@@ -59,6 +60,7 @@ class Workload:
     swap_blocks: int
     token_buckets: tuple[int, ...]
     requests: tuple[Request, ...]
+    window: int | None = None  # a hybrid layout: a global group and a sliding group of this window
 
 
 def fake_token(seq: Sequence) -> int:
@@ -71,7 +73,9 @@ class FakeEngine:
 
     def __init__(self, w: Workload):
         self.w = w
-        self.bm = BlockManager(w.num_blocks, w.block_size, enable_prefix_caching=w.prefix_caching)
+        self.layout = KVLayout(1, ((1,), (0,)), (None, w.window)) if w.window else None
+        self.bm = BlockManager(w.num_blocks, w.block_size, enable_prefix_caching=w.prefix_caching,
+                               layout=self.layout)
         self.swap = HostSwapSpace(w.swap_blocks, (w.block_size,), np.int64)
         self.sched = Scheduler(self.bm, policy=w.policy, max_num_seqs=w.max_num_seqs,
                                max_num_batched_tokens=w.max_num_batched_tokens,
@@ -120,11 +124,15 @@ class FakeEngine:
         bs = self.w.block_size
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
-            table = seq.block_table.block_ids
-            for pos in range(start):  # the context this step's attention reads
-                assert self.pool[table[pos // bs], pos % bs] == seq.token_ids[pos], (seq.seq_id, pos)
-            for pos in range(start, start + s.num_new):
-                self.pool[table[pos // bs], pos % bs] = seq.token_ids[pos]
+            for g, table in enumerate(self.bm.tables(seq)):
+                table = table.block_ids
+                window = None if g == 0 else self.w.window
+                # The context this step's attention reads: a sliding group's, from the
+                # window of the step's first token on.
+                for pos in range(0 if window is None else max(0, start - window + 1), start):
+                    assert self.pool[table[pos // bs], pos % bs] == seq.token_ids[pos], (seq.seq_id, g, pos)
+                for pos in range(start, start + s.num_new):
+                    self.pool[table[pos // bs], pos % bs] = seq.token_ids[pos]
 
     def advance(self, seq: Sequence, num_new: int) -> None:
         """LLM._advance with a fake sample."""
@@ -150,22 +158,27 @@ class FakeEngine:
             assert s.num_new == 1 if seq.status is Status.DECODING else \
                 seq.num_computed_tokens + s.num_new <= seq.prefill_target
             end = seq.num_computed_tokens + s.num_new
-            table = seq.block_table.block_ids
-            assert len(table) >= bm.blocks_for(end)
-            for b in table[seq.num_computed_tokens // w.block_size:bm.blocks_for(end)]:
-                # Spelled out rather than bm.needs_cow(b), which is what this checks.
-                assert bm.refcount[b] == 1 and b not in bm._handle, \
-                    f"seq {seq.seq_id} writes shared or cached block {b}"
+            for table in bm.tables(seq):
+                table = table.block_ids
+                assert len(table) >= bm.blocks_for(end)
+                for b in table[seq.num_computed_tokens // w.block_size:bm.blocks_for(end)]:
+                    # Spelled out rather than bm.needs_cow(b), which is what this checks.
+                    assert b != NULL_BLOCK and bm.refcount[b] == 1 and b not in bm._handle, \
+                        f"seq {seq.seq_id} writes shared or cached block {b}"
+            if w.window:  # a sliding group holds nothing wholly before its window
+                sliding = bm.tables(seq)[1].block_ids
+                first = max(0, seq.num_computed_tokens - w.window + 1) // w.block_size
+                assert all(b == NULL_BLOCK for b in sliding[:first])
         self.check_holders()
 
     def check_holders(self) -> None:
         """Each block is in exactly refcount block tables (of running sequences only),
         each swapped-out sequence holds its host slots and nothing else does."""
         sched, bm = self.sched, self.bm
-        held = collections.Counter(b for s in sched.running for b in s.block_table.block_ids)
-        assert NULL_BLOCK not in held
+        held = collections.Counter(b for s in sched.running for t in bm.tables(s) for b in t.block_ids
+                                   if b != NULL_BLOCK)
         assert all(held[b] == bm.refcount[b] for b in range(1, bm.num_blocks)), "a block held twice"
-        assert all(not s.block_table.block_ids for s in (*sched.waiting, *sched.swapped))
+        assert all(not t.block_ids for s in (*sched.waiting, *sched.swapped) for t in bm.tables(s))
         slots = [x for s in sched.swapped for x in s.swap_slots]
         assert len(set(slots)) == len(slots) == self.swap.num_used_blocks
         bm.check_invariants()
@@ -196,6 +209,7 @@ def run_workload(w: Workload) -> FakeEngine:
 @st.composite
 def workloads(draw, policy: str, preemption_mode: str, prefix_caching: bool) -> Workload:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    window = draw(st.sampled_from([None, None, 1, 3, 5, 9]))
     max_num_seqs = draw(st.integers(1, 6))
     budget = draw(st.integers(max_num_seqs, 40))
     tokens = st.integers(3, 8)  # few distinct tokens: prompts share blocks often
@@ -210,12 +224,15 @@ def workloads(draw, policy: str, preemption_mode: str, prefix_caching: bool) -> 
     # Room for the longest request alone (+1 for a copy-on-write), and a little more:
     # the pool is small, so sequences get preempted.
     need = max(cdiv(len(r.prompt) + r.max_tokens, block_size) for r in requests) + 1
+    if window:  # the sliding group's blocks too: the window and a chunk of up to `budget` tokens
+        need += min(need, cdiv(window - 1 + budget, block_size) + 2)
     num_blocks = 1 + need + draw(st.integers(0, 12))
     ladder = tuple(sorted({min(1 << i, budget) for i in range(budget.bit_length() + 1)}))
     return Workload(policy=policy, preemption_mode=preemption_mode, prefix_caching=prefix_caching,
                     block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=budget, swap_blocks=draw(st.integers(0, 3 * need)),
-                    token_buckets=draw(st.sampled_from([(), ladder])), requests=tuple(requests))
+                    token_buckets=draw(st.sampled_from([(), ladder])), requests=tuple(requests),
+                    window=window)
 
 
 MODES = [(policy, mode, caching) for policy in ("continuous", "static")
@@ -231,14 +248,16 @@ def test_invariants_hold_and_every_request_finishes(policy, preemption_mode, pre
     check()
 
 
-def test_small_pool_preempts_and_recovers():
-    """A fixed workload that must preempt: 6 requests of up to 6 blocks in a pool of 8."""
+@pytest.mark.parametrize("window", [None, 5])
+def test_small_pool_preempts_and_recovers(window):
+    """A fixed workload that must preempt: 6 requests of up to 6 blocks in a pool of 8
+    (with a sliding group of window 5 beside: 4 more blocks)."""
     for policy, mode, caching in MODES:
         requests = tuple(Request(prompt=tuple([3 + i % 2] * 10 + [5, 6]), max_tokens=10, n=1 + i % 2,
                                  arrival_step=i) for i in range(6))
-        engine = run_workload(Workload(policy, mode, caching, block_size=4, num_blocks=9,
+        engine = run_workload(Workload(policy, mode, caching, block_size=4, num_blocks=13 if window else 9,
                                        max_num_seqs=4, max_num_batched_tokens=16, swap_blocks=12,
-                                       token_buckets=(), requests=requests))
+                                       token_buckets=(), requests=requests, window=window))
         assert engine.sched.stats.preemptions > 0, (policy, mode, caching)
         if mode == "swap":
             assert engine.sched.stats.swap_preemptions > 0, (policy, caching)
@@ -249,7 +268,7 @@ def test_runs_without_jax():
     interpreter (pytest's has long since imported jax) and check jax never loaded."""
     root = pathlib.Path(__file__).resolve().parent.parent
     code = ("import sys\nsys.path.insert(0, 'tests')\nimport test_scheduler\n"
-            "test_scheduler.test_small_pool_preempts_and_recovers()\n"
+            "test_scheduler.test_small_pool_preempts_and_recovers(5)\n"
             "loaded = {m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'pallas_kernels'}\n"
             "assert sys.modules['jpaged'].__file__.startswith(sys.argv[1]), sys.modules['jpaged'].__file__\n"
             "assert not loaded, loaded\n")
