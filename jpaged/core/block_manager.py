@@ -27,7 +27,7 @@ the blocks that the first recomputed token's window reaches (`find_hit`).
   find_hit(seq) -> PrefixHit         the usable cached prefix in every group
   admit(seq, hit, end) -> bool       takes the hit's blocks and makes [.., end) writable
   prepare_seq_write(seq, start, end) every group's blocks for positions [start, end)
-  truncate_seq(seq, num_tokens)      drops blocks past num_tokens (rejected drafts)
+  truncate(seq, num_tokens)          drops blocks past num_tokens (rejected drafts)
   fork(leader, child)                the child shares every block of the leader
   release(seq)                       gives back every group's blocks
   swap_out(seq) / swap_in(seq, ...)  blocks to copy to host and back
@@ -258,28 +258,11 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(table.block_ids))
 
     def prepare_write(self, table: BlockTable, start: int, end: int) -> bool:
-        """Makes token positions [start, end) of `table` writable: copies-on-write
-        the shared or cached blocks they fall in, then grows the table to `end`.
-        False, changing nothing, when the pool cannot provide the blocks."""
-        last = min(self.blocks_for(end), len(table.block_ids))
-        cows = [i for i in range(start // self.block_size, last) if self.needs_cow(table.block_ids[i])]
-        grow = self.blocks_needed(table, end)
-        if grow + len(cows) > self.num_free_blocks:
-            return False
-        for i in cows:
-            table.block_ids[i] = self.cow(table.block_ids[i])
-        table.block_ids += [self.allocate() for _ in range(grow)]
-        return True
-
-    def truncate(self, table: BlockTable, num_tokens: int) -> int:
-        """Frees the blocks of `table` past those that hold num_tokens tokens, last
-        first (rejected draft tokens' blocks); returns how many."""
-        keep = self.blocks_for(num_tokens)
-        extra = table.block_ids[keep:]
-        for block in reversed(extra):
-            self.free(block)
-        del table.block_ids[keep:]
-        return len(extra)
+        """Makes token positions [start, end) of `table` (a global group's) writable:
+        copies-on-write the shared or cached blocks they fall in, then grows the
+        table to `end`.  False, changing nothing, when the pool cannot provide
+        the blocks."""
+        return self._prepare([table], [0], start, end)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies to run on the device before the next forward."""
@@ -351,14 +334,14 @@ class BlockManager:
         n = self.blocks_for(end)
         return sum(n - self._first_needed(g, start) for g in range(self.num_groups))
 
-    def _write_cost(self, tables: list[list[int]], start: int, end: int) -> int:
+    def _write_cost(self, tables: list[list[int]], firsts: list[int], start: int, end: int) -> int:
         """Blocks that making [start, end) writable takes: copies of shared or cached
-        blocks the positions fall in, and new blocks (none before a window)."""
+        blocks the positions fall in, and new blocks (none before firsts[i])."""
         need, n = 0, self.blocks_for(end)
-        for g, ids in enumerate(tables):
+        for ids, first in zip(tables, firsts):
             need += sum(ids[i] != NULL_BLOCK and self.needs_cow(ids[i])
                         for i in range(start // self.block_size, min(n, len(ids))))
-            need += max(0, n - max(len(ids), self._first_needed(g, start)))
+            need += max(0, n - max(len(ids), first))
         return need
 
     def _drop_before(self, table: BlockTable, first: int) -> None:
@@ -377,22 +360,27 @@ class BlockManager:
         entries for them when it grows.  False when the pool cannot provide the
         blocks, changing nothing else."""
         tables = self.tables(seq)
-        for g, table in enumerate(tables):
-            self._drop_before(table, self._first_needed(g, start))
-        if self._write_cost([t.block_ids for t in tables], start, end) > self.num_free_blocks:
+        firsts = [self._first_needed(g, start) for g in range(len(tables))]
+        for table, first in zip(tables, firsts):
+            self._drop_before(table, first)
+        return self._prepare(tables, firsts, start, end)
+
+    def _prepare(self, tables: list[BlockTable], firsts: list[int], start: int, end: int) -> bool:
+        """prepare_write of each table, whose entries before firsts[i] stay null."""
+        if self._write_cost([t.block_ids for t in tables], firsts, start, end) > self.num_free_blocks:
             return False
         n = self.blocks_for(end)
-        for g, table in enumerate(tables):
+        for table, first in zip(tables, firsts):
             ids = table.block_ids
             for i in range(start // self.block_size, min(n, len(ids))):
                 if ids[i] != NULL_BLOCK:
                     ids[i] = self.cow(ids[i])
-            first = self._first_needed(g, start)
             ids += [NULL_BLOCK if j < first else self.allocate() for j in range(len(ids), n)]
         return True
 
-    def truncate_seq(self, seq, num_tokens: int) -> int:
-        """truncate() of every group's table; returns the blocks freed."""
+    def truncate(self, seq, num_tokens: int) -> int:
+        """Frees the blocks of every group's table of seq past those that hold
+        num_tokens tokens, last first (rejected draft tokens' blocks); returns how many."""
         freed = 0
         for table in self.tables(seq):
             keep = self.blocks_for(num_tokens)
@@ -438,7 +426,8 @@ class BlockManager:
         [computed, end) writable; False, changing nothing, when the pool cannot
         provide the blocks this takes (cached blocks revived, copies, new ones)."""
         revived = sum(self.refcount[b] == 0 for ids in hit.tables for b in ids if b != NULL_BLOCK)
-        cost = self._write_cost(hit.tables, computed, end) if end > computed else 0
+        firsts = [self._first_needed(g, computed) for g in range(self.num_groups)]
+        cost = self._write_cost(hit.tables, firsts, computed, end) if end > computed else 0
         if revived + cost > self.num_free_blocks:
             return False
         for g, (table, ids) in enumerate(zip(self.tables(seq), hit.tables)):

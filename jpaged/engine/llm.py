@@ -493,7 +493,7 @@ class LLM:
             if self._stops(seq, token, s.output_index + i) or seq.is_done:
                 return
         if s.drafts:  # the rejected drafts' blocks
-            self.block_manager.truncate_seq(seq, seq.num_tokens)
+            self.block_manager.truncate(seq, seq.num_tokens)
         self.block_manager.cache_full_blocks(seq)
 
     def _stops(self, seq: Sequence, token: int, index: int) -> bool:
