@@ -19,11 +19,13 @@ ablation     "which scale": the drift of alternative int8 / fp8 schemes, each
              simulated on a float32 pool by a fake-quantizing K/V write (quantize,
              dequantize, store fp32; `--ablation_schemes`), with the reference
              attention, against the float32 pool under the same attention: the
-             shipped scheme (power-of-two scale per token and KV head, Hadamard
-             rotation), an exact fp32 scale per token and head, an fp32 scale per
-             block and head, and the shipped scale without the rotation.  The
-             shipped scheme is also run on a real int8 pool: its drift must equal the
-             fake path's (the sanity check of the simulation).  Bytes per token row
+             shipped schemes (a scale per token and KV head, Hadamard rotation;
+             int8: a quarter-power of two 2**(c/4), fp8: a power of two), the
+             power of two for int8 (the first shipped int8 scale), an exact fp32
+             scale per token and head, an fp32 scale per block and head, and the
+             scales without the rotation.  The shipped schemes are also run on real
+             int8 / fp8 pools: their drift must equal the fake path's (the sanity
+             check of the simulation).  Bytes per token row
              and blocks per budget vs fp32 for each scheme.  The per-block scheme
              needs every row of a block written in one step: each text is one
              prompt prefilled whole in one step (checked).
@@ -74,8 +76,8 @@ _AGREEMENT_TOKENS = flags.DEFINE_integer("agreement_tokens", 32, "New tokens per
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Agreement: decode all tokens past EOS.")
 _ABLATION = flags.DEFINE_list(
     "ablation_schemes",
-    ["int8_tok_pow2_rot", "int8_tok_fp32_rot", "int8_tok_qpow2_rot", "int8_blk_fp32_rot",
-     "int8_blk_pow2_rot", "int8_tok_pow2_norot", "int8_blk_fp32_norot", "fp8_tok_pow2_rot",
+    ["int8_tok_qpow2_rot", "int8_tok_pow2_rot", "int8_tok_fp32_rot", "int8_blk_fp32_rot",
+     "int8_blk_pow2_rot", "int8_tok_qpow2_norot", "int8_blk_fp32_norot", "fp8_tok_pow2_rot",
      "fp8_tok_fp32_rot", "fp8_tok_pow2_norot"],
     "Fake-quantized schemes <int8|fp8>_<tok|blk>_<pow2|qpow2|fp32>_<rot|norot> (tok: a scale per token "
     "and KV head; blk: per block and KV head; pow2: a power-of-two scale, qpow2: a quarter power of "
@@ -334,6 +336,9 @@ def run_drift(dtypes: list[str]) -> tuple[list[dict], dict[str, list[np.ndarray]
 
 
 # ----------------------------------------------------------------- ablation: fake-quantized writes
+SHIPPED_SCALE = {"int8": "qpow2", "fp8": "pow2"}  # what reference.quantize_rows does, per kind
+
+
 def parse_scheme(name: str) -> dict:
     m = re.fullmatch(r"(int8|fp8)_(tok|blk)_(pow2|qpow2|fp32)_(rot|norot)", name)
     if not m:
@@ -357,10 +362,10 @@ def quant_with_amax(x, amax, s: dict):
     qmax = R.QUANT_MAX[dtype]
     amax = jnp.maximum(amax, 1e-30)
     if s["scale"] == "pow2":
-        e = jnp.clip(jnp.ceil(jnp.log2(amax / qmax)), -R.SCALE_EXP_MAX, R.SCALE_EXP_MAX)
+        e = jnp.clip(jnp.ceil(jnp.log2(amax / qmax)), -16, 16)
         scale = jnp.exp2(e)
     elif s["scale"] == "qpow2":
-        e = jnp.clip(jnp.ceil(4 * jnp.log2(amax / qmax)), -4 * R.SCALE_EXP_MAX, 4 * R.SCALE_EXP_MAX)
+        e = jnp.clip(jnp.ceil(4 * jnp.log2(amax / qmax)), -64, 64)
         scale = jnp.exp2(e / 4)
     else:
         scale = amax / qmax
@@ -395,7 +400,7 @@ def fake_backend(s: dict, head_dim: int):
         if rot is not None:
             k, v = rotate(k), rotate(v)
         kv = jnp.stack([k, v], axis=1).astype(jnp.float32)  # [T, 2, KVH, D]
-        if s["gran"] == "tok" and s["scale"] == "pow2":  # the shipped quantizer itself
+        if s["gran"] == "tok" and s["scale"] == SHIPPED_SCALE[s["kind"]]:  # the shipped quantizer itself
             fq = R.dequantize_rows(R.quantize_rows(kv, qdtype))
         elif s["gran"] == "tok":
             fq = quant_with_amax(kv, jnp.max(jnp.abs(kv), axis=-1, keepdims=True), s)
@@ -445,12 +450,12 @@ def run_ablation(schemes: list[str]) -> list[dict]:
     rows = []
     real = {}
     for kind, dt in (("int8", "int8"), ("fp8", "fp8_e4m3")):  # real pools, same attention: the check
-        if f"{kind}_tok_pow2_rot" in schemes:
+        if f"{kind}_tok_{SHIPPED_SCALE[kind]}_rot" in schemes:
             llm = make_llm(dt, impl="reference", **kw)
             real[dt] = teacher_forced(llm)
             release(llm)
             r = {"scheme": f"{dt} pool (real, shipped)", "kind": dt, "scale_per": "token x KV head",
-                 "scale": "pow2", "rotation": True, "bytes_per_row": D + 1,
+                 "scale": SHIPPED_SCALE[kind], "rotation": True, "bytes_per_row": D + 1,
                  "blocks_vs_fp32": 4 * D / (D + 1), **drift_stats(base, real[dt])}
             rows.append(r)
             print(f"ablation real {dt}: mean {r['mean_abs_dlogprob']:.5f} max {r['max_abs_dlogprob']:.4f}", flush=True)
@@ -465,7 +470,7 @@ def run_ablation(schemes: list[str]) -> list[dict]:
              else f"block ({bs} tokens) x KV head", "scale": s["scale"], "rotation": s["rotate"],
              "bytes_per_row": nb, "blocks_vs_fp32": 4 * D / nb, **drift_stats(base, lps)}
         dt = "int8" if s["kind"] == "int8" else "fp8_e4m3"
-        if name.endswith("tok_pow2_rot") and dt in real:
+        if name == f"{s['kind']}_tok_{SHIPPED_SCALE[s['kind']]}_rot" and dt in real:
             r["vs_real_pool_max_abs"] = float(np.abs(np.concatenate(lps) - np.concatenate(real[dt])).max())
         rows.append(r)
         print(f"ablation {name}: mean {r['mean_abs_dlogprob']:.5f} max {r['max_abs_dlogprob']:.4f} "
@@ -527,7 +532,7 @@ def run_write_speed() -> list[dict]:
     variants = {
         "fp32 rows (plain scatter)": (write_fp32, lambda: jnp.zeros((NB, L, 2, KVH, bs, D), jnp.float32),
                                       4 * D),
-        "int8, pow2 scale per token x head (shipped)": (
+        "int8, one-byte scale code per token x head (shipped)": (
             write_tok, lambda: jnp.zeros((NB, L, 2, KVH, bs, D + 1), jnp.int8), D + 1),
         "int8, fp32 scale per block x head (requantize)": (
             write_blk, lambda: (jnp.zeros((NB, L, 2, KVH, bs, D), jnp.int8),

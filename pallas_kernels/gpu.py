@@ -56,15 +56,16 @@ per element.  Soft cap (static `soft_cap`): s = c * tanh(s / c) on the fp32
 scores before the mask.  Both None: the kernels are those without the options.
 
 Quantized pools (int8, float8_e4m3fn; `reference.quantize_rows`): rows of
-`head_dim + 1`, D values then the exponent e of the row's scale 2**e.  A key
+`head_dim + 1`, D values then the code c of the row's scale (2**(c/4) for
+int8, 2**c for float8: `reference.row_scale`).  A key
 tile loads the first D columns (`pl.ds(0, D)`: D stays a power of two,
 whatever the row stride D + 1) and the exponent column as a [block_k] vector.  The
 1-byte values are converted in registers to q's dtype, which the dots run in
 (bf16 for bf16 q: int8 and e4m3 values are exact in bf16; fp32 for fp32 q,
 TF32x3 as for fp32 pools); K's scales multiply the scores' columns after
 q . k, V's the probabilities before p . v (l sums the unscaled ones), so the
-result is that of the dequantized rows in fp32 to rounding.  2**e is built
-from the exponent bits (exact).  Rows are D + 1 bytes, so their loads are
+result is that of the dequantized rows in fp32 to rounding.  Scales are
+built from exponent bits and a quarter-power constant (exact).  Rows are D + 1 bytes, so their loads are
 byte loads (Triton cannot vectorise an odd row stride), one register per
 byte: key tiles default to 32 keys (`default_block_k`).  The unquantized
 kernels are unchanged (the same Triton IR).
@@ -72,7 +73,7 @@ kernels are unchanged (the same Triton IR).
 Masking never multiplies by a mask: keys/values past kv_len are replaced
 with `where`, so NaN in blocks a sequence does not own (block 0 included)
 never reaches the output; for a quantized pool the values and the scales of
-such keys are zeroed (an int8 row there may carry exponent 127, an fp8 row
+such keys are zeroed (an int8 row there may carry any code, an fp8 row
 NaN).  Rows with no visible key produce zeros.
 
 On a non-GPU backend the kernels run with `interpret=True` automatically.
@@ -88,8 +89,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import (attention_dims, attention_options, is_quantized,
-                                      row_tile_span, window_start)
+from pallas_kernels.reference import (QUARTER_POWERS, attention_dims, attention_options,
+                                      is_quantized, row_tile_span, window_start)
 
 try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -160,21 +161,30 @@ def _pv(p, v, fp32_precision):
 
 
 def _pow2(e):
-    """2.0 ** e (fp32) of integer-valued exponents e (int8 or float8 values), exact:
-    the exponent field built from the bits (no exp2 approximation).  Only valid
-    rows' exponents (|e| <= 16) are used; others are replaced by the caller."""
-    if not jnp.issubdtype(e.dtype, jnp.integer):
-        e = e.astype(jnp.float32)          # Triton converts float8 to ints only via fp32
-    e = e.astype(jnp.int32)
+    """2.0 ** e (fp32) of int32 exponents e, exact: the exponent field built from the
+    bits (no exp2 approximation)."""
     return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), jnp.float32)
+
+
+def _row_scale(c):
+    """reference.row_scale of the rows' codes c (int8 or float8 values), exact in fp32:
+    2**c for float8, 2**floor(c/4) * QUARTER_POWERS[c mod 4] for int8.  Only valid
+    rows' codes are used; others are replaced by the caller."""
+    if not jnp.issubdtype(c.dtype, jnp.integer):
+        return _pow2(c.astype(jnp.float32).astype(jnp.int32))  # Triton: float8 to int via fp32
+    c = c.astype(jnp.int32)
+    k = lax.bitwise_and(c, jnp.int32(3))
+    q1, q2, q3 = QUARTER_POWERS[1:]
+    quarter = jnp.where(k == 0, 1.0, jnp.where(k == 1, q1, jnp.where(k == 2, q2, q3)))
+    return _pow2(lax.shift_right_arithmetic(c, jnp.int32(2))) * quarter.astype(jnp.float32)
 
 
 def _dequant_tile(x, e, key_valid, dot_dtype):
     """Values [TK, D] (int8 / float8, poison zeroed with `where`) in `dot_dtype` (exact:
-    int8 and e4m3 values are bf16 numbers) and the row scales 2**e [TK] fp32, 0 for
-    invalid keys (whose exponent may be 127 or NaN)."""
+    int8 and e4m3 values are bf16 numbers) and the row scales [TK] fp32, 0 for
+    invalid keys (whose code may be 127 or NaN)."""
     x = jnp.where(key_valid[:, None], x.astype(dot_dtype), jnp.zeros((), dot_dtype))
-    return x, jnp.where(key_valid, _pow2(e), 0.0)
+    return x, jnp.where(key_valid, _row_scale(e), 0.0)
 
 
 def _online_softmax_step(carry, q, k, v, key_valid, visible, fp32_precision, soft_cap=None,

@@ -11,18 +11,26 @@ that the gathered K/V stay bounded: tile x kv_heads x W*block_size x head_dim.
 `soft_cap`) for every implementation.
 
 Quantized pools (int8, float8_e4m3fn): each row (one token of one KV head, K
-or V) holds head_dim values and one more column, the exponent e of the row's
-power-of-two scale, so the pool's last axis is head_dim + 1 and the row stands
-for values * 2**e.  The exponent is stored as a number in the pool's own dtype
-(an integer in [-16, 16], exact in both), so a quantized pool is still one
-array: block moves, swap and head sharding carry the scales with the values.
-A power-of-two scale per row (the shared E8M0 scale of the OCP microscaling
-formats, one per head_dim values) costs one byte, where an fp32 scale would
-cost four: int8 rows of head_dim 64 take 65 bytes, 3.94x fewer than fp32's 256.
-Dequantization is exact in fp32, so a kernel reading a quantized pool matches
-the reference to fp32 tolerance.  `quantize_rows` is the one quantizer (the
-K/V write of every backend) and `dequantize_rows` the one definition of what a
-row means.
+or V) holds head_dim values and one more column, the code c of the row's
+scale, so the pool's last axis is head_dim + 1 and the row stands for
+values * scale(c).  The code is stored as a number in the pool's own dtype (an
+integer, exact in both), so a quantized pool is still one array: block moves,
+swap and head sharding carry the scales with the values.  A one-byte scale
+per row costs one byte, where an fp32 scale would cost four: int8 rows of
+head_dim 64 take 65 bytes, 3.94x fewer than fp32's 256.
+
+* int8: scale(c) = 2**(c / 4), c in [-64, 64]: a quarter-power of two, so
+  the row's largest value lands in (127 / 2**0.25, 127] and keeps most of an
+  exact scale's precision (a power of two would waste up to one bit:
+  benchmarks/results/kv_quant.md).  Computed as 2**floor(c / 4) *
+  QUARTER_POWERS[c mod 4] in fp32, the same product in every kernel.
+* float8_e4m3fn: scale(c) = 2**c, c in [-16, 16] (e4m3 holds those exactly
+  and has no more than 3 mantissa bits to keep: its relative precision does
+  not depend on the scale, which only brings the row into range).
+
+`quantize_rows` is the one quantizer (the K/V write of every backend) and
+`dequantize_rows` the one definition of what a row means; `row_scale` maps
+codes to scales, exactly in fp32.
 """
 
 from __future__ import annotations
@@ -38,7 +46,11 @@ TOKEN_TILE = 16
 
 # Largest magnitude a quantized value takes, per pool dtype: the quantized dtypes.
 QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
-SCALE_EXP_MAX = 16  # |exponent| of a row's scale: an integer every quantized dtype holds exactly
+# Steps of a row's scale code per power of two, and the largest |code|, per dtype.
+CODES_PER_OCTAVE = {jnp.dtype(jnp.int8): 4, jnp.dtype(jnp.float8_e4m3fn): 1}
+SCALE_CODE_MAX = {jnp.dtype(jnp.int8): 64, jnp.dtype(jnp.float8_e4m3fn): 16}
+# 2**(k / 4) in fp32, k = 0..3: the int8 scale's mantissas (the kernels hold the same four).
+QUARTER_POWERS = (1.0, 1.18920707702636718750, 1.41421353816986083984, 1.68179285526275634766)
 
 
 def is_quantized(dtype) -> bool:
@@ -54,26 +66,38 @@ def pool_head_dim(kv_pool: jax.Array) -> int:
 
 def quantize_rows(x: jax.Array, dtype) -> jax.Array:
     """x [..., D] (any float dtype) as rows [..., D + 1] of the quantized `dtype`:
-    the row's values scaled by 2**-e, then the exponent e, with e the smallest
-    integer that brings max |x| within the dtype's range (QUANT_MAX), clamped to
-    [-16, 16].  int8 rounds to nearest (ties to even); float8_e4m3fn rounds on
-    the cast.  Values past the range (only with e clamped at 16) saturate."""
+    the row's values divided by scale(c), then the code c, the smallest that
+    brings max |x| within the dtype's range (QUANT_MAX), clamped to
+    [-SCALE_CODE_MAX, SCALE_CODE_MAX].  int8 rounds to nearest (ties to even);
+    float8_e4m3fn rounds on the cast.  Values past the range (only with the
+    code clamped at its largest) saturate."""
     dtype = jnp.dtype(dtype)
-    qmax = QUANT_MAX[dtype]
+    qmax, steps, cmax = QUANT_MAX[dtype], CODES_PER_OCTAVE[dtype], SCALE_CODE_MAX[dtype]
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    exp = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / qmax))
-    exp = jnp.clip(exp, -SCALE_EXP_MAX, SCALE_EXP_MAX)
-    scaled = jnp.clip(x * pow2(-exp), -qmax, qmax)  # log2's rounding may overshoot by an ulp
+    code = jnp.clip(jnp.ceil(steps * jnp.log2(jnp.maximum(amax, 1e-30) / qmax)), -cmax, cmax)
+    scaled = jnp.clip(x / row_scale(code, dtype), -qmax, qmax)  # log2's rounding may overshoot
     if dtype == jnp.int8:
         scaled = jnp.round(scaled)
-    return jnp.concatenate([scaled, exp], axis=-1).astype(dtype)
+    return jnp.concatenate([scaled, code], axis=-1).astype(dtype)
 
 
 def dequantize_rows(rows: jax.Array) -> jax.Array:
-    """rows [..., D + 1] of a quantized pool as fp32 [..., D]: values * 2**exponent."""
+    """rows [..., D + 1] of a quantized pool as fp32 [..., D]: values * scale(code)."""
+    dtype = rows.dtype
     rows = rows.astype(jnp.float32)
-    return rows[..., :-1] * pow2(rows[..., -1:])
+    return rows[..., :-1] * row_scale(rows[..., -1:], dtype)
+
+
+def row_scale(code: jax.Array, dtype) -> jax.Array:
+    """The fp32 scale of rows whose code (integer-valued fp32) is `code`, in a pool of
+    `dtype`: 2**code for float8_e4m3fn, 2**floor(code / 4) * QUARTER_POWERS[code mod 4]
+    for int8 (exact products: a power of two times an fp32 constant)."""
+    if jnp.dtype(dtype) != jnp.int8:
+        return pow2(code)
+    c = code.astype(jnp.int32)
+    quarter = jnp.asarray(QUARTER_POWERS, jnp.float32)[c & 3]
+    return pow2((c >> 2).astype(jnp.float32)) * quarter
 
 
 def pow2(exp: jax.Array) -> jax.Array:

@@ -65,19 +65,20 @@ softmax (m, l, acc in VMEM scratch); fp32 K/V use HIGHEST-precision dots, bf16
 K/V bf16 dots (q is scaled in fp32, then rounded to the dots' dtype).
 
 Quantized pools (int8, float8_e4m3fn; `reference.quantize_rows`): a row is D
-values in the pool dtype, then its scale exponent e (an integer in [-16, 16]
-stored as a pool-dtype number), and stands for values * 2**e.  The page DMAs
+values in the pool dtype, then its scale code c (an integer stored as a
+pool-dtype number), and stands for values * scale(c): 2**(c/4) for int8,
+2**c for float8 (`reference.row_scale`).  The page DMAs
 copy whole rows, values and exponent column together (the pool's bytes, no
 separate scale array), into a kv_buf of [.., N, D + 1] 8-bit rows; each K/V
 step dequantizes one head's K and V in VMEM just before its dots: values
-converted to fp32 (fp8 through an `extf`, int8 through `sitofp`) times 2**e,
-where 2**e is built exactly from its bits ((e + 127) << 23 as fp32: integer
-VPU ops, no transcendental), then rounded to the dots' dtype
+converted to fp32 (fp8 through an `extf`, int8 through `sitofp`) times the
+scale, built exactly from bits ((e + 127) << 23 as fp32, times a quarter-power
+constant for int8: integer VPU ops and a select, no transcendental), then rounded to the dots' dtype
 (`compute_dtype`): fp32 (HIGHEST dots) with fp32 q, else bf16, which holds
 every dequantized value exactly (at most 8 significant bits times a power of
 two), so the result matches the reference to the usual fp32 / bf16
 tolerance.  Rows a sequence does not own may hold anything (fp8 NaN; int8
-random bytes with exponent 127, inf once dequantized): V is selected with
+random bytes with any code): V is selected with
 `where` after dequantization, K's bad rows only reach score columns the mask
 replaces, as for NaN in an fp32 pool.  Dequantizing K and V costs 2 * N * D
 converts and multiplies per head and step on the VPU, the same for every
@@ -128,7 +129,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import attention_dims, attention_options, is_quantized, window_start
+from pallas_kernels.reference import (QUARTER_POWERS, attention_dims, attention_options, is_quantized,
+                                      window_start)
 
 MASK_VALUE = -1e30
 KEYS_PER_COMPUTE_BLOCK = 256   # default pages_per_compute_block = this // block_size
@@ -166,6 +168,17 @@ def _pow2(e):
     the float with biased exponent e + 127 and a zero mantissa (integer VPU ops,
     no transcendental)."""
     return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
+
+
+def _row_scale(c, int8: bool):
+    """reference.row_scale of int32 codes c, exactly: 2**c (float8 pools), or
+    2**floor(c/4) * QUARTER_POWERS[c mod 4] (int8 pools)."""
+    if not int8:
+        return _pow2(c)
+    k = lax.bitwise_and(c, 3)
+    q1, q2, q3 = QUARTER_POWERS[1:]
+    quarter = jnp.where(k == 0, 1.0, jnp.where(k == 1, q1, jnp.where(k == 2, q2, q3)))
+    return _pow2(lax.shift_right_arithmetic(c, 2)) * quarter.astype(jnp.float32)
 
 
 def _on_tpu() -> bool:
@@ -363,14 +376,15 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
 
             def rows(kv, h):
                 """K (kv 0) or V (1) rows [N, D] of head h in the dots' dtype: a
-                quantized row's values (fp32) times 2**exponent (its last column)."""
+                quantized row's values (fp32) times its scale (code: the last column)."""
                 if not quantized:
                     return kv_buf[slot, kv, h]
                 vals = kv_buf[slot, kv, h, :, :D].astype(jnp.float32)       # [N, D]
                 e = kv_buf[slot, kv, h, :, D:]                               # [N, 1]
-                if jnp.issubdtype(e.dtype, jnp.floating):                    # fp8: via fp32
+                int8 = jnp.issubdtype(e.dtype, jnp.integer)
+                if not int8:                                                 # fp8: via fp32
                     e = e.astype(jnp.float32)
-                return (vals * _pow2(e.astype(jnp.int32))).astype(cd)
+                return (vals * _row_scale(e.astype(jnp.int32), int8)).astype(cd)
 
             def head(h, carry):
                 k = rows(0, h)                                               # [N, D]

@@ -17,8 +17,8 @@ from jpaged.core.sequence import SamplingParams
 from jpaged.models.base import kv_rotation
 from jpaged.runtime import kv_pool as kv_pool_mod
 from jpaged.runtime.kv_pool import bytes_per_block, gather_blocks, num_blocks_for, scatter_blocks
-from pallas_kernels.reference import (SCALE_EXP_MAX, dequantize_rows, is_quantized, pool_head_dim,
-                                      quantize_rows)
+from pallas_kernels.reference import (SCALE_CODE_MAX, dequantize_rows, is_quantized, pool_head_dim,
+                                      quantize_rows, row_scale)
 
 INT8, FP8 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)
 PROMPTS = random_prompts([5, 16, 21, 40], seed=23)
@@ -26,39 +26,47 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 # ------------------------------------------------------------- the row format
-@pytest.mark.parametrize("dtype,qmax,rel", [(INT8, 127, None), (FP8, 448, 1 / 8)])
-def test_rows_round_trip_within_the_dtype_precision(dtype, qmax, rel):
+@pytest.mark.parametrize("dtype,qmax,steps,rel", [(INT8, 127, 4, None), (FP8, 448, 1, 1 / 8)])
+def test_rows_round_trip_within_the_dtype_precision(dtype, qmax, steps, rel):
+    """int8 scales are quarter-powers of two (codes c, scale 2**(c/4)), fp8's powers of two."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((200, 64)) * np.exp(rng.uniform(-8, 8, (200, 1)))   # magnitudes 1e-4..3e3
     rows = np.asarray(quantize_rows(jnp.asarray(x, jnp.float32), dtype), np.float32)
-    values, exp = rows[:, :-1], rows[:, -1]
-    assert rows.shape == (200, 65) and (exp == np.round(exp)).all()
-    # The exponent is the smallest that fits the row's largest value in the dtype's range.
+    values, code = rows[:, :-1], rows[:, -1]
+    cmax = SCALE_CODE_MAX[dtype]
+    assert rows.shape == (200, 65) and (code == np.round(code)).all()
+    # The code is the smallest that fits the row's largest value in the dtype's range.
     amax = np.abs(x).max(-1)
-    np.testing.assert_array_equal(exp, np.clip(np.ceil(np.log2(amax / qmax)), -16, 16))
-    unclamped = exp > -SCALE_EXP_MAX      # rows of tiny values keep the smallest exponent
+    np.testing.assert_array_equal(code, np.clip(np.ceil(steps * np.log2(amax / qmax)), -cmax, cmax))
+    unclamped = code > -cmax      # rows of tiny values keep the smallest code
     assert unclamped.sum() > 150 and (np.abs(values).max(-1) <= qmax).all()
-    assert (np.abs(values).max(-1)[unclamped] > qmax / 2 - 1).all()
+    # A row's largest value lands in the top step of the range (int8: (127 / 2**0.25, 127]).
+    assert (np.abs(values).max(-1)[unclamped] > qmax * 2.0 ** (-1 / steps) - 1).all()
     back = np.asarray(dequantize_rows(jnp.asarray(rows, dtype)))
-    # int8: half a step of the row's scale (2**e < 2 amax / 127 unless clamped);
-    # fp8: half an ulp of each value (3 mantissa bits), or of the smallest subnormal.
-    err, step = np.abs(back - x), 2.0 ** exp[:, None]
-    bound = step / 2 if dtype == INT8 else np.maximum(np.abs(x) * rel / 2, step * 2.0 ** -10)
-    assert (step[unclamped, 0] < 2 * amax[unclamped] / qmax).all()
+    scale = np.asarray(row_scale(jnp.asarray(code), dtype), np.float64)[:, None]
+    np.testing.assert_allclose(scale[:, 0], 2.0 ** (code / steps), rtol=1e-7)
+    # int8: half a step of the row's scale; fp8: half an ulp of each value (3 mantissa
+    # bits), or of the smallest subnormal.
+    err = np.abs(back - x)
+    bound = scale / 2 if dtype == INT8 else np.maximum(np.abs(x) * rel / 2, scale * 2.0 ** -10)
+    assert (scale[unclamped, 0] < 2.0 ** (1 / steps) * amax[unclamped] / qmax * (1 + 1e-6)).all()
     assert (err <= bound * (1 + 1e-6)).all()
 
 
 def test_rows_edge_cases():
-    # An all-zero row, a row that saturates at the largest exponent, int8's ties to even.
+    # An all-zero row, a row that saturates at the largest code, int8's ties to even.
     x = np.zeros((3, 4), np.float32)
     x[1] = [1e9, -1e9, 3.0, 0.0]
     x[2] = [127.0, 0.5, 1.5, -2.5]
     rows = np.asarray(quantize_rows(jnp.asarray(x), INT8))
-    assert (rows[0] == [0, 0, 0, 0, -SCALE_EXP_MAX]).all()
-    assert rows[1, 4] == SCALE_EXP_MAX and rows[1, 0] == 127 and rows[1, 1] == -127
+    assert (rows[0] == [0, 0, 0, 0, -64]).all()
+    assert rows[1, 4] == 64 and rows[1, 0] == 127 and rows[1, 1] == -127
     assert (rows[2] == [127, 0, 2, -2, 0]).all()
     fp8 = quantize_rows(jnp.asarray(x), FP8)
+    assert np.asarray(fp8.astype(jnp.float32))[0, 4] == -16
     assert np.isfinite(np.asarray(dequantize_rows(fp8))).all()   # saturates, never NaN
+    # Negative int8 codes: floor division and a non-negative remainder (2**(-5/4) = 2**-2 * 2**0.75).
+    assert float(row_scale(jnp.float32(-5), INT8)) == np.float32(0.25) * np.float32(2 ** 0.75)
 
 
 def test_layout_helpers():

@@ -132,8 +132,10 @@ inline vf vload8(const uint16_t* p) {
 
 // ---------------------------------------------------------------------------
 // Quantized rows (pallas_kernels.reference: quantize_rows / dequantize_rows):
-// head_dim values of one byte then the row's scale exponent e, an integer in
-// [-16, 16] stored as a number of the pool's dtype; the row means values * 2^e.
+// head_dim values of one byte then the row's scale code c, an integer stored
+// as a number of the pool's dtype; the row means values * scale(c), with
+// scale(c) = 2^c for fp8 (c in [-16, 16]) and 2^(c/4) for int8 (c in [-64, 64]),
+// the latter as 2^floor(c/4) * kQuarterPowers[c mod 4] (reference.row_scale).
 // The element types: int8_t (int8), Fp8 (float8_e4m3fn bits).  Rows are
 // dequantized to fp32 while a chunk is staged, so every micro-kernel below
 // runs unchanged on them; 2^e is built from exponent bits, so dequantization
@@ -156,6 +158,13 @@ inline float pow2i(int32_t e) {
   return f;
 }
 
+// 2^(k/4) in fp32, k = 0..3: reference.QUARTER_POWERS, bit for bit.
+constexpr float kQuarterPowers[4] = {0x1p+0f, 0x1.306fep+0f, 0x1.6a09e6p+0f, 0x1.ae89fap+0f};
+
+// An int8 row's scale: 2^(c/4) = 2^floor(c/4) * 2^((c mod 4)/4) (arithmetic shift
+// and two's-complement mask: floor and a non-negative remainder for negative c).
+inline float int8_scale(int32_t c) { return pow2i(c >> 2) * kQuarterPowers[c & 3]; }
+
 // Every float8_e4m3fn value as fp32 (exact), for scalar reads: the exponent
 // column and the head-dim tail past the last multiple of 8.
 struct Fp8Table {
@@ -175,8 +184,8 @@ const Fp8Table kFp8;
 inline float elem_f(int8_t x) { return x; }
 inline float elem_f(Fp8 x) { return kFp8.v[x.bits]; }
 
-// The scale exponent of a row (its element D).  Rows of the contract hold an
-// integer in [-16, 16]; only the poisoned rows a sequence does not own hold
+// The scale code of a row (its element D).  Rows of the contract hold an
+// integer in [-64, 64] (int8) or [-16, 16] (fp8); only the poisoned rows a sequence does not own hold
 // anything else (int8 127, fp8 NaN), and the kernel never loads those.  The
 // clamp to [-100, 100] keeps every power of two built from it (below) a
 // normal float.
@@ -209,7 +218,12 @@ inline int32_t row_exponent(const KT* row, int64_t D) {
 template <typename KT>
 inline void dequant_row(const KT* src, int64_t D, float* dst) {
   const int32_t e = row_exponent(src, D);
-  const float scale = pow2i(e);
+  float scale;
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    scale = int8_scale(e);
+  } else {
+    scale = pow2i(e);
+  }
   int64_t d = 0;
   if constexpr (std::is_same_v<KT, int8_t>) {
     const vf vscale = vbcast(scale);

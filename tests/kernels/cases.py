@@ -64,8 +64,8 @@ def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int
 
     `kv_dtype` (default `dtype`) is the pool's; a quantized one (int8,
     float8_e4m3fn) holds `quantize_rows` of the random K/V.  int8 has no NaN:
-    its poisoned rows hold random bytes with the largest scale exponent (127,
-    so they dequantize to values up to ~2e40, inf in fp32).
+    its poisoned rows hold random bytes with scale code 127 (values up to
+    ~6e11 once dequantized, where a valid row's scale is at most 2**16).
     """
     rng = np.random.default_rng(seed)
     kv_lens = np.array([kv for kv, _ in seqs] + [0] * pad_seqs, np.int32)

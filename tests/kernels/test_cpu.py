@@ -6,9 +6,9 @@ the cases listing "cpu"):
 * head_dim {64, 128} (and 20, the scalar paths for a head_dim that is not a
   multiple of 8) x GQA {1, 3, 4, 8} x block size {1, 8, 16, 32} x dtype
   {fp32, bf16} for queries and {fp32, bf16, int8, fp8 e4m3} for the pool
-  (quantized rows: head_dim values + a power-of-two scale exponent), every
+  (quantized rows: head_dim values + a scale code: 2**(c/4) for int8, 2**c for fp8), every
   q / pool pairing included.  Every int8 / fp8 byte value under every scale
-  exponent in [-16, 16] reads exactly (value * 2**e).
+  code reads exactly (value * the reference's fp32 scale).
 * decode-only batches (contexts up to ~1100 with exact block boundaries,
   boundary + 1 and 1: `cases.lens_profile`), whole prompts, chunked
   prefill over a cached prefix, mixed batches (`cases.mixed_seqs`);
@@ -17,8 +17,8 @@ the cases listing "cpu"):
   sequence with cached K/V mid-batch, an all-padding batch.
 * every case fills all pool memory a sequence may not read with NaN (block 0,
   unowned blocks, the tail of each last block, every layer but the one read;
-  layer > 0 unless stated; int8 pools: random bytes with scale exponent 127,
-  ~2e40 -> inf in fp32); a traced layer inside jit and lax.scan.
+  layer > 0 unless stated; int8 pools: random bytes with scale code 127, up to
+  ~6e11 once dequantized); a traced layer inside jit and lax.scan.
 * sliding windows smaller than, equal to and larger than the block size,
   window 1 and a window past every context, soft caps that decide the
   softmax (scores ~ +-100 under a cap of 50); with a window every key before
@@ -30,7 +30,7 @@ the cases listing "cpu"):
 
 K/V write vs `write_kv_reference` (all dtype pairs, padding tokens to the null
 block, out-of-range writes dropped), in place when the pool is donated;
-quantized pools byte for byte (exponents clamped at -16 and 16, saturation).
+quantized pools byte for byte (codes clamped at both ends, saturation).
 The cpu backend uses the kernels for quantized pools (never the reference).
 Fallbacks: the reference when the kernel is unavailable or a dtype unsupported,
 with the options passed through.
@@ -53,7 +53,8 @@ from kernels.cases import (FP8, INT8, NUM_LAYERS, OPTIONS, TOL, cases_for, check
 
 import pallas_kernels
 from pallas_kernels import cpu
-from pallas_kernels.reference import is_quantized, quantize_rows, write_kv_reference
+from pallas_kernels.reference import (SCALE_CODE_MAX, is_quantized, quantize_rows, row_scale,
+                                      write_kv_reference)
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"CPU kernel unavailable: {cpu.unavailable_reason()}")
@@ -65,7 +66,7 @@ kernel = jax.jit(cpu.paged_attention_cpu, static_argnames=OPTIONS + ("max_thread
 
 def assert_poisoned(rows):
     """Pool rows a sequence may not read hold NaN, or (int8: no NaN) random bytes with
-    scale exponent 127, which dequantize to up to ~2e40 (inf in fp32)."""
+    scale code 127, which dequantize to up to ~6e11."""
     if rows.dtype == jnp.int8:
         assert (np.asarray(rows)[..., -1] == 127).all()
     else:
@@ -108,11 +109,13 @@ def test_mixed_dtypes(q_dtype, pool_dtype):
 @pytest.mark.parametrize("pool_dtype", [INT8, FP8])
 def test_quantized_values_exact(pool_dtype, D):
     """Every byte value (fp8: subnormals, +-0, +-448 and NaN included) under every scale
-    exponent in [-16, 16] reads as exactly value * 2**e: one key per sequence, so each
-    output row is its V row (softmax weight exactly 1).  D = 20: the scalar tail too."""
+    code (int8: [-64, 64], scale 2**(c/4); fp8: [-16, 16], scale 2**c) reads as exactly
+    value * scale, the reference's fp32 scale: one key per sequence, so each output row
+    is its V row (softmax weight exactly 1).  D = 20: the scalar tail too."""
     all_bytes = np.arange(256, dtype=np.uint8).view(np.dtype(pool_dtype))
     values = np.resize(all_bytes, -(-256 // D) * D).reshape(-1, D)   # every byte at least once
-    rows = [(v, e) for e in range(-16, 17) for v in values]            # one sequence each
+    cmax = SCALE_CODE_MAX[jnp.dtype(pool_dtype)]
+    rows = [(v, e) for e in range(-cmax, cmax + 1) for v in values]    # one sequence each
     S, KVH, BS = len(rows), 1, 4
     pool = np.zeros((S + 1, NUM_LAYERS, 2, KVH, BS, D + 1), np.dtype(pool_dtype))
     for s, (v, e) in enumerate(rows):
@@ -123,7 +126,8 @@ def test_quantized_values_exact(pool_dtype, D):
     bt = jnp.arange(1, S + 1, dtype=jnp.int32)[:, None]
     out = np.asarray(kernel(q, jnp.asarray(pool), 1, bt, jnp.ones(S, jnp.int32),
                             jnp.arange(S + 1, dtype=jnp.int32)))
-    want = np.stack([v.astype(np.float64) * 2.0 ** e for v, e in rows])  # ml_dtypes: exact
+    scales = np.asarray(row_scale(jnp.asarray([e for _, e in rows], jnp.float32), pool_dtype), np.float64)
+    want = np.stack([v.astype(np.float64) * s for (v, _), s in zip(rows, scales)])  # exact in fp64
     for g in range(2):
         np.testing.assert_array_equal(out[:, g], want.astype(np.float32))
 
@@ -226,8 +230,8 @@ def _write_case(rng, *, pool_dtype, kv_dtype, T=21, NB=9, KVH=2, BS=8, D=64):
     if is_quantized(pool_dtype):
         pool = quantize_rows(jnp.asarray(pool), pool_dtype)
     pool = jnp.asarray(pool, pool_dtype)
-    # Rows of magnitudes 2**-30 .. 2**30 (scale exponents clamped at -16 and at 16, where
-    # values saturate), one all-zero row.
+    # Rows of magnitudes 2**-30 .. 2**30 (scale codes clamped at both ends: fp8 at +-16,
+    # int8 at +-64, where values saturate), one all-zero row.
     mag = 2.0 ** rng.uniform(-30, 30, (2, T, KVH, 1))
     mag[0, 0, 0], mag[1, 0, 0], mag[0, 2, 0] = 2.0 ** 30, 2.0 ** -30, 0   # token 0: a real write
     k = jnp.asarray(rng.standard_normal((T, KVH, D)) * mag[0], kv_dtype)
@@ -264,7 +268,8 @@ def test_write_kv_quantized_bit_identical_in_place(pool_dtype, kv_dtype):
     pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=pool_dtype, kv_dtype=kv_dtype)
     want = np.asarray(write_kv_reference(pool, 1, k, v, blocks, offsets)).view(np.uint8)
     exps = np.asarray(want[1:, 1, ..., -1].view(pool_dtype), np.float32)
-    assert exps.min() == -16 and exps.max() == 16                   # both clamps reached
+    cmax = SCALE_CODE_MAX[jnp.dtype(pool_dtype)]
+    assert exps.min() == -cmax and exps.max() == cmax               # both clamps reached
     write = jax.jit(cpu.write_kv_or_reference, donate_argnums=0)
     ptr = pool.unsafe_buffer_pointer()
     got = write(pool, jnp.int32(1), k, v, blocks, offsets)

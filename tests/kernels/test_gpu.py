@@ -30,7 +30,7 @@ selection, not the product:
   128-token pages, one page per tile with a window and a soft cap; fp32 and
   bf16 queries) and `test_quantized_tilings` (fp8 with fp32 queries on the
   no-dot 8-key path, int8 through the ragged kernel alone).  Unowned rows
-  hold NaN (fp8) or random bytes with exponent 127 (int8: ~2e40, inf in fp32).
+  hold NaN (fp8) or random bytes with scale code 127 (int8: up to ~6e11).
 
 Tolerances (`cases.TOL`): fp32 atol 2e-5 / rtol 1e-5 (3x for the soft-capped
 scores of +-60..90: `cases.BIG_LOGITS`), bf16 2e-2.

@@ -21,16 +21,17 @@ from kernels.cases import (attention_per_layer, cases_for, fresh_seed, make_ragg
                            reference)
 
 import pallas_kernels
-from pallas_kernels.reference import is_quantized, write_kv_reference
+from pallas_kernels.reference import CODES_PER_OCTAVE, is_quantized, write_kv_reference
 
 
 def dense_attention(q, pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scale=None,
                     sliding_window=None, soft_cap=None):
     """The contract in numpy, float64, one sequence at a time: token i of sequence s
     at position p = kv_len - q_len + i sees keys k with p - sliding_window < k <= p."""
-    if is_quantized(pool.dtype):  # rows: head_dim values, then the scale's exponent
+    if is_quantized(pool.dtype):  # rows: head_dim values, then the scale's code
+        steps = CODES_PER_OCTAVE[jnp.dtype(pool.dtype)]
         pool = np.asarray(pool, np.float64)
-        pool = pool[..., :-1] * np.exp2(pool[..., -1:])
+        pool = pool[..., :-1] * np.exp2(pool[..., -1:] / steps)
     q, pool, bt, kv_lens, cu = map(np.asarray, (q, pool, block_tables, kv_lens, cu_q_lens))
     q, pool = q.astype(np.float64), pool.astype(np.float64)
     T, H, D = q.shape

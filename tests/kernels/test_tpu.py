@@ -21,8 +21,8 @@ covering selection, not a product:
 * quantized pools (rows of head_dim values and a scale exponent): int8 with
   fp32 q (a window and a soft cap; decode), fp8 with bf16 q and with fp32 q
   (one KV head per grid step), held to the fp32 / bf16 tolerances; rows a
-  sequence may not read hold int8 random bytes with exponent 127 (inf once
-  dequantized) or fp8 NaN;
+  sequence may not read hold int8 random bytes with scale code 127 (up to ~6e11
+  once dequantized) or fp8 NaN;
 * fixed shapes with several draws (no padding at all, padding only);
 * 2 simulated TensorCores (head blocks split over cores), eager DMAs;
 * every run checks the exact number of DMAs the kernel issued: q, the pages
