@@ -225,7 +225,7 @@ def causal_flops(seqs) -> float:
 
 def kv_bytes(seqs, pool_dtype) -> float:
     """K/V bytes the sequences' keys take in a pool of `pool_dtype` (quantized rows:
-    head_dim values and the scale exponent)."""
+    head_dim values and the scale code)."""
     row = FLAGS.head_dim + int(is_quantized(pool_dtype))
     return sum(kv for kv, _ in seqs) * FLAGS.num_kv_heads * row * 2 * pool_dtype.itemsize
 

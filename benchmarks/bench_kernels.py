@@ -66,7 +66,7 @@ flags.DEFINE_integer("gqa", 4, "Query heads per KV head.")
 flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
 flags.DEFINE_string("dtype", "bfloat16", "q dtype (and K/V's unless --kv_dtype).")
 flags.DEFINE_string("kv_dtype", None, "K/V pool dtype (default --dtype); int8 or float8_e4m3fn: "
-                    "quantized rows (head_dim values + a scale exponent). jax_ops and contig "
+                    "quantized rows (head_dim values + a scale code). jax_ops and contig "
                     "are skipped for quantized pools.")
 flags.DEFINE_integer("iters", 20, "n: unrolled attention calls per timed program (n and 2n are run).")
 flags.DEFINE_integer("reps", 10, "Timed repetitions (median is reported).")

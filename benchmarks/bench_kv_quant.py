@@ -348,7 +348,7 @@ def parse_scheme(name: str) -> dict:
 
 def scheme_row_bytes(s: dict, head_dim: int, block_size: int) -> float:
     """Bytes one token's K (or V) row of one KV head takes: values + its share of the scale."""
-    scale = 4 if s["scale"] == "fp32" else 1  # an exponent byte (pow2, qpow2) vs an fp32 scale
+    scale = 4 if s["scale"] == "fp32" else 1  # a code byte (pow2, qpow2) vs an fp32 scale
     return head_dim + (scale if s["gran"] == "tok" else scale / block_size)
 
 

@@ -15,7 +15,7 @@ vLLM V1 and tpu-inference.  Every implementation takes that contract:
   bfloat16 / int8 / float8_e4m3fn it falls back to the reference.
 
 Every implementation reads quantized pools (int8, float8_e4m3fn: rows of
-head_dim values and a power-of-two scale exponent, `reference.quantize_rows`)
+head_dim values and a one-byte scale code, `reference.quantize_rows`)
 and writes them through `quantize_rows`.
 
 Every implementation also takes Gemma's two attention variants, as static

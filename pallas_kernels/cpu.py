@@ -14,7 +14,7 @@ dim instead.  Items, largest first, are spread over XLA's intra-op thread
 pool; each is computed by one thread (results do not depend on the thread
 count).  q and the output may be float32 or bfloat16; the K/V pool float32,
 bfloat16 (converted on load), or quantized: int8 or float8_e4m3fn rows of
-head_dim values and a power-of-two scale exponent (`reference.quantize_rows`),
+head_dim values and a one-byte scale code (`reference.quantize_rows`),
 dequantized exactly while a chunk of keys is staged (int8: sign-extend and
 convert; fp8: its bits shifted into a binary16 that vcvtph2ps converts, no
 table lookup per value), so every micro-kernel runs unchanged on them.  Decode

@@ -253,7 +253,7 @@ def _init_carry(rows: int, d: int):
 
 def _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, block_k, head_dim):
     """K and V [block_k, D] of key tile `it` of sequence s, read straight from the pool,
-    and their rows' scale exponents ([block_k] each; None unless the pool is quantized).
+    and their rows' scale codes ([block_k] each; None unless the pool is quantized).
 
     A tile is several whole pages (block_k > block_size: one gather-load of
     the page vector, no copy), one page, or a slice of one page (block_k <

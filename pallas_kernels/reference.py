@@ -15,9 +15,9 @@ or V) holds head_dim values and one more column, the code c of the row's
 scale, so the pool's last axis is head_dim + 1 and the row stands for
 values * scale(c).  The code is stored as a number in the pool's own dtype (an
 integer, exact in both), so a quantized pool is still one array: block moves,
-swap and head sharding carry the scales with the values.  A one-byte scale
-per row costs one byte, where an fp32 scale would cost four: int8 rows of
-head_dim 64 take 65 bytes, 3.94x fewer than fp32's 256.
+swap and head sharding carry the scales with the values.  The scale costs
+one byte per row, where an fp32 scale would cost four: int8 rows of head_dim
+64 take 65 bytes, 3.94x fewer than fp32's 256.
 
 * int8: scale(c) = 2**(c / 4), c in [-64, 64]: a quarter-power of two, so
   the row's largest value lands in (127 / 2**0.25, 127] and keeps most of an

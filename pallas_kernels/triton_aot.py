@@ -211,7 +211,7 @@ def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_siz
     options sliding_window and soft_cap); omitted ones take the defaults.
     `dtype` is the pool's; q's is `q_dtype`, default the pool's, or bfloat16
     for a quantized pool (int8, float8_e4m3fn: rows of head_dim + 1, the
-    scale exponent last).  Returns (the tiling used, resources).  The pool is
+    scale code last).  Returns (the tiling used, resources).  The pool is
     2^32+ bytes so that offsets are 64-bit, as in a real pool.
     """
     import jax.numpy as jnp

@@ -408,7 +408,7 @@ struct Params {
   const int32_t* kv_lens;
   void* out;
   int64_t T, H, D, Dp, NB, L, KVH, BS, W, G, S;
-  int64_t Dr;  // elements per pool row: D, + 1 (the scale exponent) when quantized
+  int64_t Dr;  // elements per pool row: D, + 1 (the scale code) when quantized
   int64_t layer;
   int64_t tile_tokens, max_rows_p;
   float scale;  // sm_scale * log2(e): scores are kept in base-2 units
@@ -891,7 +891,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   if (!quant && kt != ffi::DataType::F32 && kt != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(
         "paged_attention_cpu: kv_pool must be f32, bf16, int8 or float8_e4m3fn");
-  p.Dr = p.D + (quant ? 1 : 0);  // a quantized row ends with its scale exponent
+  p.Dr = p.D + (quant ? 1 : 0);  // a quantized row ends with its scale code
   if (pd[5] != p.Dr)
     return ffi::Error::InvalidArgument(
         "paged_attention_cpu: head_dim mismatch (a quantized pool's rows are head_dim + 1)");

@@ -97,7 +97,7 @@ def test_mixed_dtypes(q_dtype, pool_dtype):
     args = make_ragged_case(seed, seqs, G=3, KVH=2, D=64, BS=16, dtype=q_dtype,
                             kv_dtype=pool_dtype)
     assert args[1].dtype == jnp.dtype(pool_dtype)
-    assert args[1].shape[-1] == 64 + is_quantized(pool_dtype)    # + the scale exponent
+    assert args[1].shape[-1] == 64 + is_quantized(pool_dtype)    # + the scale code
     out = kernel(*args)
     assert out.dtype == jnp.dtype(q_dtype)
     ref = np.asarray(reference(*args), np.float32)

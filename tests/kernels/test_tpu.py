@@ -18,7 +18,7 @@ covering selection, not a product:
   (> block) and past every context (the scan test), soft caps deciding the
   softmax, fp32 and bf16; NaN in every key before a sequence's window and the
   null block in its table entries before it;
-* quantized pools (rows of head_dim values and a scale exponent): int8 with
+* quantized pools (rows of head_dim values and a scale code): int8 with
   fp32 q (a window and a soft cap; decode), fp8 with bf16 q and with fp32 q
   (one KV head per grid step), held to the fp32 / bf16 tolerances; rows a
   sequence may not read hold int8 random bytes with scale code 127 (up to ~6e11
@@ -277,7 +277,7 @@ def test_traced_layer_in_scan(monkeypatch):
 # Lowering to Mosaic for a TPU v5e target (no TPU needed; the final libtpu
 # compile, which checks layouts, is not run here).
 GEMMA_OPTIONS = dict(sliding_window=4096, soft_cap=50.0)
-# Quantized pools (kv_dtype int8 / fp8: rows of D + 1 bytes, the scale exponent last):
+# Quantized pools (kv_dtype int8 / fp8: rows of D + 1 bytes, the scale code last):
 # 129- and 65-wide lane dims, 8-bit to fp32 / bf16 converts.
 LOWER_CASES = [  # (D, G, KVH, BS, dtype, kv_dtype (None: dtype), kv_heads_per_block, options)
     (128, 4, 8, 16, jnp.bfloat16, None, None, {}),
