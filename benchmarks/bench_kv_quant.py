@@ -574,27 +574,9 @@ def run_step(dtypes: list[str]) -> list[dict]:
         pool = prose_ids(llm)
         # Distinct prompts (different windows of the prose), no shared prefix.
         prompts = [[pool[(i * 37 + j) % len(pool)] for j in range(P)] for i in range(Bt)]
-        params = B.greedy(N, ignore_eos=True)
-        result = {}
-        for rep in range(2):  # the first pass compiles the buckets
-            B.cold_prefix_cache(llm)
-            for x in prompts:
-                llm.add_request(x, params)
-            walls, devs = [], []
-            while llm.has_unfinished_requests():
-                st = llm.stats
-                prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
-                t0 = time.perf_counter()
-                llm.step()
-                wall = time.perf_counter() - t0
-                st = llm.stats
-                if st.prefill_steps == prefills and st.tokens_scheduled - tok0 == Bt:
-                    walls.append(wall)
-                    devs.append(st.device_seconds - dev0)
-            result = {"kv_dtype": dt, "attention": impl_note(llm), "batch": Bt, "context": f"{P}..{P + N}",
-                      "step_ms": 1000 * float(np.median(walls)) if walls else float("nan"),
-                      "device_ms": 1000 * float(np.median(devs)) if devs else float("nan"),
-                      "steps_timed": len(walls)}
+        timed = B.time_decode_steps(llm, Bt, N, ids=prompts)  # the first pass compiles the buckets
+        result = {"kv_dtype": dt, "attention": impl_note(llm), "batch": Bt, "context": f"{P}..{P + N}",
+                  **timed}
         rows.append(result)
         print(f"step {dt}: {result['step_ms']:.2f} ms (device {result['device_ms']:.2f}), "
               f"{result['steps_timed']} steps", flush=True)

@@ -306,14 +306,15 @@ def time_matmuls(llm: Any, batch: int, iters: int, head: bool = True) -> float:
     return float(np.median(times))
 
 
-def time_decode_steps(llm: Any, batch: int, steps: int) -> dict:
+def time_decode_steps(llm: Any, batch: int, steps: int, ids: list[list[int]] | None = None) -> dict:
     """Median wall / device time of jpaged steps in which exactly `batch` sequences
     decode (no prompt tokens in the step): `batch` requests of `steps` tokens
     (ignore_eos) go in through llm.add_request and run with llm.step; the first
     pass compiles the shapes, the second is measured.  The engine must allow
-    max_num_seqs >= batch."""
-    prompts = chat([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)])
-    ids = token_ids(llm, prompts)
+    max_num_seqs >= batch.  `ids`: the prompts' token ids (default: the demo
+    prompts, cycled)."""
+    if ids is None:
+        ids = token_ids(llm, chat([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)]))
     params = greedy(steps, ignore_eos=True)
     result: dict = {}
     cold_prefix_cache(llm)

@@ -22,6 +22,7 @@ updates it in place and never copies it (pool layout: see `jpaged.runtime.kv_poo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -140,10 +141,11 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
     return out.reshape(q.shape[0], -1), kv_pool
 
 
+@functools.cache
 def kv_rotation(head_dim: int) -> np.ndarray:
     """The orthonormal matrix a quantized pool's K/V rows (and the queries) are rotated
     by: Sylvester's Hadamard / sqrt(head_dim) for a power-of-two head_dim, else a
-    fixed random orthogonal matrix."""
+    fixed random orthogonal matrix (built once per head_dim: every layer's trace uses it)."""
     if head_dim & (head_dim - 1) == 0:
         h = np.ones((1, 1))
         while h.shape[0] < head_dim:
