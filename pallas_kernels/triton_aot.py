@@ -27,6 +27,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -80,21 +81,29 @@ class _LaunchRecorded(Exception):
 
 @contextlib.contextmanager
 def _capture_triton_modules(sink: list[dict]):
-    """Record the TTIR (and, where jax hands it over, the launch config) of
-    every pallas_call jax lowers for a GPU.
+    """Record the TTIR and launch config of every pallas_call jax lowers for a GPU.
 
-    jaxlib <= 0.10.2 embeds the IR in a custom call (launch config in its
-    backend_config); later jaxlibs compile the IR during lowering through a
-    GPU plugin's handler, which a CPU-only install lacks: there the compile
-    call is intercepted to read the launch config and the lowering stopped.
+    The launch config is read off the lowering rule that calls the Triton
+    lowering (its `num_warps` / `num_stages` locals, which every jax so far
+    computes first); the lowered module's backend_config is the fallback.
+    jaxlib <= 0.10.2 embeds the IR in a custom call; 0.10.2's rule, told it runs
+    on a later jaxlib, compiles the IR while lowering through a GPU plugin's
+    handler, which a CPU-only install lacks: there that compile call is
+    intercepted and the lowering stopped.  jax 0.11 has no such module-level
+    handle (and, on a GPU, the plugin to compile with).
     """
     from jax._src.pallas.triton import lowering
     from jax._src.pallas.triton import pallas_call_registration as registration
-    original_lower, original_triton = lowering.lower_jaxpr_to_triton_module, registration.triton
+    original_lower = lowering.lower_jaxpr_to_triton_module
+    original_triton = getattr(registration, "triton", None)
 
     def lower(*args, **kwargs):
         result = original_lower(*args, **kwargs)
-        sink.append(dict(ttir=result.module.operation.get_asm(enable_debug_info=False)))
+        record = dict(ttir=result.module.operation.get_asm(enable_debug_info=False))
+        caller = sys._getframe(1).f_locals
+        if isinstance(caller.get("num_warps"), int) and isinstance(caller.get("num_stages"), int):
+            record.update(num_warps=caller["num_warps"], num_stages=caller["num_stages"])
+        sink.append(record)
         return result
 
     class _RecordingTriton:
@@ -107,12 +116,14 @@ def _capture_triton_modules(sink: list[dict]):
             raise _LaunchRecorded
 
     lowering.lower_jaxpr_to_triton_module = lower
-    registration.triton = _RecordingTriton()
+    if original_triton is not None:
+        registration.triton = _RecordingTriton()
     try:
         yield
     finally:
         lowering.lower_jaxpr_to_triton_module = original_lower
-        registration.triton = original_triton
+        if original_triton is not None:
+            registration.triton = original_triton
 
 
 _LAUNCH_RE = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')

@@ -135,7 +135,9 @@ def test_traced_layer_in_scan():
         return attention_per_layer(impl, q, pool, bt, kv_lens, cu, compiler_options=FAST_COMPILE,
                                    **opts)
 
-    out, ref = run_impl("pallas_gpu"), run_impl("reference")
+    out = run_impl("pallas_gpu")
+    with jax.default_matmul_precision("highest"):    # exact fp32 oracle (see check_ragged)
+        ref = run_impl("reference")
     assert out.shape == (NUM_LAYERS,) + q.shape
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL[np.dtype(F32)])
     plain = attention_per_layer("reference", q, pool, bt, kv_lens, cu, sm_scale=1.0)
@@ -245,7 +247,9 @@ def test_capture_on_newer_jaxlib(monkeypatch):
     plugin a CPU install lacks): the capture still gets the first kernel's IR
     and launch config, and `single_kernel` reaches the second one alone."""
     from jax._src.pallas.triton import pallas_call_registration as registration
-    monkeypatch.setattr(registration, "jaxlib_version", (0, 11, 2), raising=False)
+    if not hasattr(registration, "jaxlib_version") or not hasattr(registration, "triton"):
+        pytest.skip("simulates jax 0.10.2's lowering rule on a later jaxlib; this jax has another rule")
+    monkeypatch.setattr(registration, "jaxlib_version", (0, 11, 2))
     (ir,) = _lower(128, 4, 16, BF16, 3, num_warps=8)
     assert ir.name == "jpaged_decode_gpu" and "tt.func public @" in ir.ttir
     assert (ir.num_warps, ir.num_stages) == (8, 2)
