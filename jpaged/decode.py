@@ -32,6 +32,7 @@ from flax import nnx
 from jpaged.core.block_manager import NULL_BLOCK
 from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.runtime.kv_pool import create_kv_pool
+from jpaged.runtime.lora import LoraBatch, LoraWeights, token_slots
 from jpaged.models.base import StepMetadata, forward
 from jpaged.runtime.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
                              token_logprobs)
@@ -65,14 +66,15 @@ def ragged_metadata(block_tables: jax.Array, context_lens: jax.Array, q_lens: ja
 
 def forward_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array,
                  tokens: jax.Array, meta: StepMetadata, *, attention_impl: str = "reference",
-                 logits: str = "last") -> tuple[jax.Array, jax.Array]:
+                 logits: str = "last", lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
     """Runs the flat tokens[T] (prefill chunks and decode tokens mixed) through the model.
 
     Returns (logits, new kv_pool): logits [S, vocab] of each sequence's last
-    new token, or [T, vocab] with logits="all".
+    new token, or [T, vocab] with logits="all".  `lora`: adapter slots and each
+    token's slot (jpaged.runtime.lora), None for the base model alone.
     """
     return forward(graphdef, params, tokens, meta, kv_pool, attention_impl=attention_impl,
-                   logits=logits)
+                   logits=logits, lora=lora)
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays | None) -> jax.Array:
@@ -122,7 +124,8 @@ def apply_logit_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets, *,
-                                 num_logprobs, logprobs_mode, attention_impl, logit_mask=None, num_seqs=None):
+                                 num_logprobs, logprobs_mode, attention_impl, logit_mask=None, num_seqs=None,
+                                 lora=None):
     """generate_step_with_logprobs, also returning the logits at logits_indices
     (raw: before `logit_mask`, which only what is sampled and processed logprobs
     see): [S, vocab], or [S * (k + 1), vocab] when the step verifies drafts
@@ -131,7 +134,7 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
     logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
-                                   attention_impl=attention_impl, logits="all" if every else "last")
+                                   attention_impl=attention_impl, logits="all" if every else "last", lora=lora)
     at_indices = logits[meta.logits_indices] if every else logits
     last = _sampling_rows(at_indices, num_seqs or at_indices.shape[0])
     allowed = apply_logit_mask(last, logit_mask)
@@ -147,7 +150,7 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
 
 def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inputs: StepInputs, *,
              attention_impl: str = "reference", num_logprobs: int = MAX_LOGPROBS,
-             logprobs_mode: str = "raw") -> tuple[StepResult, jax.Array]:
+             logprobs_mode: str = "raw", lora: LoraWeights | None = None) -> tuple[StepResult, jax.Array]:
     """The engine's step: one forward + sample over `inputs` (a `StepInputs`, see
     jpaged.runtime.step_inputs), returning (StepResult, new kv_pool).
 
@@ -161,7 +164,12 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
     previous step's `token_buffer`, and the step returns its own.  With
     `inputs.logit_mask` (structured outputs) each row samples among the tokens
     its bitmask allows (raw logprobs stay the model's; processed ones are masked).
+    With `inputs.lora_slots` each row's tokens get its adapter's update from the
+    slots in `lora` (jpaged.runtime.lora).
     """
+    batch = None
+    if inputs.lora_slots is not None:
+        batch = LoraBatch(lora, token_slots(inputs.lora_slots, inputs.meta.cu_q_lens, inputs.num_tokens))
     if inputs.prev_rows is not None:  # tokens the previous step sampled, still on the device
         prev = inputs.prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
         inputs = dataclasses.replace(inputs, tokens=jnp.where(inputs.prev_rows >= 0, prev, inputs.tokens))
@@ -169,11 +177,11 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
         tokens, logprobs, prompt, kv_pool, logits = _generate_step_with_logprobs(
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
-            attention_impl=attention_impl, logit_mask=inputs.logit_mask, num_seqs=inputs.num_seqs)
+            attention_impl=attention_impl, logit_mask=inputs.logit_mask, num_seqs=inputs.num_seqs, lora=batch)
         result = StepResult(tokens, logprobs, prompt)
     else:
         logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
-                                       attention_impl=attention_impl)
+                                       attention_impl=attention_impl, lora=batch)
         last = _sampling_rows(logits, inputs.num_seqs)
         result = StepResult(sample(apply_logit_mask(last, inputs.logit_mask), inputs.sampling))
     if inputs.draft_tokens is not None:  # speculative decoding
@@ -197,8 +205,8 @@ def _sampling_rows(logits: jax.Array, num_seqs: int) -> jax.Array:
     return logits if logits.shape[0] == num_seqs else logits.reshape(num_seqs, -1, logits.shape[-1])[:, 0]
 
 
-def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array
-          ) -> jax.Array:
+def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array,
+          *, lora: LoraWeights | None = None, lora_slots: jax.Array | None = None) -> jax.Array:
     """Log-probability [B, L - 1] of each next token: entry [b, t] is log p(token_ids[b, t + 1] |
     token_ids[b, :t + 1]) in fp32, 0 where t + 1 >= lengths[b].
 
@@ -217,7 +225,13 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     Under jit / grad only the shapes are checked: an id outside the vocabulary is
     then clamped by the embedding gather, and a length outside [1, L] masks
     nothing or everything, silently.
+
+    With `lora` (adapter slots, e.g. `LLM.lora_weights()` or a trainer's own, see
+    jpaged.runtime.lora) and `lora_slots` [B] (each row's slot, -1: the base
+    model), rows score under their adapters, differentiably in `lora` too.
     """
+    if (lora is None) != (lora_slots is None):
+        raise ValueError("score: pass lora and lora_slots together")
     cfg = nnx.merge(graphdef, params).cfg
     check_batch(token_ids, lengths, cfg.vocab_size, ids_name="token_ids", lens_name="lengths")
     B, L = token_ids.shape
@@ -227,8 +241,9 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
                         kv_lens=jnp.full(B, L, jnp.int32), cu_q_lens=L * jnp.arange(B + 1, dtype=jnp.int32),
                         logits_indices=L * jnp.arange(1, B + 1, dtype=jnp.int32) - 1)
     kv = jnp.zeros((2, B * L, cfg.num_kv_heads, cfg.head_dim), jnp.float32)  # never read: see DENSE
+    batch = None if lora is None else LoraBatch(lora, jnp.repeat(jnp.asarray(lora_slots, jnp.int32), L))
     logits, _ = forward(graphdef, params, token_ids.reshape(-1).astype(jnp.int32), meta, kv,
-                        attention_impl=DENSE, logits="all")
+                        attention_impl=DENSE, logits="all", lora=batch)
     logits = logits.reshape(B, L, -1)[:, :-1].astype(jnp.float32)
     chosen = jnp.take_along_axis(logits, token_ids[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     chosen = chosen - jax.nn.logsumexp(logits, axis=-1)  # log_softmax at the chosen token only

@@ -113,6 +113,8 @@ def near(field: str) -> st.SearchStrategy:
         return st.just("")
     if field == "speculative_model":
         return st.sampled_from(["", config_module.EMBEDDED_MODEL, "/no/such/model"])
+    if field == "lora_modules":
+        return st.sampled_from(["", "a=/no/such/dir", "a=", "=x", "a=/tmp,a=/tmp", "a=/tmp"])
     return NEAR[spec.kind]
 
 
@@ -122,7 +124,7 @@ def field_values(field: str) -> st.SearchStrategy:
 # A change of a key field may be blamed on its partner in a cross-field check.
 PARTNERS = {"max_num_seqs": {"max_num_batched_tokens"}, "model": {"load_format"},
             "preemption_mode": {"swap_space_gb"}, "prompt_lookup_max": {"prompt_lookup_min"},
-            "speculative_method": {"speculative_model"}}
+            "speculative_method": {"speculative_model"}, "lora_modules": {"max_loras"}}
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

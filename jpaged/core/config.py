@@ -104,6 +104,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.prompt_lookup_max = 5
     c.speculative_model = ""
     c.speculative_disable_by_batch_size = 8
+    # LoRA adapters (jpaged.runtime.lora): max_loras device slots, of rank up to
+    # max_lora_rank, beside the base model; a request names its adapter ("model"
+    # in the HTTP API, SamplingParams.lora in Python).  lora_modules: PEFT
+    # directories loaded at start, "name=path[,name=path...]".  max_loras 0: as
+    # many slots as lora_modules names (none: adapters off).
+    c.lora_modules = ""
+    c.max_loras = 0
+    c.max_lora_rank = 16
     # HTTP server (`jpaged serve`): requests waiting for a seat beyond this bound
     # get a 429 with Retry-After; on SIGTERM, in-flight requests get this long to
     # finish before they are aborted.
@@ -227,6 +235,9 @@ FIELDS: dict[str, FieldSpec] = {
     "speculative_model": FieldSpec("str", '"" (none) or, for speculative_method draft, a .gguf file or a HF '
                                           'checkpoint directory with the target\'s tokenizer'),
     "speculative_disable_by_batch_size": _ints(0, INT32_MAX, "an integer >= 0 (0: speculation never switches off)"),
+    "lora_modules": FieldSpec("str", '"" (none) or "name=path[,name=path...]" of PEFT LoRA adapter directories'),
+    "max_loras": _ints(0, 1024, "an integer in [0, 1024] (0: as many as lora_modules names)"),
+    "max_lora_rank": _ints(1, 1024),
     "shutdown_grace_seconds": _reals(0, 24 * 3600, allowed="a number of seconds in [0, 86400]"),
 }
 
@@ -504,5 +515,26 @@ def _check_speculative(cfg: Mapping[str, Any]) -> None:
                               FIELDS["speculative_model"].allowed)
 
 
+def _check_lora(cfg: Mapping[str, Any]) -> None:
+    from jpaged.loading.peft import parse_lora_modules
+    try:
+        modules = parse_lora_modules(cfg["lora_modules"])
+    except ValueError as e:
+        raise ConfigError("lora_modules", str(e), FIELDS["lora_modules"].allowed) from None
+    for name, path in modules.items():
+        if not os.path.isdir(path):
+            raise ConfigError("lora_modules", f"{name}={path}: not a directory",
+                              "PEFT adapter directories (adapter_config.json, adapter_model.safetensors)")
+    if cfg["max_loras"] and len(modules) > cfg["max_loras"]:
+        raise ConfigError("max_loras", f"{cfg['max_loras']} slots cannot hold the {len(modules)} lora_modules",
+                          f"at least {len(modules)}, or 0 (as many as lora_modules names)")
+
+
+def lora_slots(cfg: Mapping[str, Any]) -> int:
+    """Adapter slots the engine keeps on the device (0: adapters off)."""
+    from jpaged.loading.peft import parse_lora_modules
+    return cfg["max_loras"] or len(parse_lora_modules(cfg["lora_modules"]))
+
+
 _CROSS_CHECKS: tuple[Callable[[Mapping[str, Any]], None], ...] = (
-    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space, _check_speculative)
+    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space, _check_speculative, _check_lora)

@@ -40,7 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1                      # parallel samples of this prompt (share its prefill)
     cache_salt: str | None = None   # prefix-cache namespace: no reuse across salts
-    adapter_id: str | int | None = None  # part of the prefix-cache key (LoRA etc.)
+    lora: str | None = None         # the name of a loaded LoRA adapter; None: the base model
     # Log-probabilities (fp32): of each generated token plus its `logprobs` best
     # alternatives, and of each prompt token plus `prompt_logprobs` alternatives.
     logprobs: int | None = None
@@ -76,6 +76,8 @@ class SamplingParams:
             if not isinstance(self.structured, StructuredOutputs):
                 raise ValueError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
             self.structured.validate()
+        if self.lora is not None and not isinstance(self.lora, str):
+            raise ValueError(f"lora must be an adapter's name (a string) or null, got {self.lora!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__} "
                              f"{self.cache_salt!r}")
@@ -117,7 +119,8 @@ class Sequence:
     """One request: its tokens, its block table and its timings."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, seed: int = 0, weights_version: int = 0):
+                 prompt: str | None = None, seed: int = 0, weights_version: int = 0,
+                 lora_slot: int = -1, lora_key: tuple | None = None):
         self.seq_id = seq_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -125,6 +128,9 @@ class Sequence:
         self.params = params
         self.seed = seed  # resolved per-request seed
         self.weights_version = weights_version  # K/V of other versions must never be shared
+        # LoRA: the device slot of its adapter (-1: the base model), and the adapter's
+        # identity for the prefix cache ((name, load serial): a reload never shares).
+        self.lora_slot, self.lora_key = lora_slot, lora_key
         self.status = Status.WAITING
         self.block_table = BlockTable()
         self.group_tables: list[BlockTable] = []  # the other KV layer groups' (jpaged.core.kv_layout)
@@ -167,7 +173,7 @@ class Sequence:
     @property
     def extra_keys(self) -> tuple:
         """Prefix-cache key parts besides the tokens."""
-        return (self.params.adapter_id, self.params.cache_salt, self.weights_version)
+        return (self.lora_key, self.params.cache_salt, self.weights_version)
 
     @property
     def prefill_target(self) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.core.block_manager import BlockAllocator, BlockManager
-from jpaged.core.config import PREEMPTION_MODES, apply_overrides, default_config, validate_config
+from jpaged.core.config import PREEMPTION_MODES, apply_overrides, default_config, lora_slots, validate_config
 from jpaged.core.progress import ProgressCheck
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -32,12 +32,14 @@ from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
 from jpaged.engine import protocol
 from jpaged.engine.input_processor import InputProcessor
+from jpaged.engine.lora_manager import LoraManager, UnknownLoraError
 from jpaged.engine.output_processor import OutputProcessor, RequestOutput, record_logprobs
 from jpaged.engine.setup import (engine_mesh, load_model, program_cache_dir, resolve_attention_impl,
                                  resolve_kv_cache_dtype, resolve_layer_loop, size_pool)
 from jpaged.engine.speculation import Speculator
 from jpaged.engine.step_stats import StepStats
 from jpaged.core.kv_layout import kv_layout
+from jpaged.loading.peft import parse_lora_modules
 from jpaged.runtime.kv_pool import block_shape, bytes_per_block
 from jpaged.runtime.model_runner import ModelRunner, PendingStep, StepResult
 from jpaged.runtime.params import check_finite_params, check_same_structure
@@ -103,7 +105,13 @@ class LLM:
                                   mesh=self.mesh, program_cache_dir=program_cache_dir(cfg),
                                   chained=cfg.async_scheduling,
                                   num_speculative_tokens=cfg.num_speculative_tokens
-                                  if cfg.speculative_method != "none" else 0)
+                                  if cfg.speculative_method != "none" else 0,
+                                  lora_slots=lora_slots(cfg), max_lora_rank=cfg.max_lora_rank,
+                                  scan_layers=self.scan_layers)
+        self.lora = LoraManager(self.runner, self.loaded.config, num_slots=lora_slots(cfg),
+                                max_rank=cfg.max_lora_rank, tensor_parallel=tensor_parallel_size(self.mesh))
+        for name, path in parse_lora_modules(cfg.lora_modules).items():
+            self.lora.load(name, path)
         self.speculator = self._speculator(cfg)
         self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
                                    max_num_seqs=cfg.max_num_seqs,
@@ -204,11 +212,12 @@ class LLM:
         request_id = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, request_id + 1)
         prompt_token_ids = list(prompt_token_ids or [])
-        error = error or self.inputs.validate(prompt_token_ids, params)
+        error = error or self.inputs.validate(prompt_token_ids, params) or self._lora_error(params)
         # A request that fails draws no seed: its neighbours' draws do not depend on it.
         seed = 0 if error else params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        lora_slot, lora_key = (-1, None) if error else self.lora.binding(params.lora)
         seq = Sequence(request_id, prompt_token_ids, params, prompt=prompt, seed=seed,
-                       weights_version=self.weights_version)
+                       weights_version=self.weights_version, lora_slot=lora_slot, lora_key=lora_key)
         self._active[request_id] = seq
         if not error and params.structured is not None:
             try:
@@ -221,7 +230,8 @@ class LLM:
         for i in range(1, params.n):  # parallel samples: seeds seed + i, forked after prefill
             self._next_child_id -= 1
             child = Sequence(self._next_child_id, seq.prompt_token_ids, params, prompt=prompt,
-                             seed=seed + i, weights_version=self.weights_version)
+                             seed=seed + i, weights_version=self.weights_version,
+                             lora_slot=lora_slot, lora_key=lora_key)
             child.grammar = seq.grammar.fork() if seq.grammar is not None else None
             child.group = seq.group
             seq.group.append(child)
@@ -232,8 +242,16 @@ class LLM:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         """Why add_request() would fail this request at once, or None: lets a server
-        answer bad input before queueing it.  Reads only the config and pool size."""
-        return self.inputs.validate(list(prompt_token_ids), params)
+        answer bad input before queueing it.  Reads only the config, the pool size
+        and which LoRA adapters are loaded."""
+        return self.inputs.validate(list(prompt_token_ids), params) or self._lora_error(params)
+
+    def _lora_error(self, params: SamplingParams) -> str | None:
+        try:
+            self.lora.binding(params.lora)
+        except UnknownLoraError as e:
+            return str(e)
+        return None
 
     def prepare_prompt(self, prompt: Any, params: SamplingParams
                        ) -> tuple[list[int] | None, SamplingParams, str | None, str | None]:
@@ -295,7 +313,11 @@ class LLM:
     def cached_prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Prompt tokens a new request would find in the prefix cache now (a router's
         question: changes nothing)."""
-        probe = Sequence(-1, list(prompt_token_ids), params, weights_version=self.weights_version)
+        if self._lora_error(params):
+            return 0
+        slot, key = self.lora.binding(params.lora)
+        probe = Sequence(-1, list(prompt_token_ids), params, weights_version=self.weights_version,
+                         lora_slot=slot, lora_key=key)
         return self.block_manager.find_hit(probe).num_blocks * self.config.block_size
 
     def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput:
@@ -303,7 +325,8 @@ class LLM:
         return self.outputs.request_output(seq, index)
 
     # -------------------------------------------------------------- weights
-    def update_params(self, params: nnx.State, *, in_flight: str = "abort", check_finite: bool = True) -> None:
+    def update_params(self, params: nnx.State | None = None, *, lora: dict[str, dict] | None = None,
+                      in_flight: str = "abort", check_finite: bool = True) -> None:
         """Swaps in new weights: the same tree, shapes, dtypes and shardings as
         `self.params` (else ValueError), so no step recompiles; with `check_finite`
         (one reduction per array) NonFiniteParamsError names an array holding NaN/Inf.
@@ -315,17 +338,64 @@ class LLM:
         lets them go on with the new weights on top of the K/V computed so far
         with the old ones.  The engine keeps a reference to `params`: a trainer
         that donates them to its own update step deletes the engine's weights too.
+
+        `lora` updates loaded adapters alone, the base weights untouched (params
+        may then be None): adapter name -> {target: (A [L, in, r], B [L, r, out])}
+        (targets "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"; the scale
+        folded into B; a target left out becomes zero).  Only those adapters'
+        requests are aborted (or kept), and only their cached K/V is retired.
         """
         if in_flight not in ("abort", "keep"):
             raise ValueError(f"in_flight must be 'abort' or 'keep', got {in_flight!r}")
-        check_same_structure(self.params, params)
-        if check_finite:
-            check_finite_params(params)
+        if params is None and lora is None:
+            raise ValueError("update_params needs params, lora, or both")
+        if params is not None:
+            check_same_structure(self.params, params)
+            if check_finite:
+                check_finite_params(params)
+        for name in lora or {}:
+            self.lora.binding(name)  # UnknownLoraError before anything changes
         if in_flight == "abort":
-            self.abort([rid for rid, seq in self._active.items() if seq.group[0] is seq])
-        self.params = self.runner.params = params
-        self.weights_version += 1
-        self.block_manager.drop_cached()
+            self.abort([rid for rid, seq in self._active.items() if seq.group[0] is seq
+                        and (params is not None or seq.params.lora in (lora or {}))])
+        for name, modules in (lora or {}).items():
+            self.lora.update(name, modules)
+        if params is not None:
+            self.params = self.runner.params = params
+            self.weights_version += 1
+            self.block_manager.drop_cached()
+
+    # ------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Loads a PEFT LoRA directory under `name` into a free slot (no step recompiles);
+        requests name it with SamplingParams.lora.  ValueError naming the file and the
+        problem for a bad adapter, a name in use, or no free slot (max_loras)."""
+        self._single_process("load_lora_adapter")
+        self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Frees the adapter's slot; its unfinished requests end (finish_reason "abort")."""
+        self._single_process("unload_lora_adapter")
+        self.lora.binding(name)  # UnknownLoraError
+        self.abort([rid for rid, seq in self._active.items() if seq.group[0] is seq and seq.params.lora == name])
+        self.lora.unload(name)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> the directory it was read from."""
+        return {name: lora.path for name, lora in self.lora.adapters.items()}
+
+    def lora_weights(self) -> tuple[Any, dict[str, int]]:
+        """The adapter slots' device arrays (jpaged.runtime.lora.LoraWeights, or None when
+        adapters are off) and each loaded adapter's slot: what `decode.score(...,
+        lora=, lora_slots=)` takes to score under an adapter."""
+        return self.runner.lora, {name: lora.slot for name, lora in self.lora.adapters.items()}
+
+    @staticmethod
+    def _single_process(what: str) -> None:
+        if jax.process_count() > 1:
+            raise ValueError(f"{what} at run time is single-process only: list the adapters in "
+                             "lora_modules, which every process loads at start")
 
     def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
         """Builds, before a workload arrives, the greedy step of the power-of-two

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.core.kv_layout import kv_layout
 from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
+from jpaged.runtime.lora import LoraBatch, LoraLayer, one_hot_slots
 from jpaged.runtime.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
 from pallas_kernels.reference import is_quantized
@@ -94,6 +95,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
+    """x @ w[name], plus each token's LoRA update when the step carries adapters
+    (w["lora"], a jpaged.runtime.lora.LoraLayer)."""
+    y = x @ w[name]
+    lora = w.get("lora")
+    return y if lora is None else y + lora.delta(x, name)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -217,15 +226,16 @@ class Decoder(nnx.Module):
         return (h @ head).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
-                 *, attention_impl: str | Backend = "reference", logits: str = "last"
-                 ) -> tuple[jax.Array, jax.Array]:
+                 *, attention_impl: str | Backend = "reference", logits: str = "last",
+                 lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
         """Runs the decoder on tokens[T] and returns (logits, new kv_pool).
 
         `logits="last"` returns [S, vocab], one row per sequence from its token
         at meta.logits_indices (the only ones a step samples from: the LM head
         never runs on the other tokens); `"all"` returns [T, vocab].
         `attention_impl` names a pallas_kernels backend, or is a `Backend`
-        itself (decode.score's dense one, which keeps no pool).
+        itself (decode.score's dense one, which keeps no pool).  `lora`: the
+        adapter slots and each token's slot (jpaged.runtime.lora); None: the base model.
         """
         cfg = self.cfg
         backend = attention_impl if isinstance(attention_impl, Backend) else get_backend(attention_impl)
@@ -233,18 +243,25 @@ class Decoder(nnx.Module):
         rope = rope_angles(meta.positions, self.inv_freq[...])
         local_rope = rope if self.inv_freq_local is None else rope_angles(meta.positions,
                                                                           self.inv_freq_local[...])
+        onehot = None if lora is None else one_hot_slots(lora.token_slots, lora.weights.num_slots, h.dtype)
         if self.scan_layers:
             def body(carry, xs):
-                (h, pool), (w, layer) = carry, xs
+                (h, pool), (w, layer, lora_ab) = carry, xs
+                if lora_ab is not None:
+                    w = {**w, "lora": LoraLayer(*lora_ab, onehot)}
                 return self.layer(h, w, layer, pool, meta, rope, backend), None
 
             if cfg.layer_window(0) is not None:  # every layer slides (checked in __init__)
                 rope = local_rope
             stacked = {name: p[...] for name, p in self.layers.items()}
-            (h, kv_pool), _ = jax.lax.scan(body, (h, kv_pool), (stacked, jnp.arange(cfg.num_layers)))
+            lora_ab = None if lora is None else (lora.weights.a, lora.weights.b)
+            (h, kv_pool), _ = jax.lax.scan(body, (h, kv_pool),
+                                           (stacked, jnp.arange(cfg.num_layers), lora_ab))
         else:
             for layer, weights in enumerate(self.layers):
                 w = {name: p[...] for name, p in weights.items()}
+                if lora is not None:
+                    w["lora"] = LoraLayer(*lora.weights.layer(layer), onehot)
                 layer_rope = local_rope if cfg.layer_window(layer) is not None else rope
                 h, kv_pool = self.layer(h, w, layer, kv_pool, meta, layer_rope, backend)
         if logits == "last":
@@ -263,7 +280,7 @@ def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
             meta: StepMetadata, kv_pool: jax.Array, *, attention_impl: str | Backend = "reference",
-            logits: str = "last") -> tuple[jax.Array, jax.Array]:
+            logits: str = "last", lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
     """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool)."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, meta, kv_pool, attention_impl=attention_impl, logits=logits)
+    return model(tokens, meta, kv_pool, attention_impl=attention_impl, logits=logits, lora=lora)

@@ -14,7 +14,7 @@ import numpy as np
 
 from jpaged.loading.gguf import gguf_base_config, unpermute_qk
 from jpaged.core.model_config import ModelConfig, hf_rope
-from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention, rms_norm
+from jpaged.models.base import Decoder, StepMetadata, apply_rope, linear, paged_attention, rms_norm
 from pallas_kernels import Backend
 
 # Hugging Face name (after "model.layers.N.") -> (our name, transpose?)
@@ -133,7 +133,7 @@ class Llama(Decoder):
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Projects x [T, d] to q [T, heads, hd] and k, v [T, kv_heads, hd], RoPE applied."""
         cfg, T = self.cfg, x.shape[0]
-        q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+        q, k, v = linear(x, w, "wq"), linear(x, w, "wk"), linear(x, w, "wv")
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -150,9 +150,9 @@ class Llama(Decoder):
         eps = self.cfg.rms_norm_eps
         q, k, v = self.qkv(rms_norm(h, w["attn_norm"], eps), w, rope)
         attn, kv_pool = paged_attention(self.cfg, q, k, v, layer, self.window(layer), kv_pool, meta, backend)
-        h = h + attn.astype(h.dtype) @ w["wo"]
+        h = h + linear(attn.astype(h.dtype), w, "wo")
         x = rms_norm(h, w["mlp_norm"], eps)
-        h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+        h = h + linear(jax.nn.silu(linear(x, w, "w_gate")) * linear(x, w, "w_up"), w, "w_down")
         return h, kv_pool
 
 

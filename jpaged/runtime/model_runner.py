@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import pathlib
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ from jpaged.decode import run_step
 from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
+from jpaged.runtime.lora import LoraWeights, create_lora_weights, write_slot
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
 from jpaged.core.scheduler import ScheduledSeq, SchedulerOutput
@@ -81,6 +83,13 @@ def precompile_buckets(ladder: tuple[int, ...], max_num_tokens: int | None = Non
     return [b for b in ladder if b < limit and b & (b - 1) == 0] + [limit]
 
 
+def _weighted_step(graphdef: nnx.GraphDef, weights: tuple[nnx.State, LoraWeights | None], kv_pool: jax.Array,
+                   inputs: StepInputs, **static: Any) -> tuple[StepResult, jax.Array]:
+    """run_step with the base weights and the LoRA slots passed as one argument."""
+    params, lora = weights
+    return run_step(graphdef, params, kv_pool, inputs, lora=lora, **static)
+
+
 @dataclasses.dataclass
 class StepTiming:
     """Seconds of the last launch() + collect(): host array building, block moves, forward."""
@@ -114,8 +123,13 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
                  mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
-                 chained: bool = False, num_speculative_tokens: int = 0):
+                 chained: bool = False, num_speculative_tokens: int = 0, lora_slots: int = 0,
+                 max_lora_rank: int = 16, scan_layers: bool = False):
         self.params = params
+        # LoRA adapters' device slots (jpaged.runtime.lora); None: adapters off.
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.lora = (create_lora_weights(model_cfg, lora_slots, max_lora_rank, dtype, stacked=scan_layers,
+                                         mesh=mesh) if lora_slots else None)
         self.num_speculative_tokens = num_speculative_tokens  # the drafts' width K (speculative decoding)
         self.mesh = mesh
         self.block_size = block_size
@@ -137,25 +151,37 @@ class ModelRunner:
         self._last_collected = 0.0  # perf_counter when the last step's result arrived
         # One jitted step; each structure of its StepInputs is a program of its own.
         static = dict(attention_impl=attention_impl, num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
-        self._step = self._jit(functools.partial(run_step, graphdef, **static))
+        self._step = self._jit(functools.partial(_weighted_step, graphdef, **static))
         self._programs = StepPrograms(
-            self._step, params, self.kv_pool, model_config=model_cfg, mesh=mesh, cache_dir=program_cache_dir,
+            self._step, self.weights, self.kv_pool, model_config=model_cfg, mesh=mesh, cache_dir=program_cache_dir,
             mesh_context=self._mesh_context,
             static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
                     "graphdef": graphdef, "num_speculative_tokens": num_speculative_tokens})
         self._programs.preload()  # a warm start: every program this engine built before, before any step
         self.timing = StepTiming()
 
+    @property
+    def weights(self) -> tuple[nnx.State, LoraWeights | None]:
+        """What a step reads besides the pool and its inputs: the base weights and the adapter slots."""
+        return self.params, self.lora
+
+    def write_lora_slot(self, slot: int, modules: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Puts one adapter's arrays (target -> A [L, in, r], B [L, r, out]) into `slot`
+        (a target it lacks is zeroed): one jitted update, no step recompiles."""
+        if self.lora is None:
+            raise ValueError("this engine keeps no LoRA slots (max_loras = 0)")
+        self.lora = write_slot(self.lora, slot, modules)
+
     def _jit(self, step):
-        """step(params, kv_pool, inputs) -> (result, kv_pool) jitted with the pool
+        """step((params, lora), kv_pool, inputs) -> (result, kv_pool) jitted with the pool
         donated; on a mesh, with every input's and output's sharding fixed (the
         StepInputs and the StepResult replicated whole, whatever their fields,
         the pool split on heads), so the donated pool never meets a resharding."""
         if self.mesh is None:
             return jax.jit(step, donate_argnums=(1,))
         rep, pool = replicated(self.mesh), pool_sharding(self.mesh)
-        params = jax.tree.map(lambda x: x.sharding, self.params)
-        return jax.jit(step, donate_argnums=(1,), in_shardings=(params, pool, rep),
+        weights = jax.tree.map(lambda x: x.sharding, self.weights)
+        return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, pool, rep),
                        out_shardings=(rep, pool))
 
     def _mesh_context(self):
@@ -220,15 +246,18 @@ class ModelRunner:
         bucket, and that bucket (default: up to the top of the ladder), and the
         greedy draft-verifying step of those up to max_speculative_tokens' bucket,
         that are not ready yet; returns how many it built, or with `background`
-        queued on the builder thread (returning at once)."""
-        def inputs(T: int, K: int = 0) -> StepInputs:
+        queued on the builder thread (returning at once).  An engine with LoRA
+        slots also builds each of those with adapters applied."""
+        def inputs(T: int, K: int = 0, lora: bool = False) -> StepInputs:
             return self._with_token_buffer(padding_step_inputs(T, self.seq_bucket(T), self.table_width,
                                                                chained=self.chained, num_speculative_tokens=K,
-                                                               kv_groups=self.kv_groups))
-        steps = [inputs(T) for T in precompile_buckets(self.token_buckets, max_num_tokens)]
+                                                               kv_groups=self.kv_groups, lora=lora))
+        shapes = [(T, 0) for T in precompile_buckets(self.token_buckets, max_num_tokens)]
         if self.num_speculative_tokens and max_speculative_tokens:
-            steps += [inputs(T, self.num_speculative_tokens)
-                      for T in precompile_buckets(self.token_buckets, max_speculative_tokens) if T > 1]
+            shapes += [(T, self.num_speculative_tokens)
+                       for T in precompile_buckets(self.token_buckets, max_speculative_tokens) if T > 1]
+        variants = (False, True) if self.lora is not None else (False,)
+        steps = [inputs(T, K, lora) for lora in variants for T, K in shapes]
         return self._programs.precompile(steps, background)
 
     # ------------------------------------------------------------------- step
@@ -316,7 +345,7 @@ class ModelRunner:
         inputs = self._with_token_buffer(inputs)
         exe = self._executable(inputs)
         t0 = time.perf_counter()
-        outputs, self.kv_pool = exe(self.params, self.kv_pool, inputs)
+        outputs, self.kv_pool = exe(self.weights, self.kv_pool, inputs)
         if self.chained:
             self._token_buffer, outputs.token_buffer = outputs.token_buffer, None
         self._last_launched = outputs

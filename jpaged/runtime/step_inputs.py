@@ -42,8 +42,8 @@ Adding a feature adds a field (the logit mask went in this way):
   2. in `jpaged.decode.run_step`: `if inputs.<field> is not None:` consume it;
   3. nothing else: the runner's jit, program keys, shardings, the broadcast and
      `follow` take the new field as they take the others.
-LoRA adapter ids ([S] int32, None when no row uses an adapter) are the same
-three steps; a new result (like the number of draft tokens accepted) is a
+LoRA adapter slots ([S] int32, None when no row uses an adapter) went in the
+same three steps; a new result (like the number of draft tokens accepted) is a
 field of StepResult.
 """
 
@@ -83,6 +83,8 @@ class StepInputs:
                        its decode token); K is the config's
                        num_speculative_tokens.  None when no row has drafts
     num_drafts[S]      int32, with draft_tokens
+    lora_slots[S]      int32, each row's LoRA adapter slot (-1: the base model);
+                       None when no scheduled row uses an adapter (jpaged.runtime.lora)
     logprobs           static: the step also returns the sampled tokens' logprobs
     """
 
@@ -95,6 +97,7 @@ class StepInputs:
     logit_mask: np.ndarray | jax.Array | None = None
     draft_tokens: np.ndarray | jax.Array | None = None
     num_drafts: np.ndarray | jax.Array | None = None
+    lora_slots: np.ndarray | jax.Array | None = None
     logprobs: bool = False
 
     @property
@@ -108,7 +111,7 @@ class StepInputs:
 
 jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets",
                                                           "prev_rows", "prev_tokens", "logit_mask",
-                                                          "draft_tokens", "num_drafts"],
+                                                          "draft_tokens", "num_drafts", "lora_slots"],
                                  meta_fields=["logprobs"])
 
 
@@ -151,7 +154,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seq
     inputs = StepInputs(tokens=tokens, meta=meta, sampling=_sampling_arrays(scheduled, num_seqs),
                         prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
                         prev_rows=_prev_rows(scheduled, tokens) if chained else None,
-                        logit_mask=_logit_mask(scheduled, num_seqs, vocab_size), logprobs=logprobs)
+                        logit_mask=_logit_mask(scheduled, num_seqs, vocab_size),
+                        lora_slots=_lora_slots(scheduled, num_seqs), logprobs=logprobs)
     if not any(s.drafts for s in scheduled):
         return inputs
     return _with_drafts(inputs, scheduled, num_seqs, num_speculative_tokens)
@@ -176,10 +180,11 @@ def _with_drafts(inputs: StepInputs, scheduled: list[ScheduledSeq], S: int, K: i
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chained: bool = False,
-                        num_speculative_tokens: int = 0, kv_groups: int = 1) -> StepInputs:
+                        num_speculative_tokens: int = 0, kv_groups: int = 1, lora: bool = False) -> StepInputs:
     """A greedy step of nothing but padding (all zeros): what precompile traces.
     `chained`: with prev_rows (all -1; the runner attaches prev_tokens);
-    `num_speculative_tokens` K > 0: the variant that verifies drafts."""
+    `num_speculative_tokens` K > 0: the variant that verifies drafts; `lora`:
+    the variant that applies adapters (every row's slot -1)."""
     def zeros(*shape):
         return np.zeros(shape, np.int32)
     groups = kv_groups > 1
@@ -190,12 +195,24 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, table_width: int, chaine
                         group_block_tables=zeros(kv_groups - 1, num_seqs, table_width) if groups else None,
                         group_write_blocks=zeros(kv_groups - 1, num_tokens) if groups else None)
     prev_rows = np.full(num_tokens, -1, np.int32) if chained else None
-    inputs = StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows)
+    inputs = StepInputs(tokens=zeros(num_tokens), meta=meta, prev_rows=prev_rows,
+                        lora_slots=np.full(num_seqs, -1, np.int32) if lora else None)
     if not num_speculative_tokens:
         return inputs
     K = num_speculative_tokens
     return dataclasses.replace(inputs, meta=dataclasses.replace(meta, logits_indices=zeros(num_seqs * (K + 1))),
                                draft_tokens=zeros(num_seqs, K), num_drafts=zeros(num_seqs))
+
+
+def _lora_slots(scheduled: list[ScheduledSeq], S: int) -> np.ndarray | None:
+    """[S] int32: each row's adapter slot (-1: the base model, and padding rows); None
+    when every row runs the base model (that step keeps the base program)."""
+    slots = [s.seq.lora_slot for s in scheduled]
+    if all(slot < 0 for slot in slots):
+        return None
+    out = np.full(S, -1, np.int32)
+    out[:len(slots)] = slots
+    return out
 
 
 def _logit_mask(scheduled: list[ScheduledSeq], S: int, vocab_size: int) -> np.ndarray | None:

@@ -1,0 +1,185 @@
+"""LoRA adapters in the engine against PEFT + transformers (adapter merged), on tiny models.
+
+Adapters are random (init_lora_weights=False: B is not zero), of rank 8 and 16,
+on every projection or a subset; each engine holds several at once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TINY_ENGINE, assert_all_blocks_free, import_torch, random_prompts
+from jpaged.core.sequence import SamplingParams
+from jpaged.decode import score
+
+torch = import_torch()
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> LoraConfig keywords
+ADAPTERS = {
+    "all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+    "qv16": dict(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp8rs": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
+}
+LOGIT_ATOL = 1e-4
+NEW_TOKENS = 12
+
+
+def make_adapter(hf_model, root, name: str, seed: int):
+    """Saves a random PEFT adapter; returns (its directory, the HF model with it merged)."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf_model),
+                                peft.LoraConfig(init_lora_weights=False, **ADAPTERS[name]))
+    with torch.no_grad():  # B at PEFT's random init is small: spread it so the adapter matters
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(8.0)
+    path = root / name
+    model.save_pretrained(path)
+    return path, model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def family(request, tmp_path_factory):
+    """(engine holding every ADAPTERS entry, HF base model, {name: merged HF model})."""
+    from jpaged.engine.llm import LLM
+    path, hf = request.getfixturevalue(f"tiny_{request.param}")
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    made = {name: make_adapter(hf, root, name, seed) for seed, name in enumerate(ADAPTERS)}
+    modules = ",".join(f"{name}={p}" for name, (p, _) in made.items())
+    llm = LLM(model=str(path), **{**TINY_ENGINE, "lora_modules": modules, "max_loras": 4,
+                                  "enable_prefix_caching": True})
+    return llm, hf, {name: merged for name, (_, merged) in made.items()}
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(lora: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, lora=lora)
+
+
+def test_logprobs_match_merged_adapter(family):
+    """decode.score under each adapter's slot = the merged HF model's log-softmax (1e-4)."""
+    llm, hf, merged = family
+    prompts = random_prompts([9, 21], seed=3)
+    L = max(map(len, prompts))
+    ids = np.zeros((len(prompts), L), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    lens = np.array([len(p) for p in prompts], np.int32)
+    weights, slots = llm.lora_weights()
+    for name, model in merged.items():
+        got = score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens), lora=weights,
+                    lora_slots=jnp.full(len(prompts), slots[name], jnp.int32))
+        for i, p in enumerate(prompts):
+            with torch.no_grad():
+                logits = model(torch.tensor([p])).logits[0].double()
+            want = torch.log_softmax(logits, -1)[torch.arange(len(p) - 1), torch.tensor(p[1:])].numpy()
+            np.testing.assert_allclose(np.asarray(got)[i, :len(p) - 1], want, atol=LOGIT_ATOL, err_msg=name)
+    base = score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens))
+    with_minus_one = score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens), lora=weights,
+                           lora_slots=jnp.full(len(prompts), -1, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(with_minus_one))
+
+
+def test_mixed_batch_matches_merged_and_alone(family):
+    """One generate mixing three adapters and the base: each row's greedy tokens are the
+    merged HF model's, and what the row gets alone."""
+    llm, hf, merged = family
+    prompts = random_prompts([5, 17, 11, 8, 14, 6, 9, 20], seed=11)
+    names = [None, "all8", "qv16", "mlp8rs"] * 2
+    compiled = llm.num_compilations
+    outs = llm.generate(prompts, [greedy(n) for n in names])
+    for p, n, out in zip(prompts, names, outs):
+        assert out.error is None
+        assert out.token_ids == hf_greedy(hf if n is None else merged[n], p, NEW_TOKENS), n
+    alone = [llm.generate([p], greedy(n))[0].token_ids for p, n in zip(prompts[:4], names[:4])]
+    assert alone == [o.token_ids for o in outs[:4]]
+    # The adapters change the tokens (the test is not vacuous).
+    assert len({tuple(llm.generate([prompts[0]], greedy(n))[0].token_ids) for n in names[:4]}) == 4
+    assert llm.num_compilations - compiled <= 4  # the lora variant of a few buckets, once
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_cache_keeps_adapters_apart(family):
+    llm, _, _ = family
+    prompt = random_prompts([40], seed=5)[0]
+    assert llm.generate([prompt], greedy("all8"))[0].num_cached_tokens == 0
+    assert llm.generate([prompt], greedy("qv16"))[0].num_cached_tokens == 0
+    assert llm.generate([prompt], greedy(None))[0].num_cached_tokens == 0
+    assert llm.generate([prompt], greedy("all8"))[0].num_cached_tokens == 32
+    assert llm.generate([prompt], greedy("qv16"))[0].num_cached_tokens == 32
+
+
+def test_unknown_adapter_fails_alone(family):
+    llm, _, _ = family
+    prompts = random_prompts([6, 6], seed=8)
+    bad, good = llm.generate(prompts, [greedy("nope"), greedy("all8")])
+    assert bad.error is not None and "'nope' is not loaded" in bad.error and bad.token_ids == []
+    assert good.error is None and len(good.token_ids) == NEW_TOKENS
+    with pytest.raises(ValueError, match="lora must be"):
+        SamplingParams(lora=3).validate()
+
+
+def test_n_and_logprobs_per_adapter(family):
+    """n > 1 samples share the adapter of their request; logprobs are the adapter's."""
+    llm, _, merged = family
+    prompt = random_prompts([10], seed=21)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, n=2, temperature=0.0, ignore_eos=True,
+                                                lora="qv16", logprobs=1))[0]
+    alone = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, lora="qv16", logprobs=1))[0]
+    assert [s["token_ids"] for s in out.samples] == [alone.token_ids] * 2
+    np.testing.assert_allclose([lp.logprob for lp in out.samples[1]["logprobs"]],
+                               [lp.logprob for lp in alone.logprobs], atol=1e-5)
+
+
+def test_load_unload_update_without_recompiling(family, tmp_path):
+    llm, hf, merged = family
+    prompt = random_prompts([12], seed=13)[0]
+    before = llm.generate([prompt], greedy("all8"))[0].token_ids
+    compiled = llm.num_compilations
+    path, model = make_adapter(hf, tmp_path, "qv16", seed=99)
+    llm.load_lora_adapter("late", str(path))
+    assert "late" in llm.lora_adapters
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.load_lora_adapter("late", str(path))
+    with pytest.raises(ValueError, match="slots"):
+        llm.load_lora_adapter("one-too-many", str(path))
+    assert llm.generate([prompt], greedy("late"))[0].token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    # A LoRA-only update: the adapter's new weights, the base and the others untouched.
+    from jpaged.loading.peft import load_peft_adapter
+    other = load_peft_adapter("x", llm.lora_adapters["all8"], llm.loaded.config, max_rank=16)
+    llm.update_params(lora={"late": other.modules})
+    assert llm.generate([prompt], greedy("late"))[0].token_ids == before
+    assert llm.generate([prompt], greedy("all8"))[0].token_ids == before
+    llm.unload_lora_adapter("late")
+    assert "not loaded" in llm.generate([prompt], greedy("late"))[0].error
+    assert llm.num_compilations == compiled
+
+
+def test_preemption_keeps_each_rows_adapter(family, make_tiny_llm):
+    """A pool too small for the batch: preempted rows (recompute and swap) resume under their adapter."""
+    llm, hf, merged = family
+    if llm.model_config.architecture != "llama":
+        pytest.skip("one family is enough")
+    prompts = random_prompts([30, 28, 26, 31], seed=17)
+    names = ["all8", "qv16", None, "mlp8rs"]
+    want = [o.token_ids for o in llm.generate(prompts, [greedy(n) for n in names])]
+    modules = ",".join(f"{n}={p}" for n, p in llm.lora_adapters.items())
+    for mode in ("recompute", "swap"):
+        small = make_tiny_llm(lora_modules=modules, num_blocks=10, preemption_mode=mode, swap_space_gb=0.01)
+        outs = small.generate(prompts, [greedy(n) for n in names])
+        assert [o.token_ids for o in outs] == want, mode
+        assert getattr(small.stats, f"{mode}_preemptions") > 0, mode

@@ -1,0 +1,275 @@
+"""PEFT LoRA adapters on the host (jpaged/loading/peft.py), checked against peft's own modules."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from helpers import import_torch
+from jpaged.core.model_config import ModelConfig
+from jpaged.loading.peft import (LORA_TARGETS, PEFT_MODULES, lora_from_arrays, lora_module_shapes, load_peft_adapter,
+                                 parse_lora_modules)
+
+peft = pytest.importorskip("peft")
+ALL = list(PEFT_MODULES)
+OURS = {ours: hf for hf, ours in PEFT_MODULES.items()}
+
+
+def config_of(hf_model) -> ModelConfig:
+    c = hf_model.config
+    return ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                       num_kv_heads=c.num_key_value_heads,
+                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                       architecture="qwen3" if c.model_type == "qwen3" else "llama")
+
+
+def make_adapter(hf_model, out: pathlib.Path, **lora):
+    """Saves a random (non-zero B) PEFT LoRA of hf_model to `out`; returns the peft model."""
+    torch = import_torch()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
+        **{"r": 8, "lora_alpha": 16, "target_modules": ALL, "init_lora_weights": False, **lora})).eval()
+    model.save_pretrained(out)
+    return model
+
+
+def peft_delta(model, layer: int, proj: str, x: np.ndarray) -> np.ndarray:
+    """What peft's module adds to the base layer's output for inputs x (zeros if not adapted)."""
+    torch = import_torch()
+    block = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    module = model.get_submodule(f"base_model.model.model.layers.{layer}.{block}.{proj}")
+    xt = torch.from_numpy(x)
+    with torch.no_grad():
+        if not hasattr(module, "base_layer"):
+            return np.zeros((x.shape[0], module.out_features), np.float32)
+        return (module(xt) - module.base_layer(xt)).numpy()
+
+
+@pytest.fixture(scope="module")
+def good_adapter(tiny_llama, tmp_path_factory):
+    """(dir, cfg) of an r=8 adapter on all 7 modules of the tiny Llama."""
+    out = tmp_path_factory.mktemp("lora") / "good"
+    make_adapter(tiny_llama[1], out)
+    return out, config_of(tiny_llama[1])
+
+
+CASES = {
+    "r8": dict(),
+    "r16": dict(r=16, lora_alpha=8),
+    "rslora": dict(r=16, lora_alpha=4, use_rslora=True),
+    "patterns": dict(rank_pattern={"q_proj": 16, "model.layers.1.mlp.down_proj": 4},
+                     alpha_pattern={"v_proj": 3, "layers.0.mlp.gate_proj": 40}),
+    "layers": dict(target_modules=["q_proj", "down_proj"], layers_to_transform=[1]),
+    "regex": dict(target_modules=r".*\.(k_proj|up_proj)"),
+    "all-linear": dict(target_modules="all-linear"),
+}
+
+
+@pytest.mark.parametrize("case, kind", [(c, "llama") for c in CASES] + [("r8", "qwen3"), ("patterns", "qwen3")])
+def test_matches_peft(case, kind, request, tmp_path):
+    """x @ A[l] @ B[l] is what peft's module adds, for every adapted module and layer."""
+    hf_model = request.getfixturevalue(f"tiny_{kind}")[1]
+    cfg = config_of(hf_model)
+    model = make_adapter(hf_model, tmp_path, **CASES[case])
+    adapter = load_peft_adapter("a", tmp_path, cfg, max_rank=16)
+    assert adapter.name == "a" and adapter.path == str(tmp_path)
+    ranks = [m.lora_A["default"].weight.shape[0] for m in model.modules() if hasattr(m, "lora_A")]
+    assert adapter.rank == max(ranks)
+    adapted = {PEFT_MODULES[n.rsplit(".", 1)[-1]] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert list(adapter.modules) == [t for t in LORA_TARGETS if t in adapted]
+    x = np.random.default_rng(0).standard_normal((5, max(cfg.hidden_size, cfg.intermediate_size,
+                                                         cfg.num_heads * cfg.head_dim)), dtype=np.float32)
+    for target, (a, b) in adapter.modules.items():
+        n_in, n_out = lora_module_shapes(cfg)[target]
+        assert a.shape == (cfg.num_layers, n_in, adapter.rank) and b.shape == (cfg.num_layers, adapter.rank, n_out)
+        assert a.dtype == b.dtype == np.float32
+        for layer in range(cfg.num_layers):
+            xs = x[:, :n_in]
+            want = peft_delta(model, layer, OURS[target], xs)
+            np.testing.assert_allclose(xs @ a[layer] @ b[layer], want, rtol=1e-4, atol=1e-4)
+            assert np.abs(want).max() > 0 or not np.any(a[layer]), "the case should exercise a real delta"
+
+
+def test_merged_weights_agree(tiny_llama, tmp_path):
+    """A @ B per layer is merge_and_unload()'s weight minus the base weight, transposed."""
+    torch = import_torch()
+    model = make_adapter(tiny_llama[1], tmp_path, rank_pattern={"o_proj": 4})
+    adapter = load_peft_adapter("a", tmp_path, config_of(tiny_llama[1]), max_rank=8)
+    base = {k: v.numpy() for k, v in tiny_llama[1].state_dict().items()}
+    with torch.no_grad():
+        merged = {k: v.numpy() for k, v in model.merge_and_unload().state_dict().items()}
+    for target, (a, b) in adapter.modules.items():
+        proj = OURS[target]
+        block = "self_attn" if target in ("wq", "wk", "wv", "wo") else "mlp"
+        for layer in range(2):
+            key = f"model.layers.{layer}.{block}.{proj}.weight"
+            np.testing.assert_allclose(a[layer] @ b[layer], (merged[key] - base[key]).T, atol=1e-5)
+
+
+def test_adapter_name_in_keys_and_bf16(good_adapter, tmp_path):
+    """Keys with the adapter name (lora_A.default.weight) and bf16 tensors load the same."""
+    torch = import_torch()
+    from safetensors.torch import save_file as save_torch
+    src, cfg = good_adapter
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(src / "adapter_model.safetensors")
+    renamed = {k.replace(".weight", ".default.weight"): torch.from_numpy(v).to(torch.bfloat16)
+               for k, v in tensors.items()}
+    save_torch(renamed, tmp_path / "adapter_model.safetensors")
+    want = load_peft_adapter("a", src, cfg, max_rank=8)
+    got = load_peft_adapter("a", tmp_path, cfg, max_rank=8)
+    for target, (a, b) in want.modules.items():
+        np.testing.assert_allclose(got.modules[target][0], a, rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(got.modules[target][1], b, rtol=1e-2, atol=1e-2)
+
+
+def test_lora_from_arrays(good_adapter):
+    src, cfg = good_adapter
+    loaded = load_peft_adapter("a", src, cfg, max_rank=8)
+    wq, wo = loaded.modules["wq"], loaded.modules["wo"]
+    small = (wo[0][:, :, :4], wo[1][:, :4])
+    adapter = lora_from_arrays("t", {"wq": wq, "wo": small}, cfg, max_rank=8)
+    assert (adapter.name, adapter.path, adapter.rank, list(adapter.modules)) == ("t", "", 8, ["wq", "wo"])
+    np.testing.assert_array_equal(adapter.modules["wq"][0], wq[0])
+    np.testing.assert_array_equal(adapter.modules["wo"][1][:, :4], small[1])
+    assert not adapter.modules["wo"][1][:, 4:].any() and not adapter.modules["wo"][0].flags.writeable
+
+    def bad(modules, match, max_rank=8):
+        with pytest.raises(ValueError, match=match) as e:
+            lora_from_arrays("t", modules, cfg, max_rank=max_rank)
+        assert "'t'" in str(e.value)
+
+    bad({}, "no modules")
+    bad({"lm_head": wq}, "unknown target 'lm_head'")
+    bad({"wk": wq}, r"do not fit the base model's weight \(in 64, out 32\)")
+    bad({"wq": (wq[0][:1], wq[1][:1])}, "num_layers=2")
+    bad({"wq": (wq[0], wq[1][:, :4])}, r"ranks of A \(8\) and B \(4\) disagree")
+    bad({"wq": wq}, "rank 8 is above the limit 4 .*max_lora_rank", max_rank=4)
+    nan = wq[1].copy()
+    nan[1, 2, 3] = np.inf
+    bad({"wq": (wq[0], nan)}, "non-finite")
+
+
+def edit_config(d: pathlib.Path, **changes) -> pathlib.Path:
+    path = d / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return path
+
+
+def edit_tensors(d: pathlib.Path, edit) -> pathlib.Path:
+    path = d / "adapter_model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    return path
+
+
+Q = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+
+
+def _set(key: str, value):
+    def edit(t):
+        t[key] = value(t) if callable(value) else value
+    return edit
+
+
+def _nan(t):
+    t[Q.format(0, "B")][3, 1] = np.nan
+
+
+def _rename_layer(t):
+    for k in [k for k in t if ".layers.1." in k]:
+        t[k.replace(".layers.1.", ".layers.5.")] = t.pop(k)
+
+
+ERRORS = {  # name -> (change to the good adapter dir (returns the file the message names), message pattern)
+    "no dir": (lambda d: d / "nope", "directory not found"),
+    "no config": (lambda d: (d / "adapter_config.json").unlink() or d / "adapter_config.json", "missing"),
+    "not json": (lambda d: (d / "adapter_config.json").write_text("{oops") and d / "adapter_config.json",
+                 "not JSON"),
+    "no weights": (lambda d: (d / "adapter_model.safetensors").unlink() or d / "adapter_model.safetensors",
+                   "missing"),
+    "pickle": (lambda d: [(d / "adapter_model.safetensors").rename(d / "adapter_model.bin"),
+                          d / "adapter_model.safetensors"][1], "adapter_model.bin, a pickle.*safe_serialization"),
+    "peft type": (lambda d: edit_config(d, peft_type="IA3"), "peft_type is 'IA3'"),
+    "dora": (lambda d: edit_config(d, use_dora=True), "DoRA"),
+    "bias": (lambda d: edit_config(d, bias="all"), "bias is 'all'"),
+    "modules_to_save": (lambda d: edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
+    "fan_in_fan_out": (lambda d: edit_config(d, fan_in_fan_out=True), "fan_in_fan_out"),
+    "target lm_head": (lambda d: edit_config(d, target_modules=["q_proj", "lm_head"]), r"\['lm_head'\]"),
+    "target embed": (lambda d: edit_config(d, target_modules=["embed_tokens"]), r"\['embed_tokens'\]"),
+    "target regex": (lambda d: edit_config(d, target_modules=r".*(q_proj|lm_head)"), r"\['lm_head'\]"),
+    "unknown key": (lambda d: edit_tensors(d, _set("base_model.model.lm_head.lora_A.weight", np.ones((8, 64),
+                    np.float32))), "base_model.model.lm_head.lora_A.weight"),
+    "A shape": (lambda d: edit_tensors(d, _set(Q.format(0, "A"), np.ones((8, 32), np.float32))),
+                r"model.layers.0.self_attn.q_proj: .*do not fit .*\(in 64, out 64\)"),
+    "B shape": (lambda d: edit_tensors(d, _set(Q.format(1, "B"), np.ones((60, 8), np.float32))),
+                r"model.layers.1.self_attn.q_proj: .*do not fit"),
+    "layer": (lambda d: edit_tensors(d, _rename_layer), "layer 5, but the model has 2 layers"),
+    "ranks": (lambda d: edit_tensors(d, _set(Q.format(0, "B"), np.ones((64, 4), np.float32))),
+              r"ranks of A \(8\) and B \(4\) disagree"),
+    "A without B": (lambda d: edit_tensors(d, lambda t: t.pop(Q.format(1, "B"))),
+                    "model.layers.1.self_attn.q_proj has lora_A but no lora_B"),
+    "nan": (lambda d: edit_tensors(d, _nan), "q_proj: non-finite"),
+    "rank vs config": (lambda d: edit_config(d, r=4) and d / "adapter_model.safetensors",
+                       "rank 8 in the file, but adapter_config.json gives r=4"),
+    "layers_to_transform": (lambda d: edit_config(d, layers_to_transform=0) and d / "adapter_model.safetensors",
+                            r"layer 1 is not in layers_to_transform \[0\]"),
+    "empty": (lambda d: edit_tensors(d, dict.clear), "no LoRA tensors"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_errors(name, good_adapter, tmp_path):
+    src, cfg = good_adapter
+    d = tmp_path / "adapter"
+    shutil.copytree(src, d)
+    change, pattern = ERRORS[name]
+    named = change(d)
+    with pytest.raises(ValueError, match=pattern) as e:
+        load_peft_adapter("a", d if name != "no dir" else named, cfg, max_rank=8)
+    assert str(named) in str(e.value)
+
+
+def test_rank_above_max(tiny_llama, tmp_path):
+    make_adapter(tiny_llama[1], tmp_path, rank_pattern={"layers.1.self_attn.o_proj": 16})
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.o_proj: rank 16 is above the limit 8 "
+                                         r"\(the config field max_lora_rank") as e:
+        load_peft_adapter("a", tmp_path, config_of(tiny_llama[1]), max_rank=8)
+    assert str(tmp_path / "adapter_model.safetensors") in str(e.value)
+
+
+@pytest.mark.parametrize("spec, want", [
+    (None, {}), ("", {}), ({}, {}),
+    ("a=/x/y", {"a": "/x/y"}),
+    (" sql-lora = /ad/sql ,  org/b:v1.2=rel/p=q , ", {"sql-lora": "/ad/sql", "org/b:v1.2": "rel/p=q"}),
+    ({"x_1": " /p "}, {"x_1": "/p"}),
+])
+def test_parse_lora_modules(spec, want):
+    assert parse_lora_modules(spec) == want
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("a", "not name=path"), ("a=/x,b", "not name=path"), ("=/x", "empty"), ("a=", "empty path"),
+    ("a b=/x", "characters"), ("a=/x,a=/y", "given twice"), ({"a": 3}, "strings"), (["a=/x"], "expected"),
+])
+def test_parse_lora_modules_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_lora_modules(spec)
+
+
+def test_host_only():
+    """The loader runs without jax, torch, peft or transformers."""
+    code = ("import sys, jpaged.loading.peft; "
+            "print([m for m in ('jax', 'torch', 'peft', 'transformers', 'flax') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
