@@ -183,3 +183,52 @@ def test_preemption_keeps_each_rows_adapter(family, make_tiny_llm):
         outs = small.generate(prompts, [greedy(n) for n in names])
         assert [o.token_ids for o in outs] == want, mode
         assert getattr(small.stats, f"{mode}_preemptions") > 0, mode
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 > the tiny Llama's 2 KV heads: k/v updates repeat per head
+def test_adapters_under_tensor_parallelism(family, make_tiny_llm, tp):
+    """Each update follows its base layer's split (column: B's output; row: A's input);
+    a mixed batch gives one device's tokens."""
+    llm, _, _ = family
+    if llm.model_config.architecture != "llama":
+        pytest.skip("one family is enough")
+    prompts = random_prompts([7, 19, 12, 9], seed=23)
+    names = ["all8", None, "qv16", "mlp8rs"]
+    want = [o.token_ids for o in llm.generate(prompts, [greedy(n) for n in names])]
+    modules = ",".join(f"{n}={p}" for n, p in llm.lora_adapters.items())
+    sharded = make_tiny_llm(lora_modules=modules, tensor_parallel_size=tp)
+    assert [o.token_ids for o in sharded.generate(prompts, [greedy(n) for n in names])] == want
+    lora = sharded.runner.lora
+    assert lora.b["wq"][0].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    assert lora.a["w_down"][0].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    assert lora.a["wq"][0].sharding.is_fully_replicated and lora.b["wo"][0].sharding.is_fully_replicated
+
+
+def test_adapters_with_scanned_layers(family, make_tiny_llm):
+    """layer_loop=scan keeps the slots stacked [L, N, ...] like the base weights: same tokens."""
+    llm, _, _ = family
+    if llm.model_config.architecture != "llama":
+        pytest.skip("one family is enough")
+    prompts = random_prompts([8, 15], seed=29)
+    names = ["all8", "mlp8rs"]
+    want = [o.token_ids for o in llm.generate(prompts, [greedy(n) for n in names])]
+    modules = ",".join(f"{n}={p}" for n, p in llm.lora_adapters.items())
+    scanned = make_tiny_llm(lora_modules=modules, layer_loop="scan")
+    assert scanned.runner.lora.stacked
+    assert [o.token_ids for o in scanned.generate(prompts, [greedy(n) for n in names])] == want
+
+
+def test_score_is_differentiable_in_the_adapter(family):
+    """RL with adapters: decode.score's gradient reaches the slot a row names, and no other."""
+    llm, _, _ = family
+    weights, slots = llm.lora_weights()
+    ids = jnp.asarray(random_prompts([10], seed=31), jnp.int32)
+
+    def loss(lora):
+        return score(llm.graphdef, llm.params, ids, jnp.array([10]), lora=lora,
+                     lora_slots=jnp.array([slots["qv16"]])).sum()
+    grads = jax.grad(loss)(weights)
+    b_wq = np.asarray(grads.b["wq"][0])  # layer 0's [N, R, out]
+    assert np.isfinite(b_wq).all() and np.abs(b_wq[slots["qv16"]]).max() > 0
+    others = [s for n, s in slots.items() if n != "qv16"]
+    assert np.abs(b_wq[others]).max() == 0
