@@ -47,7 +47,7 @@ clean:
 # Experiments (benchmarks/bench_*.py): each prints its table and writes CSV + PNG
 # under benchmarks/results/.  Pass flags with ARGS='--flag=value ...'.
 .PHONY: bench-sweep bench-waste bench-latency bench-memory-wall bench-alloc bench-snapshot \
-        bench-block-size bench-serving bench-throughput bench-ragged bench-cpu-attention bench-all
+        bench-block-size bench-serving bench-throughput bench-ragged bench-cpu-attention bench-lora bench-all
 
 bench-sweep: $(STAMP)
 	$(PY) benchmarks/bench_sweep.py $(ARGS)
@@ -120,6 +120,12 @@ bench-speculative: $(STAMP)
 .PHONY: bench-structured
 bench-structured: $(STAMP)
 	$(PY) benchmarks/bench_structured.py $(ARGS)
+
+# LoRA adapters: 64 requests on the base model vs spread over 4 random rank-16 adapters + base
+# (wall, tok/s, decode step), the LoRA update alone (one-hot vs gather vs the base matmul), the
+# slots' memory (benchmarks/results/lora.{csv,md}); --note='...' says whether the machine was idle.
+bench-lora: $(STAMP)
+	$(PY) benchmarks/bench_lora.py $(ARGS)
 
 # 2,000 mixed requests, 10% bad, a pool that preempts, both preemption modes:
 # isolation, no leaked blocks, flat memory (benchmarks/results/soak.{csv,md}).
