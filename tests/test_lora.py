@@ -232,3 +232,28 @@ def test_score_is_differentiable_in_the_adapter(family):
     assert np.isfinite(b_wq).all() and np.abs(b_wq[slots["qv16"]]).max() > 0
     others = [s for n, s in slots.items() if n != "qv16"]
     assert np.abs(b_wq[others]).max() == 0
+
+
+def test_adapters_over_data_parallel_replicas(family, tiny_llama_dir, tmp_path):
+    """Every replica holds the same adapters (a runtime load reaches them all, or none)."""
+    from jpaged.engine.router import create_engine
+    llm, hf, _ = family
+    if llm.model_config.architecture != "llama":
+        pytest.skip("one family is enough")
+    prompts = random_prompts([7, 9, 11, 5], seed=37)
+    names = ["all8", "qv16", None, "all8"]
+    want = [o.token_ids for o in llm.generate(prompts, [greedy(n) for n in names])]
+    modules = ",".join(f"{n}={p}" for n, p in llm.lora_adapters.items() if n in ("all8", "qv16"))
+    dp = create_engine(model=tiny_llama_dir, **TINY_ENGINE, lora_modules=modules, max_loras=3,
+                       data_parallel_size=2)
+    assert [o.token_ids for o in dp.generate(prompts, [greedy(n) for n in names])] == want
+    path, model = make_adapter(hf, tmp_path, "mlp8rs", seed=41)
+    dp.load_lora_adapter("late", str(path))
+    assert all("late" in r.lora_adapters for r in dp.replicas)
+    outs = dp.generate(prompts[:2], greedy("late"))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW_TOKENS) for p in prompts[:2]]
+    with pytest.raises(ValueError, match="slots"):
+        dp.load_lora_adapter("full", str(path))
+    assert not any("full" in r.lora_adapters for r in dp.replicas)
+    dp.unload_lora_adapter("late")
+    assert dp.lora_adapters.keys() == {"all8", "qv16"}

@@ -146,6 +146,16 @@ def test_python_objects_of_other_types_are_errors_not_crashes(obj, words):
         assert w in r.error, (w, r.error)
 
 
+def test_model_names_a_lora_adapter_or_the_base():
+    """"model": the base model's name (or absent, or null) runs the base; another name is
+    a LoRA adapter's (whether it is loaded is the engine's to say); a non-string is an error."""
+    assert [parse_line(line({"prompt": "hi", **extra}), DEFAULT, 0, base_model="base").params.lora
+            for extra in ({}, {"model": None}, {"model": "base"}, {"model": "sql"})] == [None, None, None, "sql"]
+    assert parse_line(line({"prompt": "hi", "model": "sql"}), DEFAULT, 0).warnings == []  # a known field
+    error = parse_line(line({"prompt": "hi", "model": 3}), DEFAULT, 1, base_model="base").error
+    assert error.startswith("line 2: model must be a string"), error
+
+
 def test_file_with_bom_blank_lines_and_a_bad_encoding(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + line({"prompt": "a"}) + b"\n\n  \n" + b'{"prompt": "\xff"}\n'

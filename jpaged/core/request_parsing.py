@@ -26,7 +26,8 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_decoding",
                      *structured_spec.GUIDED_FIELDS, *structured_spec.NEUTRAL_EXTRAS)
 PROMPT_FIELDS = ("prompt", "messages")
-REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS + STRUCTURED_FIELDS
+# "model": the base model's name (or absent), or a LoRA adapter's, which the request runs (as vLLM).
+REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS + STRUCTURED_FIELDS + ("model",)
 
 # Request fields of vLLM (SamplingParams, its OpenAI server's extra_body) and of
 # OpenAI that would change the answer and that jpaged does not implement, each
@@ -115,8 +116,11 @@ def default_sampling_params(config: Any) -> SamplingParams:
                           top_p=config.top_p, top_k=config.top_k)
 
 
-def parse_request(obj: Any, default: SamplingParams, index: int = 0, where: str = "") -> ParsedRequest:
-    """Validates one decoded JSON request against `default` sampling settings."""
+def parse_request(obj: Any, default: SamplingParams, index: int = 0, where: str = "",
+                  base_model: str | None = None) -> ParsedRequest:
+    """Validates one decoded JSON request against `default` sampling settings.  A
+    "model" other than `base_model` names a LoRA adapter (SamplingParams.lora);
+    whether it is loaded is the engine's to say."""
     where = where or f"request {index}"
     try:
         prompt = _prompt(obj)
@@ -124,6 +128,9 @@ def parse_request(obj: Any, default: SamplingParams, index: int = 0, where: str 
         if refused is not None:
             raise ValueError(refused[1])
         params = _sampling_params(obj, default)
+        lora = _lora(obj, base_model)
+        if lora is not None:
+            params = dataclasses.replace(params, lora=lora)
     except ValueError as e:
         return ParsedRequest(index, None, None, error=f"{where}: {e}")
     unknown = [k for k in obj if k not in REQUEST_FIELDS and k not in UNSUPPORTED_FIELDS
@@ -132,7 +139,7 @@ def parse_request(obj: Any, default: SamplingParams, index: int = 0, where: str 
     return ParsedRequest(index, prompt, params, warnings=warnings)
 
 
-def parse_line(raw: bytes, default: SamplingParams, index: int) -> ParsedRequest:
+def parse_line(raw: bytes, default: SamplingParams, index: int, base_model: str | None = None) -> ParsedRequest:
     """One line of a JSONL prompts file (bytes, so that a bad encoding is this line's error)."""
     where = f"line {index + 1}"
     try:
@@ -141,16 +148,17 @@ def parse_line(raw: bytes, default: SamplingParams, index: int) -> ParsedRequest
         return ParsedRequest(index, None, None, error=f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})")
     except (ValueError, RecursionError) as e:
         return ParsedRequest(index, None, None, error=f"{where}: not valid JSON ({_short(e)})")
-    return parse_request(obj, default, index, where)
+    return parse_request(obj, default, index, where, base_model)
 
 
-def read_request_file(path: str | os.PathLike, default: SamplingParams) -> list[ParsedRequest]:
+def read_request_file(path: str | os.PathLike, default: SamplingParams,
+                      base_model: str | None = None) -> list[ParsedRequest]:
     """Every non-blank line of a JSONL file (UTF-8, with or without a BOM), in order."""
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     if lines and lines[0].startswith(b"\xef\xbb\xbf"):
         lines[0] = lines[0][3:]
-    return [parse_line(line, default, i) for i, line in enumerate(lines) if line.strip()]
+    return [parse_line(line, default, i, base_model) for i, line in enumerate(lines) if line.strip()]
 
 
 def parse_sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
@@ -225,6 +233,15 @@ def _prompt(obj: Any) -> dict[str, Any]:
         if problem:
             raise ValueError(f"messages[{i}].role {problem}")
     return {"messages": messages}
+
+
+def _lora(obj: dict[str, Any], base_model: str | None) -> str | None:
+    """The LoRA adapter a request's "model" names: None for the base model (absent, null, or its name)."""
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a string (the base model's name or a LoRA adapter's), "
+                         f"got {_json_type(model)}")
+    return None if model is None or model == base_model else model
 
 
 def role_problem(role: Any) -> str | None:

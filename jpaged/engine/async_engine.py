@@ -6,7 +6,10 @@ aborts into a thread-safe inbox, which the thread drains at the top of each
 step, and read per-step deltas (the tokens each sample appended, and how it
 finished) from an asyncio queue per HTTP request, fed with
 `loop.call_soon_threadsafe`.  When nothing is queued or running the thread
-blocks on the inbox's condition variable: an idle server uses no CPU.
+blocks on the inbox's condition variable: an idle server uses no CPU.  Other
+calls that change the engine (loading a LoRA adapter) go through the same
+inbox (`AsyncEngine.call`): they run on the thread, between two steps and in
+order with the requests submitted before them.
 
 The engine is any `jpaged.engine.protocol.Engine` (one LLM, or a data-parallel
 router): this uses only that interface.  Host code: the engine object comes in
@@ -20,13 +23,15 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from jpaged.core.sequence import SamplingParams, Sequence, Status, TokenLogprob
 from jpaged.core.stats import EngineSnapshot
 from jpaged.engine.protocol import Engine
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class QueueFull(Exception):
@@ -94,6 +99,34 @@ class Submission:
             pass
 
 
+class EngineCall:
+    """A function to run on the engine thread (AsyncEngine.call), and the future
+    its caller awaits."""
+
+    def __init__(self, fn: Callable[[Engine], Any], loop: asyncio.AbstractEventLoop):
+        self.fn, self.loop = fn, loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+
+    def run(self, llm: Engine) -> None:
+        """From the engine thread: fn(llm), its result or exception to the caller."""
+        try:
+            result, error = self.fn(llm), None
+        except Exception as e:  # noqa: BLE001 - the caller's to handle, never the loop's
+            result, error = None, e
+        try:
+            self.loop.call_soon_threadsafe(self._settle, result, error)
+        except RuntimeError:  # the event loop has closed: nobody is waiting any more
+            pass
+
+    def _settle(self, result: Any, error: BaseException | None) -> None:
+        if self.future.done():  # the caller went away (cancelled)
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
 class EngineMetrics:
     """What the engine thread reports as it goes (jpaged.entrypoints.server_metrics implements it)."""
 
@@ -111,7 +144,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or EngineMetrics()
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, EngineRequest]] = []  # (add | abort, request)
+        self._inbox: list[tuple[str, Any]] = []  # (add | abort, EngineRequest) or (call, EngineCall)
         self._num_queued = 0      # requests not started yet (guarded by _cond)
         self._num_unfinished = 0  # requests submitted and not finished (guarded by _cond)
         self._closing = False
@@ -161,6 +194,19 @@ class AsyncEngine:
             self._inbox.extend(work)
             self._cond.notify()
 
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """fn(engine) on the engine thread, between two steps (the engine is not
+        thread-safe: whatever changes it must run there), after the requests
+        submitted before it; returns its result or raises its exception.
+        EngineClosed after close()."""
+        work = EngineCall(fn, asyncio.get_running_loop())
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            self._inbox.append(("call", work))
+            self._cond.notify()
+        return await work.future
+
     def close(self, timeout: float | None = None) -> None:
         """Stops taking requests, aborts what is left and joins the thread."""
         with self._cond:
@@ -186,7 +232,7 @@ class AsyncEngine:
                 log.exception("engine loop error")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
 
-    def _wait_for_work(self) -> tuple[list[tuple[str, EngineRequest]], bool]:
+    def _wait_for_work(self) -> tuple[list[tuple[str, Any]], bool]:
         """Blocks while there is nothing to do; then takes the whole inbox."""
         with self._cond:
             while not self._inbox and not self._closing and not self.llm.has_unfinished_requests():
@@ -194,10 +240,12 @@ class AsyncEngine:
             work, self._inbox = self._inbox, []
             return work, self._closing
 
-    def _apply(self, work: list[tuple[str, EngineRequest]]) -> None:
+    def _apply(self, work: list[tuple[str, Any]]) -> None:
         for kind, request in work:  # in arrival order: an abort follows its add
             if kind == "add":
                 self._add(request)
+            elif kind == "call":
+                request.run(self.llm)
             elif request.engine_id in self._tracked:  # else finished already
                 self.llm.abort([request.engine_id])
 

@@ -172,6 +172,28 @@ class DataParallelLLM:
         for r in self.replicas:
             r.reset_prefix_cache()
 
+    # ---------------------------------------------------------- LoRA adapters
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters (every replica holds the same ones): name -> directory."""
+        return self.replicas[0].lora_adapters
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Loads the adapter into every replica; if one refuses it, none keeps it."""
+        done = []
+        try:
+            for r in self.replicas:
+                r.load_lora_adapter(name, path)
+                done.append(r)
+        except Exception:
+            for r in done:
+                r.unload_lora_adapter(name)
+            raise
+
+    def unload_lora_adapter(self, name: str) -> None:
+        for r in self.replicas:
+            r.unload_lora_adapter(name)
+
     # ------------------------------------------------------------ batch API
     def generate(self, prompts: Iterable[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:

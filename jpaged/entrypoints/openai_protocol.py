@@ -11,7 +11,8 @@ silently ignores it.  Chat roles are OpenAI's (request_parsing.CHAT_ROLES).
 The models check the types and shape of a body; the values of the sampling
 fields are checked by SamplingParams.validate through jpaged.core.request_parsing
 (the same checks as the batch CLI's request lines).  What only the HTTP API has
-is checked here: the model name, prompt forms, stop strings, stream / echo /
+is checked here: the model name (the base model's, or a LoRA adapter's: the
+request runs that adapter), prompt forms, stop strings, stream / echo /
 stream_options, and the logprobs fields (whose meaning differs between the
 routes).  Host code: no jax.
 """
@@ -23,7 +24,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Collection, Literal, Optional, Sequence, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
@@ -64,6 +65,11 @@ class RequestError(Exception):
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def model_not_found(name: str) -> str:
+    """The message of a 404 for a model (or LoRA adapter) this server does not serve: OpenAI's and vLLM's."""
+    return f"The model `{name}` does not exist."
 
 
 @dataclasses.dataclass
@@ -371,19 +377,10 @@ def _field_named(message: str) -> str | None:
 class _OpenAIRequest(_Request):
     """The fields the two OpenAI routes share: the model's name and streaming."""
 
-    model: Optional[str] = None         # omitted: the one model served
+    model: Optional[str] = None         # omitted: the base model; else its name or a LoRA adapter's
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     prompt_logprobs: Any = None         # not an OpenAI field; refused here (see the message)
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, name: str | None, info: ValidationInfo) -> str | None:
-        served = (info.context or {}).get("model")
-        if name is not None and served is not None and name != served:
-            raise Invalid(f"model {name!r} is not served here; this server serves {served!r}",
-                          code="model_not_found")
-        return name
 
     @field_validator("stream_options")
     @classmethod
@@ -564,30 +561,41 @@ def _is_token_ids(prompt: list[Any]) -> bool:
 
 # ------------------------------------------------------------------ parsing
 def parse_request(request_type: type[CompletionRequest | ChatCompletionRequest | GenerateRequest], body: Any,
-                  default: SamplingParams, model: str) -> GenerationRequest:
-    """A decoded JSON body checked against `request_type`; RequestError (400) if it fails."""
+                  default: SamplingParams, model: str, adapters: Collection[str] = ()) -> GenerationRequest:
+    """A decoded JSON body checked against `request_type`; RequestError (400) if it fails.
+    `model` is the base model's served name, `adapters` the LoRA adapters' names: a
+    body's "model" naming an adapter runs it (SamplingParams.lora, and the answer
+    names it); any other name than these is a 404 model_not_found."""
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {_json_type(body)}")
     try:
-        request = request_type.model_validate(body, context={"model": model})
+        request = request_type.model_validate(body)
     except ValidationError as e:
         raise request_error(e) from None
-    return request.generation(default, model)
+    name = getattr(request, "model", None)  # (/generate has none: it takes any model, and runs the base)
+    if name is not None and name != model and name not in adapters:
+        raise RequestError(model_not_found(name), "model", code="model_not_found")  # (the server's 404)
+    gen = request.generation(default, model)
+    if name is not None and name != model:
+        gen.params, gen.model = dataclasses.replace(gen.params, lora=name), name
+    return gen
 
 
-def parse_completion(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+def parse_completion(body: Any, default: SamplingParams, model: str,
+                     adapters: Collection[str] = ()) -> GenerationRequest:
     """POST /v1/completions (CompletionRequest)."""
-    return parse_request(CompletionRequest, body, default, model)
+    return parse_request(CompletionRequest, body, default, model, adapters)
 
 
-def parse_chat(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+def parse_chat(body: Any, default: SamplingParams, model: str, adapters: Collection[str] = ()) -> GenerationRequest:
     """POST /v1/chat/completions (ChatCompletionRequest)."""
-    return parse_request(ChatCompletionRequest, body, default, model)
+    return parse_request(ChatCompletionRequest, body, default, model, adapters)
 
 
-def parse_generate(body: Any, default: SamplingParams, model: str) -> GenerationRequest:
+def parse_generate(body: Any, default: SamplingParams, model: str,
+                   adapters: Collection[str] = ()) -> GenerationRequest:
     """POST /generate (GenerateRequest)."""
-    return parse_request(GenerateRequest, body, default, model)
+    return parse_request(GenerateRequest, body, default, model, adapters)
 
 
 # ---------------------------------------------------------------- responses

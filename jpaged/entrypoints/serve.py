@@ -20,6 +20,13 @@ aborts what is left and exits 0.
 and connection limits (--max_request_body_bytes, --max_prompt_bytes,
 --body_timeout_seconds, --header_timeout_seconds, --timeout_keep_alive,
 --limit_concurrency, --backlog) are jpaged.entrypoints.server.ServerOptions.
+
+LoRA adapters: --config.lora_modules=name=path[,name=path...] loads PEFT
+directories at start (--config.max_loras: slots for more); a request names one
+as its "model", /v1/models lists them, and POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's routes) change them at run time.  Those two
+are always on, behind the API key like every other route: set a key before
+serving them beyond this machine (a path they name is read from its disk).
 """
 
 from __future__ import annotations

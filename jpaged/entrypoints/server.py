@@ -2,8 +2,11 @@
 
 Routes: GET /health, GET /v1/models (and /v1/models/{id}), POST
 /v1/completions, POST /v1/chat/completions, POST /generate, POST /tokenize,
-POST /detokenize, GET /tokenizer_info and GET /metrics (Prometheus, vLLM's
-names); any other path is a 404 in OpenAI's error shape.  Streaming responses are server-sent events, `data: {json}` per chunk
+POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus, vLLM's
+names), and vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter;
+any other path is a 404 in OpenAI's error shape.  A request's "model" names
+the base model (its served name) or a loaded LoRA adapter, which it then runs
+(as vLLM); /v1/models lists both.  Streaming responses are server-sent events, `data: {json}` per chunk
 and `data: [DONE]` at the end.
 
 The engine runs in one background thread (jpaged.engine.async_engine); each HTTP
@@ -50,6 +53,8 @@ import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -60,9 +65,10 @@ from jpaged.structured.tools import ToolCallStreamParser
 from jpaged.tokenizer.detokenizer import SampleText
 from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
                                     chat_logprobs, completion_choice, completion_logprobs, envelope,
-                                    Messages, error_body, new_id, parse_chat, parse_completion,
-                                    parse_generate,
+                                    Messages, error_body, model_not_found, new_id, parse_chat,
+                                    parse_completion, parse_generate,
                                     request_error, token_logprob_json, usage)
+from jpaged.core.config import lora_slots
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.sequence import TokenLogprob
 from jpaged.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
@@ -138,6 +144,11 @@ class ServerState:
         self.status = "loading"  # loading | ready | failed: <why> | shutting down
         self.load_error: str | None = None
         self.created = int(time.time())
+        # The loaded LoRA adapters (name -> path), as the engine thread last reported
+        # them: replaced whole, never changed in place (host threads read it).
+        self.adapters: dict[str, str] = {}
+        if lora_slots(config):
+            self.metrics.registry.register(LoraRequestsInfo(self, lora_slots(config)))
         self._token_texts: dict[int, str] = {}
 
     def load(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
@@ -147,6 +158,7 @@ class ServerState:
             engine = AsyncEngine(llm, max_queued_requests=self.config.max_queued_requests,
                                  metrics=self.metrics)
             self.llm = llm
+            self.adapters = lora_adapters(llm)
             if self.status == "shutting down":
                 return
             engine.start()
@@ -193,6 +205,10 @@ class ServerState:
                                kind="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return self.engine
 
+    def serves(self, model: str) -> bool:
+        """Whether `model` names the base model or a loaded LoRA adapter."""
+        return model == self.model_name or model in self.adapters
+
     def decode(self, token_ids: list[int]) -> str:
         tokenizer = self.llm.tokenizer
         return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
@@ -210,6 +226,33 @@ class ServerState:
 
 def _is_factory(source: Any) -> bool:
     return callable(source) and not hasattr(source, "step")
+
+
+def lora_adapters(llm: Any) -> dict[str, str]:
+    """The engine's loaded LoRA adapters, name -> path (a copy: read off the engine thread)."""
+    return dict(llm.lora_adapters)
+
+
+class LoraRequestsInfo(Collector):
+    """vLLM's `vllm:lora_requests_info` (when adapters are on): its labels name the
+    adapters of the requests running and waiting, and the slots (max_lora); its
+    value is the time.  llm-d's gateway routes by it (LoRA affinity).  Read from
+    the requests in flight at scrape time, on the event loop that owns them."""
+
+    def __init__(self, state: ServerState, max_lora: int):
+        self.state, self.max_lora = state, max_lora
+
+    def collect(self) -> Any:
+        running, waiting = set(), set()
+        for run in list(self.state.runs):
+            lora = run.gen.params.lora
+            for request in run.submission.requests if lora is not None else ():
+                if not request.finished:
+                    (waiting if request.queued else running).add(lora)
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(self.max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))], time.time())
+        yield info
 
 
 # --------------------------------------------------------------- a request
@@ -582,7 +625,7 @@ def _prepare(state: ServerState, parse: Callable[..., GenerationRequest],
              body: bytes) -> tuple[GenerationRequest, list[tuple[list[int], str]]]:
     """A body checked and its prompts tokenized (in the host pool, off the event loop)."""
     raw = _parse_json(body)
-    gen = parse(raw, state.defaults, state.model_name)
+    gen = parse(raw, state.defaults, state.model_name, tuple(state.adapters))
     bound = state.config.max_queued_requests
     if len(gen.prompts) > bound:  # a 429 would invite retrying a request that can never be queued
         raise RequestError(f"this request has {len(gen.prompts)} prompts; the server queues at most {bound} "
@@ -650,9 +693,8 @@ def _tokenizer_request(state: ServerState, body: bytes, kind: type[BaseModel]) -
         req = kind.model_validate(raw)
     except ValidationError as e:
         raise request_error(e) from None
-    if req.model is not None and req.model != state.model_name:
-        raise RequestError(f"model {req.model!r} is not served here; this server serves {state.model_name!r}",
-                           "model", code="model_not_found")
+    if req.model is not None and not state.serves(req.model):  # (an adapter shares the base's tokenizer)
+        raise RequestError(model_not_found(req.model), "model", code="model_not_found")
     if state.llm.tokenizer is None:
         raise RequestError("this model has no tokenizer")
     return req
@@ -709,6 +751,81 @@ async def _host_route(request: Request, state: ServerState, fn: Callable[[Server
         return JSONResponse(await state.run_host(fn, state, await request.body()))
     except RequestError as e:
         return _error_response(e)
+
+
+# --------------------------------------------------------- LoRA adapters
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM: a PEFT directory on the server's disk,
+    loaded into a free adapter slot (max_loras) under `lora_name`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter, as vLLM: its requests in flight end ("abort")."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    lora_name: str
+    lora_int_id: Optional[int] = None  # vLLM's; names do here
+
+
+# On the engine thread.  Each sets state.adapters there, as the engine changes
+# (a client that leaves before the answer leaves no stale list behind).
+def _load_lora(state: ServerState, req: LoadLoraAdapterRequest, llm: Any) -> None:
+    """A 400 with the engine's message (naming the file, the name in use, or the slots) if it cannot."""
+    try:
+        llm.load_lora_adapter(req.lora_name, req.lora_path)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    state.adapters = lora_adapters(llm)
+
+
+def _unload_lora(state: ServerState, req: UnloadLoraAdapterRequest, llm: Any) -> None:
+    """A 404 for a name not loaded."""
+    from jpaged.engine.lora_manager import UnknownLoraError  # (jax: loaded with the engine)
+    try:
+        llm.unload_lora_adapter(req.lora_name)
+    except UnknownLoraError as e:
+        raise RequestError(str(e), "lora_name", code="model_not_found") from None
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    state.adapters = lora_adapters(llm)
+
+
+def _lora_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
+    raw = _parse_json(body)
+    if not isinstance(raw, dict):
+        raise RequestError("the body must be a JSON object")
+    try:
+        req = kind.model_validate(raw)
+    except ValidationError as e:
+        raise request_error(e) from None
+    if not req.lora_name:
+        raise RequestError("lora_name must not be empty", "lora_name")
+    if req.lora_name == state.model_name:  # requests naming it would run the base model
+        raise RequestError(f"lora_name {req.lora_name!r} is the base model's name", "lora_name")
+    return req
+
+
+async def _lora_route(request: Request, state: ServerState, kind: type[BaseModel],
+                      change: Callable[[ServerState, Any, Any], None]) -> Response:
+    """Loads or unloads an adapter on the engine thread, between two steps (the
+    engine's device state and scheduler are that thread's alone); vLLM's plain
+    text on success.  A bad adapter, a name in use or no free slot is a 400 with
+    the engine's message; unloading a name not loaded a 404."""
+    try:
+        engine = state.ready_engine()
+        req = await state.run_host(_lora_request, state, await request.body(), kind)
+        await engine.call(functools.partial(change, state, req))
+    except RequestError as e:
+        return _error_response(e)
+    except EngineClosed as e:
+        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
+    done = "added" if kind is LoadLoraAdapterRequest else "removed"
+    log.info("LoRA adapter %r %s", req.lora_name, done)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' {done} successfully.", media_type="text/plain")
 
 
 # ------------------------------------------------------------ the guard
@@ -846,20 +963,22 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
         ok = state.status == "ready"
         return JSONResponse({"status": state.status}, status_code=200 if ok else 503)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jpaged",
-                "max_model_len": config.max_model_len}
+    def model_card(model_id: str) -> dict[str, Any]:
+        """vLLM's card: an adapter's `root` is its directory, its `parent` the base model."""
+        adapter = model_id != state.model_name
+        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "jpaged",
+                "root": state.adapters[model_id] if adapter else config.model,
+                "parent": state.model_name if adapter else None, "max_model_len": config.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in (state.model_name, *state.adapters)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != state.model_name:
-            return _error_response(RequestError(f"The model {model_id!r} does not exist; this server serves "
-                                                f"{state.model_name!r}", "model", code="model_not_found"))
-        return JSONResponse(model_card())
+        if not state.serves(model_id):
+            return _error_response(RequestError(model_not_found(model_id), "model", code="model_not_found"))
+        return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -888,6 +1007,14 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await _lora_route(request, state, LoadLoraAdapterRequest, _load_lora)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await _lora_route(request, state, UnloadLoraAdapterRequest, _unload_lora)
 
     return app
 
