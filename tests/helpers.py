@@ -98,3 +98,20 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def make_peft_adapter(hf_model, path: pathlib.Path, seed: int, **lora_config):
+    """Saves a random PEFT LoRA adapter of `hf_model` to `path` (init_lora_weights=False: B is
+    not zero, and spread 8x so that it changes greedy tokens); returns the PEFT model."""
+    import copy
+
+    import peft
+    torch = import_torch()
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(init_lora_weights=False, **lora_config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return model

@@ -6,14 +6,12 @@ on every projection or a subset; each engine holds several at once.
 
 from __future__ import annotations
 
-import copy
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY_ENGINE, assert_all_blocks_free, import_torch, random_prompts
+from helpers import TINY_ENGINE, assert_all_blocks_free, import_torch, make_peft_adapter, random_prompts
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import score
 
@@ -33,16 +31,8 @@ NEW_TOKENS = 12
 
 def make_adapter(hf_model, root, name: str, seed: int):
     """Saves a random PEFT adapter; returns (its directory, the HF model with it merged)."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(hf_model),
-                                peft.LoraConfig(init_lora_weights=False, **ADAPTERS[name]))
-    with torch.no_grad():  # B at PEFT's random init is small: spread it so the adapter matters
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(8.0)
     path = root / name
-    model.save_pretrained(path)
-    return path, model.merge_and_unload().eval()
+    return path, make_peft_adapter(hf_model, path, seed, **ADAPTERS[name]).merge_and_unload().eval()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -257,3 +247,19 @@ def test_adapters_over_data_parallel_replicas(family, tiny_llama_dir, tmp_path):
     assert not any("full" in r.lora_adapters for r in dp.replicas)
     dp.unload_lora_adapter("late")
     assert dp.lora_adapters.keys() == {"all8", "qv16"}
+
+
+def test_speculative_decoding_under_adapters(family, make_tiny_llm):
+    """Draft rows verify under their row's adapter: ngram speculation keeps the greedy tokens."""
+    llm, _, _ = family
+    if llm.model_config.architecture != "llama":
+        pytest.skip("one family is enough")
+    base = random_prompts([6], seed=43)[0]
+    prompts = [base * 4, (base[:3] + base) * 3]  # repeats that prompt lookup can draft from
+    names = ["all8", "qv16"]
+    want = [o.token_ids for o in llm.generate(prompts, [greedy(n) for n in names])]
+    modules = ",".join(f"{n}={p}" for n, p in llm.lora_adapters.items())
+    spec = make_tiny_llm(lora_modules=modules, speculative_method="ngram", num_speculative_tokens=3,
+                         prompt_lookup_min=1, prompt_lookup_max=3, speculative_disable_by_batch_size=0)
+    assert [o.token_ids for o in spec.generate(prompts, [greedy(n) for n in names])] == want
+    assert spec.stats.spec_decode_num_draft_tokens > 0

@@ -7,7 +7,6 @@ with a byte-level tokenizer (uvicorn in a thread); the oracle is the Python API
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import signal
 import threading
@@ -21,12 +20,11 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 peft = pytest.importorskip("peft")
 
-from helpers import TINY_ENGINE, free_port, import_torch  # noqa: E402
+from helpers import TINY_ENGINE, free_port, make_peft_adapter  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints import batch  # noqa: E402
 from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
 
-torch = import_torch()
 SECONDS = 60  # any one wait
 NEW_TOKENS = 8
 PROMPT = "Tell me about the sea."
@@ -34,15 +32,7 @@ MESSAGES = [{"role": "user", "content": "Name a color."}]
 
 
 def make_adapter(hf_model, path, seed: int) -> str:
-    """A random PEFT adapter (B not zero, spread so that it changes the tokens)."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(8.0)
-    model.save_pretrained(path)
+    make_peft_adapter(hf_model, path, seed, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     return str(path)
 
 
