@@ -138,7 +138,8 @@ def test_n_and_logprobs_per_adapter(family):
 def test_load_unload_update_without_recompiling(family, tmp_path):
     llm, hf, merged = family
     prompt = random_prompts([12], seed=13)[0]
-    before = llm.generate([prompt], greedy("all8"))[0].token_ids
+    before = llm.generate([prompt], greedy("all8"))[0].token_ids  # this shape's programs, with adapters
+    llm.runner.wait_for_programs()  # (and the buckets that run queued in the background)
     compiled = llm.num_compilations
     path, model = make_adapter(hf, tmp_path, "qv16", seed=99)
     llm.load_lora_adapter("late", str(path))
