@@ -406,6 +406,18 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.running.clear()
 
+    def requeue_all(self) -> None:
+        """requeue_running, and the swapped-out sequences too, their host copies
+        dropped: every unfinished sequence prefills its tokens again (new weights)."""
+        self.requeue_running()
+        for seq in reversed(self.swapped):
+            self.swap_space.free(seq.swap_slots)
+            seq.swap_slots, seq.swap_status = [], None
+            seq.num_computed_tokens = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        self.swapped.clear()
+
     def _fail(self, seq: Sequence, error: str | None, reason: str = "error") -> None:
         """Ends seq (and samples it has not forked yet) with an error, freeing what it holds."""
         if seq in self.running:

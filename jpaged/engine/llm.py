@@ -49,6 +49,10 @@ from jpaged.structured.grammar import GrammarCompiler
 log = logging.getLogger(__name__)
 
 
+# LLM.pause's modes (see there).
+PAUSE_MODES = ("abort", "keep", "wait")
+
+
 @dataclasses.dataclass
 class StartedStep:
     """A step between LLM.start_step() and finish_step()."""
@@ -60,6 +64,7 @@ class StartedStep:
     # What finished in the step before it, completed first because a constrained
     # sample's next mask needed its token (finish_step returns them too).
     finished: list[Sequence] = dataclasses.field(default_factory=list)
+    paused: bool = False  # the engine is paused: nothing was scheduled (LLM.pause)
 
 
 class LLM:
@@ -135,6 +140,10 @@ class LLM:
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: StartedStep | None = None
         self._last_completed = 0.0  # perf_counter when the last step completed
+        # pause(): its mode while paused, and the requests added meanwhile (scheduled on resume).
+        self._pause: str | None = None
+        self._held: list[Sequence] = []
+        self._stashed: list[Sequence] = []  # finished in the step pause() completed: the next step returns them
 
     def _speculator(self, cfg: ml_collections.ConfigDict) -> Speculator:
         draft_model = None
@@ -209,6 +218,7 @@ class LLM:
                     prompt: str | None = None, error: str | None = None, *, request_id: int | None = None) -> int:
         """Queues one request; an invalid one is finished at once with an error.
         `request_id`: a router's id for it (unused here), by default the next one."""
+        self._check_awake()  # (sleep mode)
         request_id = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, request_id + 1)
         prompt_token_ids = list(prompt_token_ids or [])
@@ -237,7 +247,10 @@ class LLM:
             seq.group.append(child)
             seq.forks.append(child)
             self._active[child.seq_id] = child
-        self.scheduler.add(seq)
+        if self._pause is not None:
+            self._held.append(seq)
+        else:
+            self.scheduler.add(seq)
         return request_id
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
@@ -267,9 +280,10 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has requests left to run (waiting, running or swapped out)
-        or to return (failed at admission, aborted): loop on step() while it is True."""
-        return (self.scheduler.has_work or self._in_flight is not None
-                or any(s.is_done for s in self._active.values()))
+        or to return (failed at admission, aborted): loop on step() while it is True.
+        While paused, requests that wait for resume() do not count: step() cannot run them."""
+        can_run = self.scheduler.has_work and self._pause in (None, "wait")
+        return can_run or self._in_flight is not None or any(s.is_done for s in self._active.values())
 
     def get_sequence(self, request_id: int) -> Sequence | None:
         """The live Sequence of a request added with add_request() (its tokens and block
@@ -336,7 +350,10 @@ class LLM:
         before can be shared with them).  `in_flight` says what happens to
         unfinished requests: "abort" ends them (finish_reason "abort"); "keep"
         lets them go on with the new weights on top of the K/V computed so far
-        with the old ones.  The engine keeps a reference to `params`: a trainer
+        with the old ones (vLLM's behaviour: an old-policy prefix); "recompute"
+        lets them go on too, but drops their K/V (swapped-out copies included) so
+        that their prompt and output so far are prefilled again under the new
+        weights.  The engine keeps a reference to `params`: a trainer
         that donates them to its own update step deletes the engine's weights too.
 
         `lora` updates loaded adapters alone, the base weights untouched (params
@@ -345,8 +362,8 @@ class LLM:
         folded into B; a target left out becomes zero).  Only those adapters'
         requests are aborted (or kept), and only their cached K/V is retired.
         """
-        if in_flight not in ("abort", "keep"):
-            raise ValueError(f"in_flight must be 'abort' or 'keep', got {in_flight!r}")
+        if in_flight not in ("abort", "keep", "recompute"):
+            raise ValueError(f"in_flight must be 'abort', 'keep' or 'recompute', got {in_flight!r}")
         if params is None and lora is None:
             raise ValueError("update_params needs params, lora, or both")
         if params is not None:
@@ -361,9 +378,45 @@ class LLM:
         for name, modules in (lora or {}).items():
             self.lora.update(name, modules)
         if params is not None:
+            if in_flight == "recompute":
+                self._stashed += self._complete_in_flight(drafting=True)  # its tokens are the old weights'
+                self.scheduler.requeue_all()
             self.params = self.runner.params = params
             self.weights_version += 1
             self.block_manager.drop_cached()
+
+    # ------------------------------------------------------- pause and resume
+    def pause(self, mode: str = "keep") -> None:
+        """Stops the engine taking on work, e.g. while a trainer swaps the weights.
+
+        mode "abort": every unfinished request ends now (finish_reason "abort"; the
+        next step() returns it with its partial output).  "keep": they freeze where
+        they are, K/V and all, until resume().  "wait": the requests added before
+        the pause run to their end.  In every mode, requests added while paused
+        wait for resume(); step() still returns what finished, and
+        has_unfinished_requests() turns False once step() can run nothing (a loop
+        on it ends rather than spins).  Pausing a paused engine changes its mode.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        # No step stays in flight: what it finishes, the next step() returns.
+        self._stashed += self._complete_in_flight(drafting=True)
+        if mode == "abort":
+            self.abort([rid for rid, seq in self._active.items() if seq.group[0] is seq])
+        self._pause = mode
+
+    def resume(self) -> None:
+        """Schedules again: frozen requests go on (on their K/V, or recomputed if
+        update_params(in_flight="recompute") dropped it), held ones start."""
+        self._pause = None
+        for seq in self._held:
+            if not seq.is_done:  # (aborted while held)
+                self.scheduler.add(seq)
+        self._held = []
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause is not None
 
     # ------------------------------------------------------------ LoRA adapters
     def load_lora_adapter(self, name: str, path: str) -> None:
@@ -396,6 +449,48 @@ class LLM:
         if jax.process_count() > 1:
             raise ValueError(f"{what} at run time is single-process only: list the adapters in "
                              "lora_modules, which every process loads at start")
+
+    # ------------------------------------------------------------- sleep mode
+    def sleep(self, level: int = 1) -> None:
+        """Frees this engine's accelerator memory between rollouts, for a trainer in
+        the same process (vLLM's LLM.sleep).  Level 1: the KV pool is released and
+        the weights (and LoRA slots) go to host memory; wake_up() puts them back.
+        Level 2: the weights are dropped too (the LoRA slots still go to host):
+        call update_params(params) while asleep, checked against the old weights'
+        shapes, dtypes and shardings, and wake_up() installs those.  Weights the
+        caller still references (update_params keeps the trainer's arrays, not a
+        copy) stay allocated: their memory is the caller's.
+
+        The prefix cache is dropped with the pool that held its K/V.  Nothing
+        recompiles: wake_up() rebuilds the same shapes and shardings.  ValueError
+        while requests are unfinished (or a step is in flight); while asleep
+        add_request raises RuntimeError.  Sleeping again is a no-op, as in vLLM."""
+        if self.is_sleeping:
+            return
+        if jax.process_count() > 1:
+            raise ValueError("sleep() is single-process only")
+        if self.has_unfinished_requests() or self.scheduler.has_work or self._in_flight is not None:
+            raise ValueError("sleep() with unfinished requests: step() until has_unfinished_requests() "
+                             "is False, or abort() them first")
+        self.runner.release(level)
+        self.params = self.runner.params  # the weights' ShapeDtypeStructs: what update_params checks against
+        self.block_manager.drop_cached()
+
+    def wake_up(self) -> None:
+        """Undoes sleep(): the weights (the ones update_params gave while asleep, else
+        level 1's host copy) back on the devices with their shardings, the LoRA
+        slots, and an empty pool.  RuntimeError after sleep(level=2) without
+        update_params.  Waking an awake engine is a no-op."""
+        self.runner.restore()
+        self.params = self.runner.params
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.sleep_level > 0
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() first")
 
     def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
         """Builds, before a workload arrives, the greedy step of the power-of-two
@@ -431,10 +526,13 @@ class LLM:
         completes gets a PLACEHOLDER for the token it samples: the next schedule()
         sees the state after this step before its tokens are known."""
         t0 = time.perf_counter()
+        stashed, self._stashed = self._stashed, []
+        if self._pause in ("abort", "keep"):  # frozen: nothing runs
+            return StartedStep(SchedulerOutput([], [], [], []), None, None, t0, finished=stashed, paused=True)
         running = self.scheduler.running
         # (synchronously every token is known: proposing costs no overlap)
         drafting = self.speculator.wants_tokens(running) if self.async_scheduling else self.speculator.active(running)
-        early = self._complete_in_flight(drafting)
+        early = stashed + self._complete_in_flight(drafting)
         out = self.scheduler.schedule(self.speculator.propose(self.scheduler.running) if drafting else None)
         prefill = any(s.seq.status is Status.PREFILLING for s in out.scheduled)
         try:
@@ -449,6 +547,8 @@ class LLM:
         in, applies stop conditions and frees what finished (returned).  With
         async_scheduling a step with a forward stays on the device until the next
         call: this one completes the step launched before it."""
+        if started.paused:  # what finished before the pause, and what it aborted
+            return started.finished + self._take_finished()
         if not self.async_scheduling:
             return started.finished + self._complete(started)
         previous, self._in_flight = self._in_flight, None
@@ -522,6 +622,12 @@ class LLM:
                                block_manager=self.block_manager,
                                token_slots=pending.token_slots if pending is not None else 0,
                                running=self.scheduler.running, swap_space=self.swap_space)
+        finished = self._take_finished()
+        self.progress.after_step(out, finished)
+        return finished
+
+    def _take_finished(self) -> list[Sequence]:
+        """The finished sequences step() has not returned yet (out of _active)."""
         running = {id(s) for s in self.scheduler.running}
         # A sequence that ended while a step of its is on the device waits for that token.
         finished = [s for s in self._active.values()
@@ -529,7 +635,6 @@ class LLM:
         for seq in finished:
             del self._active[seq.seq_id]
             self.speculator.release(seq)
-        self.progress.after_step(out, finished)
         return finished
 
     def _row_tokens(self, s: ScheduledSeq, token: np.ndarray, result: StepResult, row: int) -> list[int]:

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.decode import run_step
-from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key
+from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key, shape_specs
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
 from jpaged.runtime.lora import LoraWeights, create_lora_weights, write_slot
@@ -81,6 +81,12 @@ def precompile_buckets(ladder: tuple[int, ...], max_num_tokens: int | None = Non
     for log2 of the programs a full ladder would cost."""
     limit = ladder[-1] if max_num_tokens is None else next((b for b in ladder if b >= max_num_tokens), ladder[-1])
     return [b for b in ladder if b < limit and b & (b - 1) == 0] + [limit]
+
+
+def _to_devices(host: Any, specs: Any) -> Any:
+    """Host arrays placed as `specs` (a tree of ShapeDtypeStructs) says: each one
+    with its sharding, so that the step programs built for them take them as they are."""
+    return jax.tree.map(lambda x, spec: jax.device_put(x, spec.sharding), host, specs)
 
 
 def _weighted_step(graphdef: nnx.GraphDef, weights: tuple[nnx.State, LoraWeights | None], kv_pool: jax.Array,
@@ -159,6 +165,12 @@ class ModelRunner:
                     "graphdef": graphdef, "num_speculative_tokens": num_speculative_tokens})
         self._programs.preload()  # a warm start: every program this engine built before, before any step
         self.timing = StepTiming()
+        # Sleep mode (release/restore): 0 awake, else the level; what restore() puts back.
+        self.sleep_level = 0
+        self._host_params: Any = None
+        self._host_lora: LoraWeights | None = None
+        self._asleep_specs: Any = None
+        self._lora_specs: LoraWeights | None = None
 
     @property
     def weights(self) -> tuple[nnx.State, LoraWeights | None]:
@@ -168,6 +180,8 @@ class ModelRunner:
     def write_lora_slot(self, slot: int, modules: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         """Puts one adapter's arrays (target -> A [L, in, r], B [L, r, out]) into `slot`
         (a target it lacks is zeroed): one jitted update, no step recompiles."""
+        if self.sleep_level:
+            raise RuntimeError("the engine is asleep: call wake_up() before changing LoRA adapters")
         if self.lora is None:
             raise ValueError("this engine keeps no LoRA slots (max_loras = 0)")
         self.lora = write_slot(self.lora, slot, modules)
@@ -350,6 +364,49 @@ class ModelRunner:
             self._token_buffer, outputs.token_buffer = outputs.token_buffer, None
         self._last_launched = outputs
         return PendingStep(outputs, num_seqs, t0, inputs.num_tokens, self.timing)
+
+    # ------------------------------------------------------------- sleep mode
+    def release(self, level: int) -> None:
+        """Frees this runner's device memory for someone else (a trainer between
+        rollouts: LLM.sleep).  The KV pool is deleted (no request is left to read
+        it); the LoRA slots are copied to host memory (small, and the adapters'
+        files may be gone); the weights are copied to host memory at level 1 and
+        dropped at level 2, where update_params gives the next ones.
+
+        `params` and `kv_pool` become their jax.ShapeDtypeStructs (shape, dtype,
+        sharding) meanwhile: what the compiled programs were built for, what new
+        weights are checked against, and what restore() rebuilds, so no step
+        recompiles.  The weights are dropped, not deleted: the caller may hold the
+        same arrays (update_params keeps a reference to the trainer's), and those
+        stay where they are; arrays only the engine held are freed."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self._host_params = jax.device_get(self.params) if level == 1 else None
+        self._host_lora = None if self.lora is None else jax.device_get(self.lora)
+        self._asleep_specs, self._lora_specs = shape_specs(self.params), shape_specs(self.lora)
+        pool_spec = shape_specs(self.kv_pool)
+        self.kv_pool.delete()
+        self.params, self.kv_pool, self.sleep_level = self._asleep_specs, pool_spec, level
+        self.lora = self._token_buffer = self._last_launched = None
+
+    def restore(self) -> None:
+        """Undoes release(): the weights given while asleep (`params` replaced, as
+        update_params does) or else the host copy of level 1, put back with their
+        shardings; the LoRA slots; a zeroed pool (and token buffer).  RuntimeError,
+        changing nothing, at level 2 when no new weights came."""
+        if not self.sleep_level:
+            return
+        if self.params is self._asleep_specs and self._host_params is None:
+            raise RuntimeError("wake_up() after sleep(level=2) needs new weights: call update_params(params) first")
+        if self.params is self._asleep_specs:
+            self.params = _to_devices(self._host_params, self._asleep_specs)
+        if self._host_lora is not None:
+            self.lora = _to_devices(self._host_lora, self._lora_specs)
+        self.kv_pool = self._new_pool()
+        if self.chained:
+            self._token_buffer = self._new_token_buffer()
+        self._host_params = self._host_lora = self._asleep_specs = self._lora_specs = None
+        self.sleep_level = 0
 
     # ------------------------------------------------------------- multi-host
     @property
