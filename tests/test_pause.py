@@ -120,3 +120,23 @@ def test_bad_mode(llm):
         llm.pause("later")
     with pytest.raises(ValueError, match="in_flight"):
         llm.update_params(llm.params, in_flight="later")
+
+
+def test_update_params_from_a_path(llm, new_params, tiny_llama_dir, tmp_path):
+    """What a trainer saved: an orbax checkpoint of the params tree, or a HF directory."""
+    import orbax.checkpoint as ocp
+    original = llm.params
+    want_new = None
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((tmp_path / "ckpt").resolve(), new_params)
+    llm.update_params(new_params)
+    want_new = llm.generate(PROMPTS, greedy())
+    llm.update_params(original)
+    want_old = llm.generate(PROMPTS, greedy())
+    llm.update_params(str(tmp_path / "ckpt"))
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [o.token_ids for o in want_new]
+    llm.update_params(tiny_llama_dir)  # the checkpoint the engine was built from
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [o.token_ids for o in want_old]
+    with pytest.raises((ValueError, FileNotFoundError)):
+        llm.update_params(str(tmp_path / "missing"))
+    llm.update_params(original)

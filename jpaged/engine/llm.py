@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterable, Iterator
@@ -34,7 +35,7 @@ from jpaged.engine import protocol
 from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.lora_manager import LoraManager, UnknownLoraError
 from jpaged.engine.output_processor import OutputProcessor, RequestOutput, record_logprobs
-from jpaged.engine.setup import (engine_mesh, load_model, program_cache_dir, resolve_attention_impl,
+from jpaged.engine.setup import (engine_mesh, load_model, params_from_path, program_cache_dir, resolve_attention_impl,
                                  resolve_kv_cache_dtype, resolve_layer_loop, size_pool)
 from jpaged.engine.speculation import Speculator
 from jpaged.engine.step_stats import StepStats
@@ -339,8 +340,9 @@ class LLM:
         return self.outputs.request_output(seq, index)
 
     # -------------------------------------------------------------- weights
-    def update_params(self, params: nnx.State | None = None, *, lora: dict[str, dict] | None = None,
-                      in_flight: str = "abort", check_finite: bool = True) -> None:
+    def update_params(self, params: nnx.State | str | os.PathLike | None = None, *,
+                      lora: dict[str, dict] | None = None, in_flight: str = "abort",
+                      check_finite: bool = True) -> None:
         """Swaps in new weights: the same tree, shapes, dtypes and shardings as
         `self.params` (else ValueError), so no step recompiles; with `check_finite`
         (one reduction per array) NonFiniteParamsError names an array holding NaN/Inf.
@@ -356,6 +358,11 @@ class LLM:
         weights.  The engine keeps a reference to `params`: a trainer
         that donates them to its own update step deletes the engine's weights too.
 
+        `params` may also be a path a trainer saved the weights to: an orbax
+        checkpoint of the params tree (`ocp.StandardCheckpointer().save(path,
+        params)`), or a HF checkpoint directory or .gguf file of the same model
+        (jpaged.engine.setup.params_from_path); the same checks apply.
+
         `lora` updates loaded adapters alone, the base weights untouched (params
         may then be None): adapter name -> {target: (A [L, in, r], B [L, r, out])}
         (targets "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"; the scale
@@ -366,6 +373,9 @@ class LLM:
             raise ValueError(f"in_flight must be 'abort', 'keep' or 'recompute', got {in_flight!r}")
         if params is None and lora is None:
             raise ValueError("update_params needs params, lora, or both")
+        if isinstance(params, (str, os.PathLike)):
+            params = params_from_path(params, self.config, self.loaded.config, self.params, self.mesh,
+                                      self.scan_layers)
         if params is not None:
             check_same_structure(self.params, params)
             if check_finite:

@@ -127,6 +127,32 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes)
 
 
+def params_from_path(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, base: ModelConfig,
+                     like: nnx.State, mesh: Mesh | None, scan_layers: bool) -> nnx.State:
+    """Weights a trainer saved, placed like `like` (the engine's own): an orbax
+    checkpoint of the params tree (restored straight into `like`'s shapes and
+    shardings), or a model as `cfg.model` could name one (a HF checkpoint
+    directory, a .gguf file), whose config must match the served model's."""
+    path = pathlib.Path(path)
+    if path.is_dir() and any((path / f).exists() for f in ("_CHECKPOINT_METADATA", "_METADATA")):
+        import orbax.checkpoint as ocp
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(path.resolve(), target)
+    loaded = load_weights(str(path), dtype=cfg.dtype, cache_dir=cfg.cache_dir or None, use_cache=False)
+    if loaded.config != base:
+        raise ValueError(f"{path}: its config differs from the served model's ({_config_diff(loaded.config, base)})")
+    model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tensor_parallel_size(mesh))
+    _, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype), scan_layers=scan_layers))
+    return params if mesh is None else shard_params(params, model_config, mesh)
+
+
+def _config_diff(a: ModelConfig, b: ModelConfig) -> str:
+    diff = [f"{f.name} {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}" for f in dataclasses.fields(a)
+            if getattr(a, f.name) != getattr(b, f.name)]
+    return ", ".join(diff[:4])
+
+
 def check_memory_before_loading(cfg: ml_collections.ConfigDict, num_shards: int) -> None:
     """ConfigError, before any weight is read, when an explicit num_blocks or the
     swap space cannot fit beside the weights (both sized from the model's
