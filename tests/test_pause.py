@@ -140,3 +140,15 @@ def test_update_params_from_a_path(llm, new_params, tiny_llama_dir, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError)):
         llm.update_params(str(tmp_path / "missing"))
     llm.update_params(original)
+
+
+def test_a_request_that_ends_in_the_step_pause_completes_is_returned(llm):
+    """pause() completes the step in flight: what finished in it comes back from the next step()."""
+    rid = llm.add_request(PROMPTS[0], greedy(2))
+    finished = [seq for _ in range(2) for seq in llm.step()]  # (sync: it ends in the second)
+    llm.pause("keep")
+    done = run(llm)
+    done.update({seq.seq_id: llm.request_output(seq) for seq in finished})
+    llm.resume()
+    done.update(run(llm))
+    assert list(done) == [rid] and len(done[rid].token_ids) == 2

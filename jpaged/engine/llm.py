@@ -284,7 +284,8 @@ class LLM:
         or to return (failed at admission, aborted): loop on step() while it is True.
         While paused, requests that wait for resume() do not count: step() cannot run them."""
         can_run = self.scheduler.has_work and self._pause in (None, "wait")
-        return can_run or self._in_flight is not None or any(s.is_done for s in self._active.values())
+        return (can_run or self._in_flight is not None or bool(self._stashed)
+                or any(s.is_done for s in self._active.values()))
 
     def get_sequence(self, request_id: int) -> Sequence | None:
         """The live Sequence of a request added with add_request() (its tokens and block
