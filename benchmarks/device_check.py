@@ -524,7 +524,8 @@ def part_serve_batch(ctx: Context, part: Part) -> None:
     if qcmp["first_divergence"]:
         part.info[f"{kv}: unequal requests: index -> tokens equal before the first difference"] = (
             ", ".join(f"{i} -> {n}" for i, n in qcmp["first_divergence"].items()))
-    part.notes.append(f"kv_cache_dtype={kv}: K/V stored quantized (a scale per row: 2**(c/4) for int8, 2**c for fp8), so "
+    part.notes.append(f"kv_cache_dtype={kv}: K/V stored quantized (a scale per row: 2**(c/4) for int8, "
+                      "2**c for fp8), so "
                       "greedy ids may part from the fp32 reference's after a near tie; the kernel's "
                       "exactness on quantized pools is part 2's to check.")
 
