@@ -27,6 +27,13 @@ as its "model", /v1/models lists them, and POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (vLLM's routes) change them at run time.  Those two
 are always on, behind the API key like every other route: set a key before
 serving them beyond this machine (a path they name is read from its disk).
+
+--enable_rl_routes turns on the routes RL frameworks (verl, slime, OpenRLHF)
+call on a rollout server: POST /pause, /resume, /sleep, /wake_up,
+/update_weights, /reset_prefix_cache and GET /is_paused, /is_sleeping
+(jpaged.entrypoints.server).  They change the engine for every client (and
+/update_weights reads a path on this machine's disk): off by default (404),
+behind the API key when on.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ class Args:
     timeout_keep_alive: float = 5.0
     limit_concurrency: int | None = None
     backlog: int = 2048
+    enable_rl_routes: bool = False
 
 
 def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
@@ -98,6 +106,10 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
                                                   "new ones get 503 (default: 2 * (max_queued_requests + "
                                                   "max_num_seqs * data_parallel_size) + 64)."),
         "backlog": flags.DEFINE_integer("backlog", Args.backlog, "The listening socket's accept queue."),
+        "enable_rl_routes": flags.DEFINE_bool("enable_rl_routes", False, "Serve the RL rollout routes "
+                                              "(/pause, /resume, /sleep, /wake_up, /is_paused, /is_sleeping, "
+                                              "/update_weights, /reset_prefix_cache): they change the engine "
+                                              "for every client; behind the API key."),
     }
     cli.register_key_flags([config, *holders.values()])
     return config, holders
@@ -142,7 +154,7 @@ def server_options(args: Args, environ: Any = os.environ) -> Any:
                          body_timeout_seconds=args.body_timeout_seconds,
                          header_timeout_seconds=args.header_timeout_seconds,
                          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
-                         backlog=args.backlog)
+                         backlog=args.backlog, enable_rl_routes=args.enable_rl_routes)
 
 
 def run(config_file: Any, args: Args = Args()) -> int:

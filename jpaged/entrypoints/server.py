@@ -4,7 +4,8 @@ Routes: GET /health, GET /v1/models (and /v1/models/{id}), POST
 /v1/completions, POST /v1/chat/completions, POST /generate, POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus, vLLM's
 names), and vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter;
-any other path is a 404 in OpenAI's error shape.  A request's "model" names
+with ServerOptions.enable_rl_routes, the rollout routes of RL frameworks (see
+"RL routes" below); any other path is a 404 in OpenAI's error shape.  A request's "model" names
 the base model (its served name) or a loaded LoRA adapter, which it then runs
 (as vLLM); /v1/models lists both.  Streaming responses are server-sent events, `data: {json}` per chunk
 and `data: [DONE]` at the end.
@@ -47,7 +48,7 @@ import logging
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Literal, Optional, TypeVar, Union
 
 import h11
 import uvicorn
@@ -55,7 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -102,6 +103,7 @@ class ServerOptions:
     limit_concurrency: int | None = None    # connections + tasks before uvicorn's 503; None: see resolved
     backlog: int = 2048                     # the listening socket's accept queue
     host_threads: int = 4                   # threads for tokenizing / templating / detokenizing
+    enable_rl_routes: bool = False          # /pause, /sleep, /update_weights, ...: else they are 404s
 
     def resolved(self, config: Any) -> "ServerOptions":
         """These options with every None size derived from the config: prompts of
@@ -147,6 +149,9 @@ class ServerState:
         # The loaded LoRA adapters (name -> path), as the engine thread last reported
         # them: replaced whole, never changed in place (host threads read it).
         self.adapters: dict[str, str] = {}
+        # Set (on the event loop) before a /sleep reaches the engine thread, cleared there once
+        # awake: a generation request submitted after it would meet a sleeping engine (a 503).
+        self.asleep = False
         if lora_slots(config):
             self.metrics.registry.register(LoraRequestsInfo(self, lora_slots(config)))
         self._token_texts: dict[int, str] = {}
@@ -645,6 +650,9 @@ async def _handle(request: Request, state: ServerState, parse: Callable[..., Gen
     try:
         engine = state.ready_engine()
         gen, prompts = await state.run_host(_prepare, state, parse, await request.body())
+        if state.asleep or getattr(state.llm, "is_sleeping", False):  # (no await from here to submit)
+            raise RequestError("the engine is asleep: POST /wake_up first", status=503,
+                               kind="service_unavailable")
         submission = engine.submit([(ids, gen.params, text if isinstance(p, str) else None)
                                     for p, (ids, text) in zip(gen.prompts, prompts)])
     except RequestError as e:
@@ -826,6 +834,105 @@ async def _lora_route(request: Request, state: ServerState, kind: type[BaseModel
     done = "added" if kind is LoadLoraAdapterRequest else "removed"
     log.info("LoRA adapter %r %s", req.lora_name, done)
     return Response(f"Success: LoRA adapter '{req.lora_name}' {done} successfully.", media_type="text/plain")
+
+
+# -------------------------------------------------------------- RL routes
+# What RL frameworks (verl, slime, OpenRLHF) call on a rollout server (vLLM's
+# and SGLang's names), only with ServerOptions.enable_rl_routes (else 404s):
+# POST /pause {"mode": "abort"|"keep"|"wait"} (default "keep"; returns at once,
+# "wait" lets the requests in flight finish meanwhile), POST /resume, POST
+# /sleep {"level": 1|2}, POST /wake_up, POST /update_weights {"path" (or
+# "model_path"), "in_flight": "abort"|"keep"|"recompute"} (an orbax, HF or
+# .gguf checkpoint of the same model, read on the engine thread: no step runs
+# meanwhile), POST /reset_prefix_cache; GET /is_paused, GET /is_sleeping.  Each
+# runs on the engine thread between two steps (LLM.pause, .sleep, ...); the
+# fields may also come as query parameters (vLLM's /sleep?level=1), the JSON
+# body winning.  A bad field, or the engine refusing (ValueError, RuntimeError,
+# OSError: sleep with requests unfinished, wake_up after sleep(2) without new
+# weights, a bad checkpoint, reset_prefix_cache while busy) is a 400 with the
+# message.  While paused, generation requests queue until /resume; while
+# asleep they are 503s.
+class RLRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class PauseRequest(RLRequest):
+    mode: Literal["abort", "keep", "wait"] = "keep"
+
+
+class SleepRequest(RLRequest):
+    level: Literal[1, 2] = 1
+
+
+class UpdateWeightsRequest(RLRequest):
+    path: str = Field(validation_alias=AliasChoices("path", "model_path"))
+    in_flight: Literal["abort", "keep", "recompute"] = "abort"
+
+
+def _rl_request(body: bytes, query: dict[str, str], kind: type[RLRequest]) -> RLRequest:
+    raw = _parse_json(body) if body.strip() else {}
+    if not isinstance(raw, dict):
+        raise RequestError("the body must be a JSON object")
+    raw = {**{k: int(v) if v.isdigit() else v for k, v in query.items()}, **raw}
+    try:
+        return kind.model_validate(raw)
+    except ValidationError as e:
+        raise request_error(e) from None
+
+
+def _rl_change(state: ServerState, change: Callable[[Any, Any], Any], req: RLRequest, llm: Any) -> Any:
+    """On the engine thread: change(llm, req); the engine's refusals become 400s."""
+    try:
+        return change(llm, req)
+    except AttributeError as e:
+        raise RequestError(f"this engine does not support it: {e}") from None  # (a data-parallel router)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RequestError(str(e)) from None
+    finally:
+        state.asleep = bool(getattr(llm, "is_sleeping", False))
+
+
+async def _rl_route(request: Request, state: ServerState, kind: type[RLRequest],
+                    change: Callable[[Any, Any], Any], sleeps: bool = False) -> Response:
+    try:
+        engine = state.ready_engine()
+        req = await state.run_host(_rl_request, await request.body(), dict(request.query_params), kind)
+        if sleeps:
+            state.asleep = True  # before the call is queued: no request submitted after it meets the sleep
+        await engine.call(functools.partial(_rl_change, state, change, req))
+    except RequestError as e:
+        return _error_response(e)
+    except EngineClosed as e:
+        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
+    log.info("%s %s", request.url.path, req.model_dump())
+    return JSONResponse({"status": "ok"})
+
+
+def _add_rl_routes(app: FastAPI, state: ServerState) -> None:
+    def post(path: str, change: Callable[[Any, Any], Any], kind: type[RLRequest] = RLRequest,
+             sleeps: bool = False) -> None:
+        async def route(request: Request) -> Response:
+            return await _rl_route(request, state, kind, change, sleeps)
+        app.add_api_route(path, route, methods=["POST"], name=path.strip("/"))
+
+    def get(path: str, attribute: str) -> None:
+        async def route() -> Response:
+            try:
+                state.ready_engine()
+            except RequestError as e:
+                return _error_response(e)
+            return JSONResponse({attribute: bool(getattr(state.llm, attribute, False))})
+        app.add_api_route(path, route, methods=["GET"], name=path.strip("/"))
+
+    post("/pause", lambda llm, req: llm.pause(req.mode), PauseRequest)
+    post("/resume", lambda llm, req: llm.resume())
+    post("/sleep", lambda llm, req: llm.sleep(req.level), SleepRequest, sleeps=True)
+    post("/wake_up", lambda llm, req: llm.wake_up())
+    post("/update_weights", lambda llm, req: llm.update_params(req.path, in_flight=req.in_flight),
+         UpdateWeightsRequest)
+    post("/reset_prefix_cache", lambda llm, req: llm.reset_prefix_cache())
+    get("/is_paused", "is_paused")
+    get("/is_sleeping", "is_sleeping")
 
 
 # ------------------------------------------------------------ the guard
@@ -1016,6 +1123,8 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
     async def unload_lora_adapter(request: Request) -> Response:
         return await _lora_route(request, state, UnloadLoraAdapterRequest, _unload_lora)
 
+    if state.options.enable_rl_routes:
+        _add_rl_routes(app, state)
     return app
 
 

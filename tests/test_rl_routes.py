@@ -1,0 +1,175 @@
+"""The RL rollout routes (--enable_rl_routes): /pause, /resume, /sleep, /wake_up,
+/is_paused, /is_sleeping, /update_weights, /reset_prefix_cache, as verl, slime
+and OpenRLHF call them on vLLM/SGLang servers.  In process on the tiny Llama
+(uvicorn in a thread); the oracle is the Python API on the same engine, asked
+before the server takes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+
+from helpers import TINY_ENGINE, free_port  # noqa: E402
+from jpaged.core.sequence import SamplingParams  # noqa: E402
+from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
+
+SECONDS = 60
+NEW_TOKENS = 8
+PROMPT = "Tell me about the sea."
+
+
+def http(method: str, url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=SECONDS) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def complete(url: str, max_tokens: int = NEW_TOKENS) -> tuple[int, dict]:
+    return http("POST", url + "/v1/completions", {"prompt": PROMPT, "max_tokens": max_tokens,
+                                                  "temperature": 0, "ignore_eos": True})
+
+
+def text(url: str) -> str:
+    status, body = complete(url)
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_tok_dir):
+    """(base url, expected greedy text, model dir) of a server with the RL routes on."""
+    from jpaged.engine.llm import LLM
+    llm = LLM(model=tiny_llama_tok_dir, **TINY_ENGINE)
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                     ignore_eos=True))[0].text
+    port = free_port()
+    app = create_app(llm, model_name="tiny", options=ServerOptions(enable_rl_routes=True))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", access_log=False,
+                                           log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SECONDS
+    while True:
+        try:
+            if http("GET", url + "/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the server did not get ready"
+        time.sleep(0.1)
+    try:
+        yield url, expected, tiny_llama_tok_dir
+    finally:
+        server.should_exit = True
+        thread.join(SECONDS)
+
+
+def test_pause_keep_holds_requests_until_resume(served):
+    url, expected, _ = served
+    assert http("POST", url + "/pause", {"mode": "keep"}) == (200, {"status": "ok"})
+    assert http("GET", url + "/is_paused") == (200, {"is_paused": True})
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(answer=complete(url)))
+    worker.start()
+    worker.join(1.0)
+    assert worker.is_alive() and not result  # queued behind the pause
+    assert http("POST", url + "/resume") == (200, {"status": "ok"})
+    worker.join(SECONDS)
+    status, body = result["answer"]
+    assert status == 200 and body["choices"][0]["text"] == expected
+    assert http("GET", url + "/is_paused") == (200, {"is_paused": False})
+
+
+def test_sleep_and_wake_up(served):
+    url, expected, _ = served
+    assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": False})
+    assert http("POST", url + "/sleep", {"level": 1}) == (200, {"status": "ok"})
+    assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": True})
+    status, body = complete(url)
+    assert status == 503 and "asleep" in body["error"]["message"]
+    assert http("POST", url + "/wake_up") == (200, {"status": "ok"})
+    assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": False})
+    assert text(url) == expected
+
+
+def test_sleep_level_2_needs_new_weights(served):
+    """vLLM's query-parameter form; waking without weights is a 400, /update_weights
+    while asleep gives them."""
+    url, expected, model_dir = served
+    assert http("POST", url + "/sleep?level=2") == (200, {"status": "ok"})
+    status, body = http("POST", url + "/wake_up")
+    assert status == 400 and body["error"]["message"]
+    assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": True})
+    assert http("POST", url + "/update_weights", {"path": model_dir}) == (200, {"status": "ok"})
+    assert http("POST", url + "/wake_up") == (200, {"status": "ok"})
+    assert text(url) == expected
+
+
+def test_sleep_with_a_request_in_flight_is_400(served):
+    """A streamed request that has started, then frozen by /pause (keep), is
+    unfinished: /sleep refuses (400, the engine's message); after /resume it ends."""
+    url, _, _ = served
+    req = urllib.request.Request(url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": PROMPT, "max_tokens": 100, "temperature": 0,
+                                                  "ignore_eos": True, "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=SECONDS) as stream:
+        assert stream.readline().startswith(b"data: {")  # running
+        assert http("POST", url + "/pause", {"mode": "keep"})[0] == 200
+        status, body = http("POST", url + "/sleep", {"level": 1})
+        assert status == 400 and "unfinished" in body["error"]["message"]
+        assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": False})
+        assert http("POST", url + "/resume")[0] == 200
+        lines = [line for line in stream.read().split(b"\n") if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_update_weights(served):
+    url, expected, model_dir = served
+    assert http("POST", url + "/update_weights", {"path": model_dir, "in_flight": "keep"}) == (200, {"status": "ok"})
+    assert text(url) == expected
+    assert http("POST", url + "/update_weights", {"model_path": model_dir})[0] == 200  # SGLang's name
+    status, body = http("POST", url + "/update_weights", {"path": model_dir + "/nowhere"})
+    assert status == 400 and "nowhere" in body["error"]["message"]
+    status, body = http("POST", url + "/update_weights", {})
+    assert status == 400 and body["error"]["param"] == "path"
+    status, body = http("POST", url + "/update_weights", {"path": model_dir, "in_flight": "later"})
+    assert status == 400 and body["error"]["param"] == "in_flight"
+    assert text(url) == expected
+
+
+def test_bad_fields_and_reset_prefix_cache(served):
+    url, _, _ = served
+    status, body = http("POST", url + "/pause", {"mode": "now"})
+    assert status == 400 and body["error"]["param"] == "mode"
+    status, body = http("POST", url + "/sleep", {"level": 3})
+    assert status == 400 and body["error"]["param"] == "level"
+    assert http("POST", url + "/reset_prefix_cache") == (200, {"status": "ok"})
+
+
+def test_off_by_default_and_behind_the_key(tiny_llm):
+    """Without the option the routes are 404s; with a key they need it (the
+    engine never starts here: no lifespan, so a keyed call gets "not ready")."""
+    from starlette.testclient import TestClient
+    off = TestClient(create_app(tiny_llm, model_name="tiny"))
+    assert off.post("/pause").status_code == 404
+    assert off.get("/is_sleeping").status_code == 404
+    keyed = TestClient(create_app(tiny_llm, model_name="tiny",
+                                  options=ServerOptions(api_key="k", enable_rl_routes=True)))
+    assert keyed.post("/pause").status_code == 401
+    assert keyed.post("/update_weights", json={"path": "/"}).status_code == 401
+    assert keyed.post("/pause", headers={"Authorization": "Bearer k"}).status_code == 503
