@@ -152,3 +152,26 @@ def test_a_request_that_ends_in_the_step_pause_completes_is_returned(llm):
     llm.resume()
     done.update(run(llm))
     assert list(done) == [rid] and len(done[rid].token_ids) == 2
+
+
+def test_data_parallel_replicas_pause_sleep_and_load_together(llm, tiny_llama_dir):
+    from helpers import TINY_ENGINE
+    from jpaged.engine.router import create_engine
+    want = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    dp = create_engine(model=tiny_llama_dir, **TINY_ENGINE, data_parallel_size=2)
+    ids = [dp.add_request(p, greedy()) for p in PROMPTS]
+    dp.step()
+    dp.pause("keep")
+    assert dp.is_paused and all(r.is_paused for r in dp.replicas)
+    with pytest.raises(ValueError, match="unfinished"):
+        dp.sleep()
+    dp.resume()
+    done = run(dp)
+    assert [done[i].token_ids for i in ids] == want
+    dp.sleep(1)
+    assert dp.is_sleeping and all(r.is_sleeping for r in dp.replicas)
+    dp.update_params(tiny_llama_dir, in_flight="abort")  # a path: each replica loads its own copy
+    dp.wake_up()
+    assert [o.token_ids for o in dp.generate(PROMPTS, greedy())] == want
+    with pytest.raises(ValueError, match="as a path"):
+        dp.update_params(llm.params)

@@ -16,6 +16,7 @@ before waiting for any, so replicas on different devices run at once.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any, Iterable, Iterator
 
@@ -171,6 +172,46 @@ class DataParallelLLM:
         """Forgets every replica's cached blocks (only between generate() calls)."""
         for r in self.replicas:
             r.reset_prefix_cache()
+
+    # ------------------------------------------------ RL: pause, sleep, weights
+    def pause(self, mode: str = "keep") -> None:
+        """LLM.pause on every replica."""
+        for r in self.replicas:
+            r.pause(mode)
+
+    def resume(self) -> None:
+        for r in self.replicas:
+            r.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.replicas[0].is_paused
+
+    def sleep(self, level: int = 1) -> None:
+        """LLM.sleep on every replica: checked on each first, so that none sleeps if one cannot."""
+        if any(r.has_unfinished_requests() or r.scheduler.has_work for r in self.replicas):
+            raise ValueError("sleep() with unfinished requests: step() until has_unfinished_requests() "
+                             "is False, or abort() them first")
+        for r in self.replicas:
+            r.sleep(level)
+
+    def wake_up(self) -> None:
+        for r in self.replicas:
+            r.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.replicas[0].is_sleeping
+
+    def update_params(self, params: Any, **kwargs: Any) -> None:
+        """LLM.update_params on every replica: a path (each replica places its own copy
+        on its devices), or a params tree already placed for one replica's mesh only
+        when there is one replica."""
+        if params is not None and not isinstance(params, (str, os.PathLike)) and len(self.replicas) > 1:
+            raise ValueError("a data-parallel engine takes new weights as a path (each replica loads "
+                             "its own copy onto its devices)")
+        for r in self.replicas:
+            r.update_params(params, **kwargs)
 
     # ---------------------------------------------------------- LoRA adapters
     @property
