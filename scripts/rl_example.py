@@ -56,6 +56,9 @@ _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 0, "Sequences per gradient pa
                                     "accumulated over the round's batch; bounds the memory); 0: the "
                                     "whole batch in one pass.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the task's prompts and the samples.")
+_SLEEP = flags.DEFINE_enum("sleep_level", "0", ["0", "1", "2"], "Put the engine to sleep (LLM.sleep) after each "
+                           "rollout, update_params while asleep, wake_up before the next: 2 drops its weights "
+                           "(the trainer holds them) and its KV pool, 1 keeps a host copy; 0: never sleep.")
 _OUT = flags.DEFINE_string("out", None, "Write <out>.csv (one row per round) and <out>.png (the curve).")
 
 TINY_TARGET = 5  # tiny mode's reward: the fraction of generated tokens equal to this id
@@ -207,6 +210,12 @@ def main(argv):
         t0 = time.perf_counter()
         outs = llm.generate([prompt for prompt, _ in batch], sampling)
         rollout_s = time.perf_counter() - t0
+        params = llm.params  # the trainer's copy (while the engine sleeps, llm.params is only shapes)
+        sleep_s = 0.0
+        if _SLEEP.value != "0":  # the pool (and, at level 1, the weights) off the device while training
+            t0 = time.perf_counter()
+            llm.sleep(int(_SLEEP.value))
+            sleep_s = time.perf_counter() - t0
         num_generated = sum(len(s["token_ids"]) for o in outs for s in o.samples)
 
         # 2. rewards and group-normalised advantages
@@ -222,24 +231,29 @@ def main(argv):
 
         # 4. one optimizer step on the round's samples
         t0 = time.perf_counter()
-        new_params, kl, policy_lp = trainer.step(llm.params, ref_lp, ids, lengths, mask, adv)
+        new_params, kl, policy_lp = trainer.step(params, ref_lp, ids, lengths, mask, adv)
         update_s = time.perf_counter() - t0
 
         # 5. the engine samples the next round with the new weights
         t0 = time.perf_counter()
         llm.update_params(new_params)
         swap_s = time.perf_counter() - t0
+        if llm.is_sleeping:
+            t0 = time.perf_counter()
+            llm.wake_up()
+            sleep_s += time.perf_counter() - t0
 
         # The engine's logprobs (those it sampled with) against the trainer's, same weights.
         engine_lp = np.array([lp.logprob for o in outs for s in o.samples for lp in s["logprobs"]])
         lp_err = float(np.max(np.abs(policy_lp[mask > 0] - engine_lp)))
         row = dict(round=rnd + 1, reward=float(r.mean()), kl=kl, sample_tok_s=num_generated / rollout_s,
                    rollout_s=rollout_s, score_s=score_s, update_s=update_s, update_params_ms=1000 * swap_s,
+                   sleep_wake_s=sleep_s,
                    compiles=llm.num_compilations, update_compiles=trainer.grad._cache_size(), lp_err=lp_err)
         rows.append(row)
         print(f"round {rnd + 1:3d}  reward {row['reward']:.3f}  kl {kl:.4f}  sample {row['sample_tok_s']:6.1f} tok/s"
               f"  rollout {rollout_s:5.2f}s  score {score_s:5.2f}s  update {update_s:6.2f}s"
-              f"  update_params {row['update_params_ms']:.2f}ms  compiles {row['compiles']}"
+              f"  update_params {row['update_params_ms']:.2f}ms  sleep+wake {sleep_s:.2f}s  compiles {row['compiles']}"
               f"  lp_err {lp_err:.1e}", flush=True)
         if not tiny and rnd in (0, _ROUNDS.value - 1):
             print("   e.g.", [s["text"] for s in outs[0].samples])
