@@ -197,18 +197,7 @@ def time_decode(llm: Any, ids: list[list[int]], loras: list[str | None], steps: 
     B.cold_prefix_cache(llm)
     for x, name in zip(ids, loras):
         llm.add_request(x, params(name, steps))
-    walls, devs = [], []
-    while llm.has_unfinished_requests():
-        st = llm.stats
-        prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
-        t0 = time.perf_counter()
-        llm.step()
-        wall = time.perf_counter() - t0
-        st = llm.stats
-        if st.prefill_steps == prefills and st.tokens_scheduled - tok0 == batch:
-            walls.append(wall)
-            devs.append(st.device_seconds - dev0)
-    return walls, devs
+    return B.decode_step_times(llm, batch)
 
 
 def run_throughput(llm: Any, names: list[str]) -> tuple[list[dict], list[dict], list[str]]:

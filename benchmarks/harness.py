@@ -306,6 +306,23 @@ def time_matmuls(llm: Any, batch: int, iters: int, head: bool = True) -> float:
     return float(np.median(times))
 
 
+def decode_step_times(llm: Any, batch: int) -> tuple[list[float], list[float]]:
+    """Steps the requests already added to the end: (walls, device seconds) of the
+    steps in which exactly `batch` rows decode (no prompt token in the step)."""
+    walls, devs = [], []
+    while llm.has_unfinished_requests():
+        st = llm.stats
+        prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
+        t0 = time.perf_counter()
+        llm.step()
+        wall = time.perf_counter() - t0
+        st = llm.stats
+        if st.prefill_steps == prefills and st.tokens_scheduled - tok0 == batch:
+            walls.append(wall)
+            devs.append(st.device_seconds - dev0)
+    return walls, devs
+
+
 def time_decode_steps(llm: Any, batch: int, steps: int, ids: list[list[int]] | None = None) -> dict:
     """Median wall / device time of jpaged steps in which exactly `batch` sequences
     decode (no prompt tokens in the step): `batch` requests of `steps` tokens
@@ -321,17 +338,7 @@ def time_decode_steps(llm: Any, batch: int, steps: int, ids: list[list[int]] | N
     for _ in range(2):
         for x in ids:
             llm.add_request(x, params)
-        walls, devs = [], []
-        while llm.has_unfinished_requests():
-            st = llm.stats
-            prefills, dev0, tok0 = st.prefill_steps, st.device_seconds, st.tokens_scheduled
-            t0 = time.perf_counter()
-            llm.step()
-            wall = time.perf_counter() - t0
-            st = llm.stats
-            if st.prefill_steps == prefills and st.tokens_scheduled - tok0 == batch:
-                walls.append(wall)
-                devs.append(st.device_seconds - dev0)
+        walls, devs = decode_step_times(llm, batch)
         result = {"step_ms": 1000 * float(np.median(walls)) if walls else float("nan"),
                   "device_ms": 1000 * float(np.median(devs)) if devs else float("nan"),
                   "steps_timed": len(walls)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -115,3 +116,36 @@ def make_peft_adapter(hf_model, path: pathlib.Path, seed: int, **lora_config):
                 p.mul_(8.0)
     model.save_pretrained(path)
     return model
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, timeout: float = 60.0):
+    """`app` under uvicorn on a free local port, in a daemon thread, ready (GET /health
+    is 200) when this yields its base URL; stopped on exit."""
+    import asyncio
+    import threading
+    import time
+    import urllib.request
+
+    import uvicorn
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", access_log=False,
+                                           log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass  # not listening (or not ready) yet
+        assert time.monotonic() < deadline, "the server did not get ready"
+        time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout)

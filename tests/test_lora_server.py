@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -20,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 peft = pytest.importorskip("peft")
 
-from helpers import TINY_ENGINE, free_port, make_peft_adapter  # noqa: E402
+from helpers import TINY_ENGINE, serve_in_thread, make_peft_adapter  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints import batch  # noqa: E402
 from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
@@ -84,26 +82,8 @@ def served(engine_config, adapters):
         expected["completion", lora] = llm.generate([PROMPT], greedy(lora))[0].text
         expected["chat", lora] = llm.generate([{"messages": MESSAGES}], greedy(lora))[0].text
     llm.unload_lora_adapter("a2")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, model_name="tiny"), host="127.0.0.1", port=port,
-                                           lifespan="on", access_log=False, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SECONDS
-    while True:
-        try:
-            if http("GET", url + "/health")[0] == 200:
-                break
-        except OSError:
-            pass  # not listening yet
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.1)
-    try:
+    with serve_in_thread(create_app(llm, model_name="tiny"), SECONDS) as url:
         yield url, expected
-    finally:
-        server.should_exit = True
-        thread.join(SECONDS)
 
 
 def client(url: str) -> "openai.AsyncOpenAI":

@@ -6,10 +6,8 @@ before the server takes it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -17,7 +15,7 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from helpers import TINY_ENGINE, free_port  # noqa: E402
+from helpers import TINY_ENGINE, serve_in_thread  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
 
@@ -55,27 +53,9 @@ def served(tiny_llama_tok_dir):
     llm = LLM(model=tiny_llama_tok_dir, **TINY_ENGINE)
     expected = llm.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                      ignore_eos=True))[0].text
-    port = free_port()
     app = create_app(llm, model_name="tiny", options=ServerOptions(enable_rl_routes=True))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", access_log=False,
-                                           log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SECONDS
-    while True:
-        try:
-            if http("GET", url + "/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.1)
-    try:
+    with serve_in_thread(app, SECONDS) as url:
         yield url, expected, tiny_llama_tok_dir
-    finally:
-        server.should_exit = True
-        thread.join(SECONDS)
 
 
 def test_pause_keep_holds_requests_until_resume(served):

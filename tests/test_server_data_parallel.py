@@ -5,10 +5,8 @@ reach both replicas, and /metrics reads the combined snapshot."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +15,7 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from helpers import TINY_ENGINE, free_port, parse_metrics, random_prompts  # noqa: E402
+from helpers import TINY_ENGINE, serve_in_thread, parse_metrics, random_prompts  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.engine.router import DataParallelLLM, create_engine  # noqa: E402
 from jpaged.entrypoints.server import create_app  # noqa: E402
@@ -54,26 +52,8 @@ def served(tiny_llama_dir):
     """(base url, the engine) of a server running in this process."""
     dp = create_engine(model=tiny_llama_dir, **TINY_ENGINE, data_parallel_size=2)
     assert isinstance(dp, DataParallelLLM)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(dp, model_name="tiny"), host="127.0.0.1", port=port,
-                                           lifespan="on", access_log=False, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SECONDS
-    while True:
-        try:
-            if http("GET", url + "/health")[0] == 200:
-                break
-        except OSError:
-            pass  # not listening yet
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.2)
-    try:
+    with serve_in_thread(create_app(dp, model_name="tiny"), SECONDS) as url:
         yield url, dp
-    finally:
-        server.should_exit = True
-        thread.join(SECONDS)
 
 
 def test_greedy_requests_get_the_single_engine_tokens(served, expected):

@@ -693,14 +693,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _tokenizer_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
-    raw = _parse_json(body)
+def _json_body(body: bytes, kind: type[BaseModel], extra: dict[str, Any] | None = None) -> Any:
+    """A JSON object body validated as `kind` (fields of `extra` under it), or a 400."""
+    raw = _parse_json(body) if body.strip() or extra is None else {}
     if not isinstance(raw, dict):
         raise RequestError("the body must be a JSON object")
     try:
-        req = kind.model_validate(raw)
+        return kind.model_validate({**(extra or {}), **raw})
     except ValidationError as e:
         raise request_error(e) from None
+
+
+def _tokenizer_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
+    req = _json_body(body, kind)
     if req.model is not None and not state.serves(req.model):  # (an adapter shares the base's tokenizer)
         raise RequestError(model_not_found(req.model), "model", code="model_not_found")
     if state.llm.tokenizer is None:
@@ -803,13 +808,7 @@ def _unload_lora(state: ServerState, req: UnloadLoraAdapterRequest, llm: Any) ->
 
 
 def _lora_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
-    raw = _parse_json(body)
-    if not isinstance(raw, dict):
-        raise RequestError("the body must be a JSON object")
-    try:
-        req = kind.model_validate(raw)
-    except ValidationError as e:
-        raise request_error(e) from None
+    req = _json_body(body, kind)
     if not req.lora_name:
         raise RequestError("lora_name must not be empty", "lora_name")
     if req.lora_name == state.model_name:  # requests naming it would run the base model
@@ -870,14 +869,7 @@ class UpdateWeightsRequest(RLRequest):
 
 
 def _rl_request(body: bytes, query: dict[str, str], kind: type[RLRequest]) -> RLRequest:
-    raw = _parse_json(body) if body.strip() else {}
-    if not isinstance(raw, dict):
-        raise RequestError("the body must be a JSON object")
-    raw = {**{k: int(v) if v.isdigit() else v for k, v in query.items()}, **raw}
-    try:
-        return kind.model_validate(raw)
-    except ValidationError as e:
-        raise request_error(e) from None
+    return _json_body(body, kind, {k: int(v) if v.isdigit() else v for k, v in query.items()})
 
 
 def _rl_change(state: ServerState, change: Callable[[Any, Any], Any], req: RLRequest, llm: Any) -> Any:
