@@ -47,7 +47,7 @@ clean:
 # Experiments (benchmarks/bench_*.py): each prints its table and writes CSV + PNG
 # under benchmarks/results/.  Pass flags with ARGS='--flag=value ...'.
 .PHONY: bench-sweep bench-waste bench-latency bench-memory-wall bench-alloc bench-snapshot \
-        bench-block-size bench-serving bench-throughput bench-ragged bench-cpu-attention bench-lora bench-all
+        bench-block-size bench-serving bench-throughput bench-ragged bench-cpu-attention bench-lora bench-batch-invariant bench-all
 
 bench-sweep: $(STAMP)
 	$(PY) benchmarks/bench_sweep.py $(ARGS)
@@ -126,6 +126,9 @@ bench-structured: $(STAMP)
 # slots' memory (benchmarks/results/lora.{csv,md}); --note='...' says whether the machine was idle.
 bench-lora: $(STAMP)
 	$(PY) benchmarks/bench_lora.py $(ARGS)
+
+bench-batch-invariant: $(STAMP)
+	$(PY) benchmarks/bench_batch_invariant.py $(ARGS)
 
 # 2,000 mixed requests, 10% bad, a pool that preempts, both preemption modes:
 # isolation, no leaked blocks, flat memory (benchmarks/results/soak.{csv,md}).

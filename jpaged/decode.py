@@ -34,13 +34,14 @@ from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.runtime.kv_pool import create_kv_pool
 from jpaged.runtime.lora import LoraBatch, LoraWeights, token_slots
 from jpaged.models.base import StepMetadata, forward
-from jpaged.runtime.sampling import (SamplingArrays, TokenLogprobs, greedy, processed_logits, sample_processed,
-                             token_logprobs)
+from jpaged.runtime import batch_invariant
+from jpaged.runtime.sampling import (RowSum, SamplingArrays, TokenLogprobs, chosen_logprobs, greedy,
+                                     processed_logits, sample_processed, token_logprobs)
 from jpaged.runtime.sampling import sample as _sample
 from jpaged.runtime.speculative import verify
 from jpaged.runtime.step_inputs import StepInputs, StepResult
-from pallas_kernels import Backend
-from pallas_kernels.reference import MASK_VALUE, attention_options, token_layout
+from jpaged.runtime.dense_attention import DENSE
+from pallas_kernels.reference import token_layout
 
 
 def ragged_metadata(block_tables: jax.Array, context_lens: jax.Array, q_lens: jax.Array,
@@ -133,6 +134,7 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
+    row_sum = logprob_row_sum(graphdef, params)
     logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
                                    attention_impl=attention_impl, logits="all" if every else "last", lora=lora)
     at_indices = logits[meta.logits_indices] if every else logits
@@ -144,8 +146,14 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
         processed = processed_logits(allowed, sampling)
         next_tokens = sample_processed(allowed, processed, sampling)
     source = processed if logprobs_mode == "processed" else last
-    prompt = token_logprobs(logits, prompt_targets, num_logprobs) if every else None
-    return next_tokens, token_logprobs(source, next_tokens, num_logprobs), prompt, kv_pool, at_indices
+    prompt = token_logprobs(logits, prompt_targets, num_logprobs, row_sum) if every else None
+    return next_tokens, token_logprobs(source, next_tokens, num_logprobs, row_sum), prompt, kv_pool, at_indices
+
+
+def logprob_row_sum(graphdef: nnx.GraphDef, params: nnx.State) -> RowSum | None:
+    """How logprobs sum over the vocabulary for this model: batch_invariant.row_sum
+    in that mode (jnp's [1, vocab] sum differs from its [M, vocab] one), else jnp.sum."""
+    return batch_invariant.row_sum if nnx.merge(graphdef, params).batch_invariant else None
 
 
 def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inputs: StepInputs, *,
@@ -229,10 +237,15 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     With `lora` (adapter slots, e.g. `LLM.lora_weights()` or a trainer's own, see
     jpaged.runtime.lora) and `lora_slots` [B] (each row's slot, -1: the base
     model), rows score under their adapters, differentiably in `lora` too.
+
+    With the graphdef of an engine in `batch_invariant` mode (jpaged.runtime.batch_invariant)
+    the pass runs the engine's own kernels, and its logprobs equal the engine's bit
+    for bit (for a KV cache of the model's dtype), whatever the other rows.
     """
     if (lora is None) != (lora_slots is None):
         raise ValueError("score: pass lora and lora_slots together")
-    cfg = nnx.merge(graphdef, params).cfg
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
     check_batch(token_ids, lengths, cfg.vocab_size, ids_name="token_ids", lens_name="lengths")
     B, L = token_ids.shape
     zeros = jnp.zeros(B * L, jnp.int32)
@@ -244,9 +257,8 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     batch = None if lora is None else LoraBatch(lora, jnp.repeat(jnp.asarray(lora_slots, jnp.int32), L))
     logits, _ = forward(graphdef, params, token_ids.reshape(-1).astype(jnp.int32), meta, kv,
                         attention_impl=DENSE, logits="all", lora=batch)
-    logits = logits.reshape(B, L, -1)[:, :-1].astype(jnp.float32)
-    chosen = jnp.take_along_axis(logits, token_ids[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    chosen = chosen - jax.nn.logsumexp(logits, axis=-1)  # log_softmax at the chosen token only
+    chosen = chosen_logprobs(logits.reshape(B, L, -1)[:, :-1], token_ids[:, 1:],
+                             batch_invariant.row_sum if model.batch_invariant else None)
     return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
 
 
@@ -280,43 +292,6 @@ def check_batch(ids: Any, lengths: Any, vocab_size: int, *, ids_name: str, lens_
     if out.any():
         b, t = map(int, np.argwhere(out)[0])
         raise ValueError(f"{ids_name}[{b}, {t}] = {int(ids[b, t])} is outside the vocabulary [0, {vocab_size})")
-
-
-def _dense_write_kv(kv: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
-                    blocks: jax.Array, offsets: jax.Array) -> jax.Array:
-    """No cache: the layer's own k, v [T, kv_heads, head_dim], stacked [2, T, ...],
-    are the "pool" its attention reads (and what the next layer ignores)."""
-    return jnp.stack([k, v]).astype(kv.dtype)
-
-
-def _dense_causal_attention(q: jax.Array, kv: jax.Array, layer: jax.Array | int,
-                            block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array, *,
-                            sm_scale: float | None = None, sliding_window: int | None = None,
-                            soft_cap: float | None = None) -> jax.Array:
-    """Causal attention of q [T, H, D] over kv [2, T, KVH, D] (this layer's), T = B * L:
-    B rows of L tokens each (B = kv_lens.shape[0]), position i of a row seeing its
-    positions j <= i (and j > i - sliding_window).  The reference's arithmetic
-    (fp32 scores, scale, soft cap, mask, softmax) over a dense [B, KVH, G, L, L]."""
-    sliding_window, soft_cap = attention_options(sliding_window, soft_cap)
-    B, (T, H, D), KVH = kv_lens.shape[0], q.shape, kv.shape[2]
-    L, G = T // B, H // KVH
-    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    qg = q.astype(jnp.float32).reshape(B, L, KVH, G, D)
-    k, v = kv.astype(jnp.float32).reshape(2, B, L, KVH, D)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k) * scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    pos = jnp.arange(L)
-    visible = pos[None, :] <= pos[:, None]                  # [L queries, L keys]
-    if sliding_window is not None:
-        visible &= pos[None, :] > pos[:, None] - sliding_window
-    probs = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(T, H, D).astype(q.dtype)
-
-
-# decode.score's attention: dense causal over [B, L] tokens, no pool (see `score`).
-DENSE = Backend("dense", _dense_causal_attention, _dense_write_kv)
 
 
 def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,

@@ -79,6 +79,8 @@ TARGET = "jpaged_paged_attention_cpu"
 _SYMBOL = "JpagedPagedAttentionCpu"
 WRITE_TARGET = "jpaged_write_kv_cpu"
 _WRITE_SYMBOL = "JpagedWriteKvCpu"
+MATMUL_TARGET = "jpaged_matmul_cpu"
+_MATMUL_SYMBOL = "JpagedMatmulCpu"
 _SRC = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC",
           "-std=c++17")
@@ -230,7 +232,8 @@ def _load() -> bool:
         try:
             path = _build()
             lib = ctypes.CDLL(str(path))
-            for target, symbol in ((TARGET, _SYMBOL), (WRITE_TARGET, _WRITE_SYMBOL)):
+            for target, symbol in ((TARGET, _SYMBOL), (WRITE_TARGET, _WRITE_SYMBOL),
+                                   (MATMUL_TARGET, _MATMUL_SYMBOL)):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                             platform="cpu")
             _state.update(ok=True, lib=lib, reason="")
@@ -267,13 +270,16 @@ def supports(q: jax.Array, kv_pool: jax.Array) -> bool:
 def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
                         block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
                         *, sm_scale: float | None = None, sliding_window: int | None = None,
-                        soft_cap: float | None = None, max_threads: int = 0) -> jax.Array:
+                        soft_cap: float | None = None, max_threads: int = 0,
+                        token_tile: int = 0) -> jax.Array:
     """Ragged paged attention (q: [T, H, D]); see `pallas_kernels.paged_attention`.
 
     Decode tokens, prefill chunks and padding mixed in one call.  Only reads
     the pool, so it works with donated pools and inside jit / scan (layer may
     be traced).  `max_threads` > 0 caps the threads used (default: XLA's
-    intra-op pool size, at most the number of cores).
+    intra-op pool size, at most the number of cores).  `token_tile` > 0 sets
+    the tokens per work item (default 48 / G); 1 makes each query's arithmetic
+    independent of the other tokens of the call (jpaged's batch_invariant mode).
     """
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"paged_attention_cpu: q dtype {q.dtype} unsupported (float32 or bfloat16)")
@@ -291,7 +297,7 @@ def paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int
                 jnp.asarray(block_tables, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
                 jnp.asarray(cu_q_lens, jnp.int32), sm_scale=np.float32(scale),
                 max_threads=np.int64(max_threads), window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0), token_tile=np.int64(token_tile))
 
 
 def paged_attention_or_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array | int,
@@ -352,5 +358,26 @@ def write_kv_or_reference(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Arr
     return write_kv_reference(kv_pool, layer, k, v, blocks, offsets)
 
 
-__all__ = ["available", "unavailable_reason", "supports", "paged_attention_cpu",
+def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, max_threads: int = 0
+               ) -> jax.Array:
+    """a [M, K] @ b [K, N] (b [N, K] and b.T with `transpose_b`: a tied LM head is
+    read as it is stored) in float32, each row of the result independent of M and
+    of the other rows: every element is one fused multiply-add chain over k in
+    order (XLA's dot changes its blocking, and so its rounding, with M).  The
+    kernel of jpaged's batch_invariant mode; not differentiable by itself
+    (jpaged.runtime.batch_invariant gives it a VJP)."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1 if transpose_b else 0]:
+        raise ValueError(f"matmul_cpu: need a [M, K] and b [{'N, K' if transpose_b else 'K, N'}], "
+                         f"got {a.shape} and {b.shape}")
+    if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(b.dtype) != jnp.float32:
+        raise TypeError(f"matmul_cpu: a and b must be float32, got {a.dtype} and {b.dtype}")
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    n = b.shape[0 if transpose_b else 1]
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((a.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(a, b, max_threads=np.int64(max_threads), transpose_b=bool(transpose_b))
+
+
+__all__ = ["available", "unavailable_reason", "supports", "paged_attention_cpu", "matmul_cpu",
            "paged_attention_or_reference", "write_kv_cpu", "write_kv_or_reference"]

@@ -81,6 +81,12 @@ def default_config() -> ml_collections.ConfigDict:
     # Requests' logprobs: "raw" (log_softmax of the model's logits, what a trainer
     # computes) or "processed" (of what was sampled from: temperature, top-k/p applied)
     c.logprobs_mode = "raw"
+    # A request's logits (and so its logprobs) bit for bit the same whatever else
+    # is in its batch, however its prompt is chunked, after a preemption, and equal
+    # to decode.score's on the same tokens (jpaged.runtime.batch_invariant): every
+    # matmul, RMSNorm sum and attention runs on the C++ CPU kernels in a fixed
+    # order.  CPU only; costs speed (benchmarks/README.md, "Batch invariance").
+    c.batch_invariant = False
     # Attention: reference (jnp) | cpu (C++ kernel) | pallas_gpu | pallas_tpu | auto (by backend)
     c.attention_impl = "auto"
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
@@ -214,6 +220,7 @@ FIELDS: dict[str, FieldSpec] = {
     "async_scheduling": _BOOL,
     "preemption_mode": _choice(*PREEMPTION_MODES),
     "logprobs_mode": _choice(*LOGPROBS_MODES),
+    "batch_invariant": _BOOL,
     "swap_space_gb": _reals(0, math.inf, allowed="a finite number of GiB >= 0"),
     "max_tokens": _ints(1, INT32_MAX),
     "temperature": _reals(0, FLOAT32_MAX, allowed="a finite number >= 0 (0: greedy)"),
@@ -530,6 +537,17 @@ def _check_lora(cfg: Mapping[str, Any]) -> None:
                           f"at least {len(modules)}, or 0 (as many as lora_modules names)")
 
 
+def _check_batch_invariant(cfg: Mapping[str, Any]) -> None:
+    if not cfg["batch_invariant"]:
+        return
+    if cfg["attention_impl"] not in ("auto", "cpu"):
+        raise ConfigError("attention_impl", f"{cfg['attention_impl']!r} has no batch_invariant form",
+                          "'cpu' or 'auto' (on a CPU) with batch_invariant, which runs on the C++ CPU kernels")
+    if cfg["tensor_parallel_size"] != 1:
+        raise ConfigError("tensor_parallel_size", f"{cfg['tensor_parallel_size']} with batch_invariant",
+                          "1: the batch-invariant matmul is one C++ call per device (data_parallel_size may be > 1)")
+
+
 def lora_slots(cfg: Mapping[str, Any]) -> int:
     """Adapter slots the engine keeps on the device (0: adapters off)."""
     from jpaged.loading.peft import parse_lora_modules
@@ -537,4 +555,5 @@ def lora_slots(cfg: Mapping[str, Any]) -> int:
 
 
 _CROSS_CHECKS: tuple[Callable[[Mapping[str, Any]], None], ...] = (
-    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space, _check_speculative, _check_lora)
+    _check_batch_budget, _check_model, _check_cache_dir, _check_swap_space, _check_speculative, _check_lora,
+    _check_batch_invariant)

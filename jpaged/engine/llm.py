@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from jpaged.core.block_manager import BlockAllocator, BlockManager
-from jpaged.core.config import PREEMPTION_MODES, apply_overrides, default_config, lora_slots, validate_config
+from jpaged.core.config import (PREEMPTION_MODES, ConfigError, apply_overrides, default_config, lora_slots,
+                                validate_config)
 from jpaged.core.progress import ProgressCheck
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -83,12 +84,15 @@ class LLM:
         self.scan_layers = resolve_layer_loop(cfg.layer_loop)
         self.dtype = jnp.dtype(cfg.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
+        self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
+        if cfg.batch_invariant and self.attention_impl != "cpu":
+            raise ConfigError("batch_invariant", f"needs the C++ CPU attention kernel; attention_impl "
+                              f"{cfg.attention_impl!r} runs {self.attention_impl!r} here", "a CPU backend")
         model = load_model(cfg, self.mesh, self.scan_layers)
         self.loaded, self.model_config, self.tokenizer = model.loaded, model.model_config, model.tokenizer
         self.graphdef, self.params = model.graphdef, model.params
         self.kv_layout = kv_layout(self.model_config, cfg.kv_layout)
         self.num_blocks = size_pool(cfg, model, self.kv_dtype, tensor_parallel_size(self.mesh), self.kv_layout)
-        self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
         if self.attention_note:
             log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
         self.step_stats = StepStats(cfg.block_size)

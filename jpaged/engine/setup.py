@@ -119,7 +119,7 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     check_heads(loaded.config, tp)
     model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
     graphdef, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype),
-                                               scan_layers=scan_layers))
+                                               scan_layers=scan_layers, batch_invariant=cfg.batch_invariant))
     if mesh is not None:
         params = shard_params(params, model_config, mesh)
     weight_bytes = sum(a.nbytes for a in arrays.values()) // tp

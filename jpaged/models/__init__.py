@@ -61,6 +61,9 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return family(cfg.architecture).weight_shapes(cfg)
 
 
-def build_model(cfg: ModelConfig, arrays: dict[str, Any], dtype: Any, scan_layers: bool = False) -> Any:
-    """The family's flax module holding `arrays` (named as its weight_shapes) in dtype."""
-    return family(cfg.architecture).Model(cfg, arrays, dtype, scan_layers=scan_layers)
+def build_model(cfg: ModelConfig, arrays: dict[str, Any], dtype: Any, scan_layers: bool = False,
+                batch_invariant: bool = False) -> Any:
+    """The family's flax module holding `arrays` (named as its weight_shapes) in dtype
+    (`scan_layers`, `batch_invariant`: see jpaged.models.base.Decoder)."""
+    return family(cfg.architecture).Model(cfg, arrays, dtype, scan_layers=scan_layers,
+                                          batch_invariant=batch_invariant)

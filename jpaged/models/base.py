@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.core.kv_layout import kv_layout
 from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
+from jpaged.runtime import batch_invariant as batch_invariant_ops
 from jpaged.runtime.lora import LoraBatch, LoraLayer, one_hot_slots
 from jpaged.runtime.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
@@ -90,19 +91,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm in fp32; Gemma scales by (offset + weight) with offset 1."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0,
+             mean_square: Any = None) -> jax.Array:
+    """RMSNorm in fp32; Gemma scales by (offset + weight) with offset 1.
+    `mean_square`: how the mean of squares is taken (batch_invariant's, or jnp.mean)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True) if mean_square is None else mean_square(x32)
+    x32 = x32 * jax.lax.rsqrt(ms + eps)
     return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def linear(x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
-    """x @ w[name], plus each token's LoRA update when the step carries adapters
-    (w["lora"], a jpaged.runtime.lora.LoraLayer)."""
-    y = x @ w[name]
-    lora = w.get("lora")
-    return y if lora is None else y + lora.delta(x, name)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -182,20 +178,27 @@ class Decoder(nnx.Module):
     leading num_layers axis.  `scan_layers=False` keeps one set of arrays per
     layer and unrolls the loop at trace time; `True` keeps them stacked and runs
     a `lax.scan` (one layer traced), which needs every layer to attend alike.
+    `batch_invariant=True` takes every matmul, RMSNorm sum and attention from
+    jpaged.runtime.batch_invariant, so that a token's logits do not depend on
+    the rest of its batch; families write their projections and norms with
+    `linear` and `norm`, which follow it.
     """
 
     norm_offset = 0.0  # RMSNorm scales by (norm_offset + weight)
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, batch_invariant: bool = False):
         expected = weight_shapes(cfg)
         check_weights(arrays, expected)
         windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
         if scan_layers and len(windows) > 1:
             raise ValueError(f"layer_loop='scan' needs every layer to attend alike; {cfg.architecture} "
                              "mixes sliding-window and global layers: use layer_loop='unroll'")
+        if batch_invariant:
+            batch_invariant_ops.check_available()
         self.cfg = cfg
         self.scan_layers = scan_layers
+        self.batch_invariant = batch_invariant
         as_param = lambda name: nnx.Param(jnp.asarray(arrays[name], dtype=dtype))  # noqa: E731
         self.embed = as_param("embed")
         self.final_norm = as_param("final_norm")
@@ -220,10 +223,29 @@ class Decoder(nnx.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.embed[...][tokens]
 
+    def matmul(self, x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
+        """x @ w (w.T with `transpose_w`), batch-invariant in that mode."""
+        if self.batch_invariant:
+            return batch_invariant_ops.matmul(x, w, transpose_w=transpose_w)
+        return x @ (w.T if transpose_w else w)
+
+    def linear(self, x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
+        """x @ w[name], plus each token's LoRA update when the step carries adapters
+        (w["lora"], a jpaged.runtime.lora.LoraLayer)."""
+        y = self.matmul(x, w[name])
+        lora = w.get("lora")
+        return y if lora is None else y + lora.delta(x, name, self.matmul)
+
+    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        """The family's RMSNorm of x over its last axis."""
+        mean_square = batch_invariant_ops.mean_square if self.batch_invariant else None
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, self.norm_offset, mean_square)
+
     def final_norm_logits(self, h: jax.Array) -> jax.Array:
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, self.norm_offset)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return (h @ head).astype(jnp.float32)
+        h = self.norm(h, self.final_norm[...])
+        if self.lm_head is None:  # tied: the embedding [vocab, d], read transposed
+            return self.matmul(h, self.embed[...], transpose_w=True).astype(jnp.float32)
+        return self.matmul(h, self.lm_head[...]).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
                  *, attention_impl: str | Backend = "reference", logits: str = "last",
@@ -239,6 +261,8 @@ class Decoder(nnx.Module):
         """
         cfg = self.cfg
         backend = attention_impl if isinstance(attention_impl, Backend) else get_backend(attention_impl)
+        if self.batch_invariant:
+            backend = batch_invariant_ops.attention_backend(backend)
         h = self.embed_tokens(tokens)
         rope = rope_angles(meta.positions, self.inv_freq[...])
         local_rope = rope if self.inv_freq_local is None else rope_angles(meta.positions,

@@ -26,7 +26,7 @@ import numpy as np
 from jpaged.loading.gguf import gguf_base_config
 from jpaged.core.model_config import FULL, SLIDING, ModelConfig, hf_rope
 from jpaged.models import llama
-from jpaged.models.base import Decoder, StepMetadata, apply_rope, linear, paged_attention, rms_norm
+from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention
 from pallas_kernels import Backend
 
 HF_LAYER_NAMES = {
@@ -140,9 +140,9 @@ class Gemma(Decoder):
               meta: StepMetadata, rope: tuple[jax.Array, jax.Array], backend: Backend
               ) -> tuple[jax.Array, jax.Array]:
         cfg, T = self.cfg, h.shape[0]
-        norm = lambda x, name: rms_norm(x, w[name], cfg.rms_norm_eps, offset=1.0)  # noqa: E731
+        norm = lambda x, name: self.norm(x, w[name])  # noqa: E731
         x = norm(h, "attn_norm")
-        q, k, v = linear(x, w, "wq"), linear(x, w, "wk"), linear(x, w, "wv")
+        q, k, v = self.linear(x, w, "wq"), self.linear(x, w, "wk"), self.linear(x, w, "wv")
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -152,9 +152,10 @@ class Gemma(Decoder):
             q, k = norm(q, "q_norm"), norm(k, "k_norm")
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         attn, kv_pool = paged_attention(cfg, q, k, v, layer, self.window(layer), kv_pool, meta, backend)
-        h = h + norm(linear(attn.astype(h.dtype), w, "wo"), "post_attn_norm")
+        h = h + norm(self.linear(attn.astype(h.dtype), w, "wo"), "post_attn_norm")
         x = norm(h, "mlp_norm")
-        mlp = linear(jax.nn.gelu(linear(x, w, "w_gate"), approximate=True) * linear(x, w, "w_up"), w, "w_down")
+        gate = jax.nn.gelu(self.linear(x, w, "w_gate"), approximate=True)
+        mlp = self.linear(gate * self.linear(x, w, "w_up"), w, "w_down")
         return h + norm(mlp, "post_mlp_norm"), kv_pool
 
 

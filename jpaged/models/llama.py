@@ -14,7 +14,7 @@ import numpy as np
 
 from jpaged.loading.gguf import gguf_base_config, unpermute_qk
 from jpaged.core.model_config import ModelConfig, hf_rope
-from jpaged.models.base import Decoder, StepMetadata, apply_rope, linear, paged_attention, rms_norm
+from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention
 from pallas_kernels import Backend
 
 # Hugging Face name (after "model.layers.N.") -> (our name, transpose?)
@@ -133,7 +133,7 @@ class Llama(Decoder):
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Projects x [T, d] to q [T, heads, hd] and k, v [T, kv_heads, hd], RoPE applied."""
         cfg, T = self.cfg, x.shape[0]
-        q, k, v = linear(x, w, "wq"), linear(x, w, "wk"), linear(x, w, "wv")
+        q, k, v = self.linear(x, w, "wq"), self.linear(x, w, "wk"), self.linear(x, w, "wv")
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -147,12 +147,11 @@ class Llama(Decoder):
     def layer(self, h: jax.Array, w: dict[str, jax.Array], layer: jax.Array | int, kv_pool: jax.Array,
               meta: StepMetadata, rope: tuple[jax.Array, jax.Array], backend: Backend
               ) -> tuple[jax.Array, jax.Array]:
-        eps = self.cfg.rms_norm_eps
-        q, k, v = self.qkv(rms_norm(h, w["attn_norm"], eps), w, rope)
+        q, k, v = self.qkv(self.norm(h, w["attn_norm"]), w, rope)
         attn, kv_pool = paged_attention(self.cfg, q, k, v, layer, self.window(layer), kv_pool, meta, backend)
-        h = h + linear(attn.astype(h.dtype), w, "wo")
-        x = rms_norm(h, w["mlp_norm"], eps)
-        h = h + linear(jax.nn.silu(linear(x, w, "w_gate")) * linear(x, w, "w_up"), w, "w_down")
+        h = h + self.linear(attn.astype(h.dtype), w, "wo")
+        x = self.norm(h, w["mlp_norm"])
+        h = h + self.linear(jax.nn.silu(self.linear(x, w, "w_gate")) * self.linear(x, w, "w_up"), w, "w_down")
         return h, kv_pool
 
 

@@ -11,7 +11,6 @@ import numpy as np
 
 from jpaged.core.model_config import ModelConfig
 from jpaged.models import llama
-from jpaged.models.base import rms_norm
 
 HF_LAYER_NAMES = {**llama.HF_LAYER_NAMES,
                   "self_attn.q_norm.weight": ("layers.q_norm", False),
@@ -47,8 +46,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 class Qwen3(llama.Llama):
     def norm_heads(self, q: jax.Array, k: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        eps = self.cfg.rms_norm_eps
-        return rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+        return self.norm(q, w["q_norm"]), self.norm(k, w["k_norm"])
 
 
 Model = Qwen3

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +82,16 @@ class LoraLayer:
     b: dict[str, jax.Array]
     onehot: jax.Array
 
-    def delta(self, x: jax.Array, name: str) -> jax.Array:
-        """x [T, in] -> [T, out]: each token's own slot's x @ A @ B."""
-        xa = jnp.einsum("ti,nir->tnr", x, self.a[name]) * self.onehot[:, :, None]
-        return jnp.einsum("tnr,nro->to", xa, self.b[name]).astype(x.dtype)
+    def delta(self, x: jax.Array, name: str, matmul: Callable[[jax.Array, jax.Array], jax.Array] = jnp.matmul
+              ) -> jax.Array:
+        """x [T, in] -> [T, out]: each token's own slot's x @ A @ B, as two
+        matmuls over all N slots' ranks, [in, N * R] and [N * R, out] (`matmul`:
+        the model's, batch-invariant in that mode)."""
+        a, b = self.a[name], self.b[name]                     # [N, in, R], [N, R, out]
+        N, d_in, R = a.shape
+        xa = matmul(x, a.transpose(1, 0, 2).reshape(d_in, N * R)).reshape(-1, N, R)
+        xa = (xa * self.onehot[:, :, None]).reshape(-1, N * R)
+        return matmul(xa, b.reshape(N * R, -1)).astype(x.dtype)
 
 
 def token_slots(lora_slots: jax.Array, cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,9 @@ def _first_reaching(cdf: jax.Array, positive: jax.Array, target: jax.Array) -> j
     return jnp.where(hit.any(axis=-1), jnp.argmax(hit, axis=-1), last).astype(jnp.int32)
 
 
+RowSum = Callable[[jax.Array], jax.Array]  # x [..., n] -> its sum over n [..., 1]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
@@ -172,9 +176,28 @@ class TokenLogprobs:
     top_values: jax.Array  # [R, k]
 
 
-def token_logprobs(logits: jax.Array, token_ids: jax.Array, k: int) -> TokenLogprobs:
-    """log_softmax of logits[R, vocab] at token_ids[R], and its k best entries."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, k: int, row_sum: RowSum | None = None
+                   ) -> TokenLogprobs:
+    """log_softmax of logits[R, vocab] at token_ids[R], and its k best entries.
+    `row_sum`: how the exponentials are summed (batch_invariant's, or jnp.sum)."""
+    shifted, lse = _shifted_logsumexp(logits, row_sum)
+    logprobs = shifted - lse
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logprobs, k)
     return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_values)
+
+
+def chosen_logprobs(logits: jax.Array, token_ids: jax.Array, row_sum: RowSum | None = None) -> jax.Array:
+    """log_softmax(logits[..., vocab])[..., token_ids] without the [..., vocab]
+    result, bit for bit token_logprobs' chosen values (decode.score's logprobs)."""
+    shifted, lse = _shifted_logsumexp(logits, row_sum)
+    chosen = jnp.take_along_axis(shifted, token_ids[..., None].astype(jnp.int32), axis=-1)
+    return (chosen - lse)[..., 0]
+
+
+def _shifted_logsumexp(logits: jax.Array, row_sum: RowSum | None) -> tuple[jax.Array, jax.Array]:
+    """(logits - max, log sum exp of that) over the last axis in fp32: jax.nn.log_softmax's steps."""
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    exp = jnp.exp(shifted)
+    return shifted, jnp.log(jnp.sum(exp, axis=-1, keepdims=True) if row_sum is None else row_sum(exp))

@@ -1,5 +1,5 @@
-// Ragged paged attention and the in-place K/V write for XLA:CPU, as XLA FFI
-// custom calls.  Semantics: see pallas_kernels.paged_attention (attributes
+// Ragged paged attention, the in-place K/V write and the batch-invariant
+// matmul for XLA:CPU, as XLA FFI custom calls.  Semantics: see pallas_kernels.paged_attention (attributes
 // window and soft_cap: 0 = none, else the sliding window and the logit cap).
 //
 // Attention.  One kernel for decode tokens and prefill chunks alike.  A work
@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -852,7 +853,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Result<ffi::AnyBuffer> out,
                               float sm_scale, int64_t max_threads, int64_t window,
-                              float soft_cap) {
+                              float soft_cap, int64_t token_tile) {
   auto qd = q.dimensions();
   auto pd = kv_pool.dimensions();
   auto bd = block_tables.dimensions();
@@ -911,7 +912,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   p.bt = block_tables.typed_data();
   p.kv_lens = kv_lens.typed_data();
   p.out = out->untyped_data();
-  p.tile_tokens = std::max<int64_t>(1, kTileRows / p.G);
+  // token_tile 1 (jpaged's batch_invariant mode) makes every item one token: a
+  // query's arithmetic is then the same whatever tokens share its step.
+  p.tile_tokens = token_tile > 0 ? token_tile : std::max<int64_t>(1, kTileRows / p.G);
   p.max_rows_p = round_up(p.tile_tokens * p.G, kLanes);
 
   if (p.T == 0 || p.H == 0 || p.D == 0) return ffi::Error::Success();
@@ -984,6 +987,164 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   // worker increments `active` before it claims an item, so once the caller
   // has seen the queue exhausted, active == 0 means all items are done.
   while (sh->active.load() != 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Batch-invariant matmul (jpaged's batch_invariant mode): C[M, N] = A[M, K] .
+// B[K, N] in fp32, every element accumulated as acc = 0, acc = fma(A[i][k],
+// B[k][j], acc) for k = 0 .. K - 1 in order (explicit FMAs; the N % 8 last
+// columns: dot_fixed, whose order depends on K alone).  A
+// row's result therefore depends on that row alone, not on M, on the rows
+// beside it or on the tiling -- XLA's own dot changes its blocking with M, so
+// a token's logits change with the batch around it.  Work items are (row
+// block, column panel), each computed by one thread.
+
+constexpr int64_t kMmRows = 144, kMmCols = 64;
+
+// Runs item(i) for i < n on the calling thread and up to threads - 1 of XLA's
+// pool threads; returns once every item is done.
+void run_items(ffi::ThreadPool& pool, int64_t n, int64_t threads,
+               std::function<void(int64_t)> item) {
+  struct Queue {
+    std::function<void(int64_t)> item;
+    int64_t n;
+    std::atomic<int64_t> next{0}, active{0};
+    void drain() {
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) item(i);
+    }
+  };
+  auto q = std::make_shared<Queue>();
+  q->item = std::move(item);
+  q->n = n;
+  for (int64_t t = 1; t < std::min(threads, n); ++t) {
+    pool.Schedule([q]() {
+      q->active.fetch_add(1);
+      q->drain();
+      q->active.fetch_sub(1);
+    });
+  }
+  q->drain();
+  while (q->active.load() != 0) std::this_thread::yield();  // as in PagedAttentionImpl
+}
+
+inline vf vfma(vf a, vf b, vf c) {  // a * b + c, rounded once
+#if defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// C rows crow[i] (i < rows <= 6), NV * 8 columns, of A rows arow[i] . B[K x NV*8]
+// (row stride ldb).  Always 6 rows (missing ones repeat a real one, unstored)
+// and explicit FMAs, so a row's arithmetic never depends on its tile.
+template <int NV>
+void mm_tile(const float* const* arow, const float* b, int64_t ldb, float* const* crow, int rows,
+             int64_t K) {
+  constexpr int MR = 6;
+  vf acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = vbcast(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    vf bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = vload(b + k * ldb + j * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const vf ai = vbcast(arow[i][k]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = vfma(ai, bv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < NV; ++j) vstore(crow[i] + j * kLanes, acc[i][j]);
+}
+
+// x . y over n in an order fixed by n alone: four 8-lane FMA chains over
+// k = 32 t + l, combined (0 + 1) + (2 + 3) and summed across lanes, then the
+// tail k >= n / 32 * 32 chained onto that.
+inline float dot_fixed(const float* x, const float* y, int64_t n) {
+  vf acc[4] = {vbcast(0.0f), vbcast(0.0f), vbcast(0.0f), vbcast(0.0f)};
+  int64_t k = 0;
+  for (; k + 4 * kLanes <= n; k += 4 * kLanes)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = vfma(vload(x + k + u * kLanes), vload(y + k + u * kLanes), acc[u]);
+  float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  for (; k < n; ++k) sum = std::fma(x[k], y[k], sum);
+  return sum;
+}
+
+// Rows [0, rows) and columns [col0, col0 + cols) of C = A . B (A: rows x K; B: K x N,
+// or with bt the transpose of b [N x K], read as packed).
+void matmul_block(const float* a, const float* b, bool bt, float* c, int64_t K, int64_t N,
+                  int64_t rows, int64_t col0, int64_t cols) {
+  const int64_t vec_cols = cols / kLanes * kLanes, vec_end = col0 + vec_cols;
+  // The panel's columns, packed [K x vec_cols]: B's rows are N floats apart, and
+  // with a wide B (the LM head) every k would touch another page.
+  thread_local std::vector<float> packed;
+  packed.resize(K * vec_cols);
+  if (bt) {
+    for (int64_t j = 0; j < vec_cols; ++j)
+      for (int64_t k = 0; k < K; ++k) packed[k * vec_cols + j] = b[(col0 + j) * K + k];
+  } else {
+    for (int64_t k = 0; k < K; ++k)
+      std::memcpy(packed.data() + k * vec_cols, b + k * N + col0, vec_cols * sizeof(float));
+  }
+  for (int64_t j = col0; j < vec_end; j += 2 * kLanes) {
+    for (int64_t i0 = 0; i0 < rows; i0 += 6) {
+      const int n = static_cast<int>(std::min<int64_t>(6, rows - i0));
+      const float* arow[6];
+      float* crow[6];
+      for (int i = 0; i < 6; ++i) {
+        arow[i] = a + (i0 + std::min(i, n - 1)) * K;
+        crow[i] = c + (i0 + i) * N + j;
+      }
+      const float* panel = packed.data() + (j - col0);
+      if (j + 2 * kLanes <= vec_end)
+        mm_tile<2>(arow, panel, vec_cols, crow, n, K);
+      else
+        mm_tile<1>(arow, panel, vec_cols, crow, n, K);
+    }
+  }
+  // Columns past the last multiple of 8 (a row sum against ones among them):
+  // the column packed, then a dot product per row (dot_fixed).
+  thread_local std::vector<float> column;
+  column.resize(K);
+  for (int64_t j = vec_end; j < col0 + cols; ++j) {
+    for (int64_t k = 0; k < K; ++k) column[k] = bt ? b[j * K + k] : b[k * N + j];
+    for (int64_t i = 0; i < rows; ++i) c[i * N + j] = dot_fixed(a + i * K, column.data(), K);
+  }
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
+                      ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c,
+                      int64_t max_threads, bool transpose_b) {
+  auto ad = a.dimensions();
+  auto bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[transpose_b ? 1 : 0])
+    return ffi::Error::InvalidArgument("matmul_cpu: need a [M, K] and b [K, N] ([N, K] transposed)");
+  const int64_t M = ad[0], K = ad[1], N = bd[transpose_b ? 0 : 1];
+  auto cd = c->dimensions();
+  if (cd.size() != 2 || cd[0] != M || cd[1] != N)
+    return ffi::Error::InvalidArgument("matmul_cpu: the result must be [M, N]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const float* ap = a.typed_data();
+  const float* bp = b.typed_data();
+  float* cp = c->typed_data();
+  if (K == 0) {
+    std::fill(cp, cp + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t row_blocks = (M + kMmRows - 1) / kMmRows, panels = (N + kMmCols - 1) / kMmCols;
+  int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
+  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  // Row-block-major: consecutive items share their block of A.
+  run_items(pool_threads, row_blocks * panels, threads, [=](int64_t item) {
+    const int64_t i0 = item / panels * kMmRows, j0 = item % panels * kMmCols;
+    matmul_block(ap + i0 * K, bp, transpose_b, cp + i0 * N, K, N, std::min(kMmRows, M - i0), j0,
+                 std::min(kMmCols, N - j0));
+  });
   return ffi::Error::Success();
 }
 
@@ -1074,7 +1235,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionCpu, PagedAttentionImpl,
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("max_threads")
                                   .Attr<int64_t>("window")       // 0: no sliding window
-                                  .Attr<float>("soft_cap"));     // 0: no soft cap
+                                  .Attr<float>("soft_cap")       // 0: no soft cap
+                                  .Attr<int64_t>("token_tile")); // tokens per item; 0: 48 / G
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
                               ffi::Ffi::Bind()
@@ -1085,3 +1247,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // blocks [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // offsets [T]
                                   .Ret<ffi::AnyBuffer>());       // kv_pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulCpu, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b [K, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // c [M, N]
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<bool>("transpose_b"));   // b is [N, K]
