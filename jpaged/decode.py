@@ -240,7 +240,9 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
 
     With the graphdef of an engine in `batch_invariant` mode (jpaged.runtime.batch_invariant)
     the pass runs the engine's own kernels, and its logprobs equal the engine's bit
-    for bit (for a KV cache of the model's dtype), whatever the other rows.
+    for bit (for a KV cache of the model's dtype), whatever the other rows, when
+    score runs under jit as the engine's step does (run op by op, eagerly, XLA
+    fuses no multiply-add, and some elementwise results round differently).
     """
     if (lora is None) != (lora_slots is None):
         raise ValueError("score: pass lora and lora_slots together")

@@ -358,14 +358,16 @@ def write_kv_or_reference(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Arr
     return write_kv_reference(kv_pool, layer, k, v, blocks, offsets)
 
 
-def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, max_threads: int = 0
-               ) -> jax.Array:
+def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, soft_cap: float | None = None,
+               max_threads: int = 0) -> jax.Array:
     """a [M, K] @ b [K, N] (b [N, K] and b.T with `transpose_b`: a tied LM head is
     read as it is stored) in float32, each row of the result independent of M and
     of the other rows: every element is one fused multiply-add chain over k in
     order (XLA's dot changes its blocking, and so its rounding, with M).  The
     kernel of jpaged's batch_invariant mode; not differentiable by itself
-    (jpaged.runtime.batch_invariant gives it a VJP)."""
+    (jpaged.runtime.batch_invariant gives it a VJP).  `soft_cap`: each element
+    becomes soft_cap * tanh(element / soft_cap) (std::tanh), computed here so that
+    XLA cannot contract it into the ops that read it."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1 if transpose_b else 0]:
         raise ValueError(f"matmul_cpu: need a [M, K] and b [{'N, K' if transpose_b else 'K, N'}], "
                          f"got {a.shape} and {b.shape}")
@@ -376,7 +378,9 @@ def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, max_thr
     n = b.shape[0 if transpose_b else 1]
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((a.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(a, b, max_threads=np.int64(max_threads), transpose_b=bool(transpose_b))
+    _, soft_cap = attention_options(None, soft_cap)
+    return call(a, b, max_threads=np.int64(max_threads), transpose_b=bool(transpose_b),
+                soft_cap=np.float32(soft_cap or 0.0))
 
 
 __all__ = ["available", "unavailable_reason", "supports", "paged_attention_cpu", "matmul_cpu",

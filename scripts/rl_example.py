@@ -19,7 +19,8 @@ Each round:
 
 Sampling is at temperature 1 with no top-k/top-p, so the engine's raw logprobs are
 those of the policy that sampled; the `lp_err` column checks them against the
-trainer's (decode.score of the same params).
+trainer's (decode.score of the same params): ~1e-5 by default, 0 with
+--batch_invariant.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seeds the task's prompts and the sample
 _SLEEP = flags.DEFINE_enum("sleep_level", "0", ["0", "1", "2"], "Put the engine to sleep (LLM.sleep) after each "
                            "rollout, update_params while asleep, wake_up before the next: 2 drops its weights "
                            "(the trainer holds them) and its KV pool, 1 keeps a host copy; 0: never sleep.")
+_BATCH_INVARIANT = flags.DEFINE_bool("batch_invariant", False, "Run the engine (and so decode.score, which "
+                                     "takes its graphdef) in batch_invariant mode: the rollout's logprobs "
+                                     "then equal the trainer's bit for bit (lp_err 0).")
 _OUT = flags.DEFINE_string("out", None, "Write <out>.csv (one row per round) and <out>.png (the curve).")
 
 TINY_TARGET = 5  # tiny mode's reward: the fraction of generated tokens equal to this id
@@ -175,15 +179,15 @@ def advantages(rewards: np.ndarray) -> np.ndarray:
     return ((rewards - mean) / (std + 1e-4)).reshape(-1)
 
 
-def make_engine(tiny: bool, model: str, num_seqs: int) -> LLM:
+def make_engine(tiny: bool, model: str, num_seqs: int, batch_invariant: bool = False) -> LLM:
     """An engine that runs all of a round's samples at once."""
     if tiny:
         with tempfile.TemporaryDirectory(prefix="rl-tiny-") as tmp:  # read once, at load
             return LLM(model=write_tiny_config(pathlib.Path(tmp)), load_format="dummy", max_model_len=128,
                        num_blocks=num_seqs * 8 + 1, max_num_seqs=num_seqs, max_num_batched_tokens=max(128, num_seqs),
-                       attention_impl="reference")
+                       attention_impl="cpu" if batch_invariant else "reference", batch_invariant=batch_invariant)
     return LLM(model=model, max_model_len=256, num_blocks=num_seqs * 16 + 1, max_num_seqs=num_seqs,
-               max_num_batched_tokens=max(256, num_seqs))
+               max_num_batched_tokens=max(256, num_seqs), batch_invariant=batch_invariant)
 
 
 # ------------------------------------------------------------------- main
@@ -191,7 +195,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
     P, S, tiny = _PROMPTS.value, _SAMPLES.value, _TINY.value
-    llm = make_engine(tiny, _MODEL.value, P * S)
+    llm = make_engine(tiny, _MODEL.value, P * S, _BATCH_INVARIANT.value)
     make_prompts, reward = (tiny_prompts, tiny_reward) if tiny else (arithmetic_prompts, arithmetic_reward)
     lr = _LR.value or (3e-3 if tiny else 1e-5)
     ref_params = llm.params  # the reference policy: the initial weights, never updated

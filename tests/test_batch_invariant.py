@@ -128,3 +128,41 @@ def test_matmul_rows_do_not_depend_on_the_batch(shape, transpose):
 def test_config_refuses_what_has_no_invariant_form(make_tiny_llm, fields, name):
     with pytest.raises(ConfigError, match=name):
         make_tiny_llm(batch_invariant=True, **fields)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])  # q/k norms; sliding window, soft caps, (1 + w) norms
+def test_other_families(kind, request):
+    from jpaged.engine.llm import LLM
+    from helpers import TINY_ENGINE
+    model_dir = request.getfixturevalue(f"tiny_{kind}")[0]
+    llm = LLM(model=str(model_dir), **{**TINY_ENGINE, "attention_impl": "cpu", "batch_invariant": True,
+                                       "max_num_batched_tokens": 32})
+    alone = llm.generate([TARGET], TARGET_PARAMS)[0]
+    prompts, params = others(7, seed=3)
+    mixed = llm.generate(prompts + [TARGET], params + [TARGET_PARAMS])[-1]
+    assert mixed.token_ids == alone.token_ids
+    np.testing.assert_array_equal(logprobs_of(mixed), logprobs_of(alone))
+    ids = TARGET + alone.token_ids
+    scored = np.asarray(_score(llm.graphdef, llm.params, jnp.array([ids]), jnp.array([len(ids)])))[0]
+    np.testing.assert_array_equal(scored[len(TARGET) - 1:], logprobs_of(alone))
+
+
+def test_lora_rows(tiny_llama, make_tiny_llm, tmp_path):
+    """An adapter's request alone and among base-model rows, and decode.score under
+    the same slot: the same bits."""
+    from helpers import make_peft_adapter
+    make_peft_adapter(tiny_llama[1], tmp_path / "a", seed=0, r=8,
+                      target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    llm = make_tiny_llm(attention_impl="cpu", batch_invariant=True, lora_modules=f"a={tmp_path / 'a'}",
+                        max_num_batched_tokens=32)
+    target = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1, lora="a")
+    alone = llm.generate([TARGET], target)[0]
+    prompts, params = others(6, seed=4)
+    mixed = llm.generate(prompts + [TARGET], params + [target])[-1]
+    assert mixed.token_ids == alone.token_ids
+    np.testing.assert_array_equal(logprobs_of(mixed), logprobs_of(alone))
+    weights, slots = llm.lora_weights()
+    ids = TARGET + alone.token_ids
+    scored = np.asarray(jax.jit(decode.score, static_argnums=0)(llm.graphdef, llm.params, jnp.array([ids]), jnp.array([len(ids)]),
+                                     lora=weights, lora_slots=jnp.array([slots["a"]], jnp.int32)))[0]
+    np.testing.assert_array_equal(scored[len(TARGET) - 1:], logprobs_of(alone))

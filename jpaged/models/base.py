@@ -242,10 +242,14 @@ class Decoder(nnx.Module):
         return rms_norm(x, weight, self.cfg.rms_norm_eps, self.norm_offset, mean_square)
 
     def final_norm_logits(self, h: jax.Array) -> jax.Array:
+        """fp32 logits of h, soft-capped where the family caps them."""
         h = self.norm(h, self.final_norm[...])
-        if self.lm_head is None:  # tied: the embedding [vocab, d], read transposed
-            return self.matmul(h, self.embed[...], transpose_w=True).astype(jnp.float32)
-        return self.matmul(h, self.lm_head[...]).astype(jnp.float32)
+        tied = self.lm_head is None  # the embedding [vocab, d], read transposed
+        head = self.embed[...] if tied else self.lm_head[...]
+        cap = self.cfg.final_logit_softcap
+        if self.batch_invariant:  # the kernel caps: XLA would fuse the cap into the logprobs' ops differently
+            return batch_invariant_ops.matmul(h, head, transpose_w=tied, soft_cap=cap).astype(jnp.float32)
+        return soft_cap((h @ (head.T if tied else head)).astype(jnp.float32), cap)
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
                  *, attention_impl: str | Backend = "reference", logits: str = "last",
@@ -290,7 +294,7 @@ class Decoder(nnx.Module):
                 h, kv_pool = self.layer(h, w, layer, kv_pool, meta, layer_rope, backend)
         if logits == "last":
             h = h[meta.logits_indices]
-        return soft_cap(self.final_norm_logits(h), cfg.final_logit_softcap), kv_pool
+        return self.final_norm_logits(h), kv_pool
 
     def window(self, layer: jax.Array | int) -> int | None:
         """The static sliding window of `layer` (the same for all layers under scan)."""

@@ -39,17 +39,20 @@ def check_available() -> None:
                            f"{cpu.unavailable_reason()}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
-    return cpu.matmul_cpu(x, w, transpose_b=transpose_w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool, soft_cap: float | None) -> jax.Array:
+    return cpu.matmul_cpu(x, w, transpose_b=transpose_w, soft_cap=soft_cap)
 
 
-def _matmul_fwd(x, w, transpose_w):
-    return _matmul_2d(x, w, transpose_w), (x, w)
+def _matmul_fwd(x, w, transpose_w, soft_cap):
+    y = _matmul_2d(x, w, transpose_w, soft_cap)
+    return y, (x, w, y)
 
 
-def _matmul_bwd(transpose_w, res, g):
-    x, w = res
+def _matmul_bwd(transpose_w, soft_cap, res, g):
+    x, w, y = res
+    if soft_cap is not None:  # d/dz cap * tanh(z / cap) = 1 - tanh^2
+        g = g * (1 - jnp.square(y / soft_cap))
     w_kn = w.T if transpose_w else w
     dw = x.T @ g
     return g @ w_kn.T, dw.T if transpose_w else dw
@@ -58,11 +61,12 @@ def _matmul_bwd(transpose_w, res, g):
 _matmul_2d.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, soft_cap: float | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] (w [N, K] used as w.T with `transpose_w`), each row's
-    result independent of the other rows; computed in float32, returned in x's dtype."""
+    result independent of the other rows; computed in float32, returned in x's dtype.
+    `soft_cap`: soft_cap * tanh(result / soft_cap), applied by the kernel."""
     n = w.shape[0 if transpose_w else 1]
-    y = _matmul_2d(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w.astype(jnp.float32), transpose_w)
+    y = _matmul_2d(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w.astype(jnp.float32), transpose_w, soft_cap)
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 

@@ -993,12 +993,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
 // ---------------------------------------------------------------------------
 // Batch-invariant matmul (jpaged's batch_invariant mode): C[M, N] = A[M, K] .
 // B[K, N] in fp32, every element accumulated as acc = 0, acc = fma(A[i][k],
-// B[k][j], acc) for k = 0 .. K - 1 in order (explicit FMAs; the N % 8 last
-// columns: dot_fixed, whose order depends on K alone).  A
-// row's result therefore depends on that row alone, not on M, on the rows
-// beside it or on the tiling -- XLA's own dot changes its blocking with M, so
-// a token's logits change with the batch around it.  Work items are (row
-// block, column panel), each computed by one thread.
+// B[k][j], acc) for k = 0 .. K - 1 in order (explicit FMAs), except the N % 8
+// last columns and a transposed B (B given as [N x K]), whose elements are
+// dot_fixed's: an order fixed by K alone too.  A row's result therefore
+// depends on that row alone, not on M, on the rows beside it or on the tiling
+// -- XLA's own dot changes its blocking with M, so a token's logits change
+// with the batch around it.  Work items are (row block, column panel), each
+// computed by one thread.
 
 constexpr int64_t kMmRows = 144, kMmCols = 64;
 
@@ -1060,36 +1061,70 @@ void mm_tile(const float* const* arow, const float* b, int64_t ldb, float* const
     for (int j = 0; j < NV; ++j) vstore(crow[i] + j * kLanes, acc[i][j]);
 }
 
-// x . y over n in an order fixed by n alone: four 8-lane FMA chains over
-// k = 32 t + l, combined (0 + 1) + (2 + 3) and summed across lanes, then the
-// tail k >= n / 32 * 32 chained onto that.
+// x . y over n in an order fixed by n alone: one 8-lane FMA chain over k < n / 8 * 8
+// (lane l takes k = l mod 8), summed across lanes (hsum), then the tail chained on.
+// dot_tile computes the same for 4 x 3 pairs at once (12 independent chains).
 inline float dot_fixed(const float* x, const float* y, int64_t n) {
-  vf acc[4] = {vbcast(0.0f), vbcast(0.0f), vbcast(0.0f), vbcast(0.0f)};
+  vf acc = vbcast(0.0f);
   int64_t k = 0;
-  for (; k + 4 * kLanes <= n; k += 4 * kLanes)
-    for (int u = 0; u < 4; ++u)
-      acc[u] = vfma(vload(x + k + u * kLanes), vload(y + k + u * kLanes), acc[u]);
-  float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  for (; k + kLanes <= n; k += kLanes) acc = vfma(vload(x + k), vload(y + k), acc);
+  float sum = hsum(acc);
   for (; k < n; ++k) sum = std::fma(x[k], y[k], sum);
   return sum;
 }
 
-// Rows [0, rows) and columns [col0, col0 + cols) of C = A . B (A: rows x K; B: K x N,
-// or with bt the transpose of b [N x K], read as packed).
-void matmul_block(const float* a, const float* b, bool bt, float* c, int64_t K, int64_t N,
-                  int64_t rows, int64_t col0, int64_t cols) {
+// c[i][j] = dot_fixed(x[i], y[j], n) for i < rows <= 4, j < cols <= 3 (missing
+// rows / columns repeat a real one and are not stored); c[i][j] at out[i * ldo + j].
+void dot_tile(const float* const* x, const float* const* y, int64_t n, float* out, int64_t ldo,
+              int rows, int cols) {
+  vf acc[4][3];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 3; ++j) acc[i][j] = vbcast(0.0f);
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    vf yv[3];
+    for (int j = 0; j < 3; ++j) yv[j] = vload(y[j] + k);
+    for (int i = 0; i < 4; ++i) {
+      const vf xv = vload(x[i] + k);
+      for (int j = 0; j < 3; ++j) acc[i][j] = vfma(xv, yv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < cols; ++j) {
+      float sum = hsum(acc[i][j]);
+      for (int64_t t = k; t < n; ++t) sum = std::fma(x[i][t], y[j][t], sum);
+      out[i * ldo + j] = sum;
+    }
+  }
+}
+
+// Rows [0, rows) and columns [col0, col0 + cols) of C = A . B^T, B [N x K] (a tied
+// LM head as stored): each element a dot_fixed of two contiguous rows.
+void matmul_block_bt(const float* a, const float* b, float* c, int64_t K, int64_t N, int64_t rows,
+                     int64_t col0, int64_t cols) {
+  for (int64_t j0 = col0; j0 < col0 + cols; j0 += 3) {
+    const int nc = static_cast<int>(std::min<int64_t>(3, col0 + cols - j0));
+    const float* y[3];
+    for (int j = 0; j < 3; ++j) y[j] = b + (j0 + std::min(j, nc - 1)) * K;
+    for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+      const int nr = static_cast<int>(std::min<int64_t>(4, rows - i0));
+      const float* x[4];
+      for (int i = 0; i < 4; ++i) x[i] = a + (i0 + std::min(i, nr - 1)) * K;
+      dot_tile(x, y, K, c + i0 * N + j0, N, nr, nc);
+    }
+  }
+}
+
+// Rows [0, rows) and columns [col0, col0 + cols) of C = A . B (A: rows x K, B: K x N).
+void matmul_block(const float* a, const float* b, float* c, int64_t K, int64_t N, int64_t rows,
+                  int64_t col0, int64_t cols) {
   const int64_t vec_cols = cols / kLanes * kLanes, vec_end = col0 + vec_cols;
   // The panel's columns, packed [K x vec_cols]: B's rows are N floats apart, and
   // with a wide B (the LM head) every k would touch another page.
   thread_local std::vector<float> packed;
   packed.resize(K * vec_cols);
-  if (bt) {
-    for (int64_t j = 0; j < vec_cols; ++j)
-      for (int64_t k = 0; k < K; ++k) packed[k * vec_cols + j] = b[(col0 + j) * K + k];
-  } else {
-    for (int64_t k = 0; k < K; ++k)
-      std::memcpy(packed.data() + k * vec_cols, b + k * N + col0, vec_cols * sizeof(float));
-  }
+  for (int64_t k = 0; k < K; ++k)
+    std::memcpy(packed.data() + k * vec_cols, b + k * N + col0, vec_cols * sizeof(float));
   for (int64_t j = col0; j < vec_end; j += 2 * kLanes) {
     for (int64_t i0 = 0; i0 < rows; i0 += 6) {
       const int n = static_cast<int>(std::min<int64_t>(6, rows - i0));
@@ -1111,14 +1146,14 @@ void matmul_block(const float* a, const float* b, bool bt, float* c, int64_t K, 
   thread_local std::vector<float> column;
   column.resize(K);
   for (int64_t j = vec_end; j < col0 + cols; ++j) {
-    for (int64_t k = 0; k < K; ++k) column[k] = bt ? b[j * K + k] : b[k * N + j];
+    for (int64_t k = 0; k < K; ++k) column[k] = b[k * N + j];
     for (int64_t i = 0; i < rows; ++i) c[i * N + j] = dot_fixed(a + i * K, column.data(), K);
   }
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
                       ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c,
-                      int64_t max_threads, bool transpose_b) {
+                      int64_t max_threads, bool transpose_b, float soft_cap) {
   auto ad = a.dimensions();
   auto bd = b.dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[transpose_b ? 1 : 0])
@@ -1142,8 +1177,16 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
   // Row-block-major: consecutive items share their block of A.
   run_items(pool_threads, row_blocks * panels, threads, [=](int64_t item) {
     const int64_t i0 = item / panels * kMmRows, j0 = item % panels * kMmCols;
-    matmul_block(ap + i0 * K, bp, transpose_b, cp + i0 * N, K, N, std::min(kMmRows, M - i0), j0,
-                 std::min(kMmCols, N - j0));
+    const int64_t rows = std::min(kMmRows, M - i0), cols = std::min(kMmCols, N - j0);
+    if (transpose_b)
+      matmul_block_bt(ap + i0 * K, bp, cp + i0 * N, K, N, rows, j0, cols);
+    else
+      matmul_block(ap + i0 * K, bp, cp + i0 * N, K, N, rows, j0, cols);
+    if (soft_cap > 0.0f) {  // Gemma's final logit cap, here so that no later op fuses into it
+      const float inv = 1.0f / soft_cap;
+      for (int64_t i = i0; i < i0 + rows; ++i)
+        for (int64_t j = j0; j < j0 + cols; ++j) cp[i * N + j] = soft_cap * std::tanh(cp[i * N + j] * inv);
+    }
   });
   return ffi::Error::Success();
 }
@@ -1255,4 +1298,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulCpu, MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b [K, N]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // c [M, N]
                                   .Attr<int64_t>("max_threads")
-                                  .Attr<bool>("transpose_b"));   // b is [N, K]
+                                  .Attr<bool>("transpose_b")     // b is [N, K]
+                                  .Attr<float>("soft_cap"));     // c = cap * tanh(c / cap); 0: none
