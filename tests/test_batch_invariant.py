@@ -124,7 +124,8 @@ def test_matmul_rows_do_not_depend_on_the_batch(shape, transpose):
 
 
 @pytest.mark.parametrize("fields, name", [(dict(attention_impl="reference"), "attention_impl"),
-                                          (dict(attention_impl="cpu", tensor_parallel_size=2), "tensor_parallel_size")])
+                                          (dict(attention_impl="cpu", tensor_parallel_size=2), "tensor_parallel_size"),
+                                          (dict(attention_impl="cpu", dtype="bfloat16"), "dtype")])
 def test_config_refuses_what_has_no_invariant_form(make_tiny_llm, fields, name):
     with pytest.raises(ConfigError, match=name):
         make_tiny_llm(batch_invariant=True, **fields)
@@ -166,3 +167,14 @@ def test_lora_rows(tiny_llama, make_tiny_llm, tmp_path):
     scored = np.asarray(jax.jit(decode.score, static_argnums=0)(llm.graphdef, llm.params, jnp.array([ids]), jnp.array([len(ids)]),
                                      lora=weights, lora_slots=jnp.array([slots["a"]], jnp.int32)))[0]
     np.testing.assert_array_equal(scored[len(TARGET) - 1:], logprobs_of(alone))
+
+
+def test_quantized_pool_rows(make_tiny_llm):
+    """With an int8 pool the engine stays batch-invariant (decode.score, which keeps
+    K/V unrounded, then differs by the pool's rounding)."""
+    llm = make_tiny_llm(attention_impl="cpu", batch_invariant=True, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    alone = llm.generate([TARGET], TARGET_PARAMS)[0]
+    prompts, params = others(6, seed=5)
+    mixed = llm.generate(prompts + [TARGET], params + [TARGET_PARAMS])[-1]
+    assert mixed.token_ids == alone.token_ids
+    np.testing.assert_array_equal(logprobs_of(mixed), logprobs_of(alone))

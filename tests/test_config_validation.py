@@ -350,7 +350,8 @@ def test_unknown_field_names_the_nearest_one(base):
     with pytest.raises(ConfigError, match=r"^max_num_seq: unknown field; did you mean max_num_seqs\?$"):
         apply_overrides(base, from_file)
     message = error(base, frobnicate=1)
-    assert message.startswith("frobnicate: unknown field; a field of default_config(): async_scheduling, attention_impl, block_size, ")
+    assert message.startswith("frobnicate: unknown field; a field of default_config(): async_scheduling, "
+                              "attention_impl, batch_invariant, block_size, ")
 
 
 def test_validate_config_reports_unknown_and_missing_fields(base):

@@ -85,7 +85,8 @@ def default_config() -> ml_collections.ConfigDict:
     # is in its batch, however its prompt is chunked, after a preemption, and equal
     # to decode.score's on the same tokens (jpaged.runtime.batch_invariant): every
     # matmul, RMSNorm sum and attention runs on the C++ CPU kernels in a fixed
-    # order.  CPU only; costs speed (benchmarks/README.md, "Batch invariance").
+    # order.  CPU, dtype float32 and tensor_parallel_size 1 only; costs speed
+    # (benchmarks/README.md, "Batch invariance").
     c.batch_invariant = False
     # Attention: reference (jnp) | cpu (C++ kernel) | pallas_gpu | pallas_tpu | auto (by backend)
     c.attention_impl = "auto"
@@ -543,6 +544,11 @@ def _check_batch_invariant(cfg: Mapping[str, Any]) -> None:
     if cfg["attention_impl"] not in ("auto", "cpu"):
         raise ConfigError("attention_impl", f"{cfg['attention_impl']!r} has no batch_invariant form",
                           "'cpu' or 'auto' (on a CPU) with batch_invariant, which runs on the C++ CPU kernels")
+    if cfg["dtype"] != "float32":
+        # XLA may keep a fused bf16 intermediate in fp32 (xla_allow_excess_precision),
+        # so a bf16 value's rounding would depend on how the step is fused.
+        raise ConfigError("dtype", f"{cfg['dtype']!r} with batch_invariant",
+                          "'float32': XLA rounds bf16 intermediates or not depending on its fusions")
     if cfg["tensor_parallel_size"] != 1:
         raise ConfigError("tensor_parallel_size", f"{cfg['tensor_parallel_size']} with batch_invariant",
                           "1: the batch-invariant matmul is one C++ call per device (data_parallel_size may be > 1)")
