@@ -36,6 +36,10 @@ bit-identical) and copied in place by the kernel.  A C++ quantizer would not
 be: XLA:CPU's log2 and exp2 are approximations (its ceil(log2(y)) is k, not
 k + 1, for y 1-8 ulps above 2^k; exp2(-13), exp2(15), ... are not exact).
 
+`matmul_cpu` is jpaged's batch-invariant matmul: each row of a @ b is computed
+alone, in an order fixed by K (one FMA chain per element), so it does not
+change with the number of rows as XLA's dot does (jpaged.runtime.batch_invariant).
+
 `paged_attention_or_reference` / `write_kv_or_reference` (what
 `pallas_kernels.get_backend("cpu")` returns) use the kernels when they apply
 and fall back to the jnp reference otherwise.

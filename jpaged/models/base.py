@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +92,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0,
-             mean_square: Any = None) -> jax.Array:
+             mean_square: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """RMSNorm in fp32; Gemma scales by (offset + weight) with offset 1.
     `mean_square`: how the mean of squares is taken (batch_invariant's, or jnp.mean)."""
     x32 = x.astype(jnp.float32)

@@ -1,24 +1,28 @@
 """Batch-invariant numerics: a token's logits, bit for bit, whatever else is in its step.
 
-On XLA:CPU three kinds of operation make a token's logits depend on the
-batch around it (measured by benchmarks/bench_batch_invariant.py, "probe"):
+On XLA:CPU these make a token's result depend on the batch around it
+(measured by benchmarks/bench_batch_invariant.py, "probe"):
 
-* `x @ W`: XLA's dot changes its blocking with the number of rows M (on this
-  machine row 0 of x @ W differs between M = 1, 2..47 and >= 48 by up to 4e-6);
-* row reductions such as RMSNorm's mean of squares: vectorized across rows
-  once there are 8 or more of them;
+* `x @ W`: XLA's dot changes its blocking with the number of rows M (rows
+  computed at M = 1, 2, 3, 7, 8 or 16 differ from the same rows at M = 1024,
+  by up to 4.8e-6 on SmolLM2's shapes);
+* row sums: RMSNorm's mean of squares (reduced differently for different M),
+  and log_softmax's sum over the vocabulary (a [1, vocab] sum differs from
+  [M, vocab] ones);
 * the CPU attention kernel: a work item is a tile of up to 48 / G tokens, and
-  items of one decode token take another path (dot products over head_dim).
+  items of one decode token take another path (dot products over head_dim);
+* fusion: XLA contracts a multiply into a following add (one FMA) only where
+  both land in one fusion, which differs between programs: Gemma's final
+  logit cap fused into the logprob ops in one program and not in another.
 
-log_softmax's sum over the vocabulary changes too, for one row alone (a
-[1, vocab] sum is reduced another way than [M, vocab] ones); everything else
-is elementwise.  In batch_invariant mode the model takes its matmuls and its
-RMSNorm sums, and the logprobs their sums, from `matmul` / `row_sum` (C++,
-each element's order fixed by K alone: pallas_kernels.cpu.matmul_cpu), and
-its attention from the CPU kernel with one token per work item
-(`attention_backend`).  decode.score runs the same kernel over its dense K/V,
-so its logprobs equal the engine's bit for bit.  Gradients (score under
-jax.grad) go through ordinary XLA ops: they need not be invariant.
+Everything else is elementwise, computed alike in every step.  In
+batch_invariant mode the model takes its matmuls, its RMSNorm sums and the
+logprobs' sums from `matmul` / `row_sum` (C++, each element's order fixed by
+K alone: pallas_kernels.cpu.matmul_cpu, which also applies the final logit
+cap), and its attention from the CPU kernel with one token per work item
+(`attention_backend`).  decode.score runs the same kernel over its dense
+K/V, so under jit its logprobs equal the engine's bit for bit.  Gradients
+(score under jax.grad) go through ordinary XLA ops: they need not be invariant.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 // Ragged paged attention, the in-place K/V write and the batch-invariant
-// matmul for XLA:CPU, as XLA FFI custom calls.  Semantics: see pallas_kernels.paged_attention (attributes
-// window and soft_cap: 0 = none, else the sliding window and the logit cap).
+// matmul for XLA:CPU, as XLA FFI custom calls.  Attention semantics: see
+// pallas_kernels.paged_attention (attributes window and soft_cap: 0 = none,
+// else the sliding window and the logit cap; token_tile: tokens per work item).
 //
 // Attention.  One kernel for decode tokens and prefill chunks alike.  A work
 // item is (sequence, kv head, tile of that sequence's new tokens); its rows
