@@ -171,3 +171,32 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
     items.sort(key=rank)  # stable: tests keep their order within a module
+
+
+# Opt-in: JPAGED_TEST_COMPILE_PROFILE=<path> writes, per xdist worker, the seconds
+# each test spent tracing, lowering and compiling in this process (JAX's compile
+# events), one JSON line per test: <path>.<worker>.  Cold-run profiling only.
+_COMPILE_PROFILE = os.environ.get("JPAGED_TEST_COMPILE_PROFILE")
+if _COMPILE_PROFILE:
+    import collections
+    import json
+
+    _compile_seconds: collections.Counter = collections.Counter()
+    _current_test = ["(collection)"]
+
+    def _on_duration(event: str, duration: float, **_: object) -> None:
+        if event.startswith("/jax/core/compile/"):
+            _compile_seconds[(_current_test[0], event.rsplit("/", 1)[-1])] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _current_test[0] = item.nodeid
+        yield
+
+    def pytest_sessionfinish(session):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_COMPILE_PROFILE}.{worker}", "w") as f:
+            for (test, event), secs in sorted(_compile_seconds.items()):
+                f.write(json.dumps({"test": test, "event": event, "seconds": round(secs, 3)}) + "\n")
