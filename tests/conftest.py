@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import os
 import pathlib
+from importlib.metadata import version
 
 # XLA's CPU backend at LLVM -O0 without its expensive passes, for this process and
 # the servers and scripts it starts: the suite compiles hundreds of step programs
 # (most of its cold time) and runs each for a few tokens, so compile time is what
 # matters here.  The programs compute the same HLO; set before jax starts its backend.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                    "--xla_llvm_disable_expensive_passes=true"]).strip()
+_TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+# XLA:CPU's older IR emitters instead of its fusion emitters: cold, the suite's
+# programs compile about 30 % faster (measured on three compile-heavy modules:
+# 116 s -> 78 s).  Only on jaxlib 0.10, where the flag is known to exist: XLA
+# aborts on an unknown flag.
+if version("jaxlib").startswith("0.10."):
+    _TEST_XLA_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_TEST_XLA_FLAGS]).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
