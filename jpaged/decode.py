@@ -31,10 +31,10 @@ from flax import nnx
 
 from jpaged.core.block_manager import NULL_BLOCK
 from jpaged.core.sequence import MAX_LOGPROBS
+from jpaged.runtime import batch_invariant
 from jpaged.runtime.kv_pool import create_kv_pool
 from jpaged.runtime.lora import LoraBatch, LoraWeights, token_slots
 from jpaged.models.base import StepMetadata, forward
-from jpaged.runtime import batch_invariant
 from jpaged.runtime.sampling import (RowSum, SamplingArrays, TokenLogprobs, chosen_logprobs, greedy,
                                      processed_logits, sample_processed, token_logprobs)
 from jpaged.runtime.sampling import sample as _sample
@@ -134,7 +134,7 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
-    row_sum = logprob_row_sum(graphdef, params)
+    row_sum = _logprob_row_sum(nnx.merge(graphdef, params))
     logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
                                    attention_impl=attention_impl, logits="all" if every else "last", lora=lora)
     at_indices = logits[meta.logits_indices] if every else logits
@@ -150,10 +150,10 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
     return next_tokens, token_logprobs(source, next_tokens, num_logprobs, row_sum), prompt, kv_pool, at_indices
 
 
-def logprob_row_sum(graphdef: nnx.GraphDef, params: nnx.State) -> RowSum | None:
-    """How logprobs sum over the vocabulary for this model: batch_invariant.row_sum
+def _logprob_row_sum(model: nnx.Module) -> RowSum | None:
+    """How logprobs sum over the vocabulary for `model`: batch_invariant.row_sum
     in that mode (jnp's [1, vocab] sum differs from its [M, vocab] one), else jnp.sum."""
-    return batch_invariant.row_sum if nnx.merge(graphdef, params).batch_invariant else None
+    return batch_invariant.row_sum if model.batch_invariant else None
 
 
 def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inputs: StepInputs, *,
@@ -259,8 +259,7 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     batch = None if lora is None else LoraBatch(lora, jnp.repeat(jnp.asarray(lora_slots, jnp.int32), L))
     logits, _ = forward(graphdef, params, token_ids.reshape(-1).astype(jnp.int32), meta, kv,
                         attention_impl=DENSE, logits="all", lora=batch)
-    chosen = chosen_logprobs(logits.reshape(B, L, -1)[:, :-1], token_ids[:, 1:],
-                             batch_invariant.row_sum if model.batch_invariant else None)
+    chosen = chosen_logprobs(logits.reshape(B, L, -1)[:, :-1], token_ids[:, 1:], _logprob_row_sum(model))
     return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
 
 

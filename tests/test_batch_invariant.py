@@ -178,3 +178,16 @@ def test_quantized_pool_rows(make_tiny_llm):
     mixed = llm.generate(prompts + [TARGET], params + [TARGET_PARAMS])[-1]
     assert mixed.token_ids == alone.token_ids
     np.testing.assert_array_equal(logprobs_of(mixed), logprobs_of(alone))
+
+
+def test_data_parallel_replicas(alone, tiny_llama_dir):
+    """Each replica is a batch-invariant engine of its own: the target's logprobs are
+    the single engine's, whichever replica and batch it lands in."""
+    from helpers import TINY_ENGINE
+    from jpaged.engine.router import create_engine
+    _, want = alone
+    dp = create_engine(model=tiny_llama_dir, **{**TINY_ENGINE, "attention_impl": "cpu", "batch_invariant": True,
+                                                "data_parallel_size": 2})
+    prompts, params = others(5, seed=6)
+    out = dp.generate(prompts + [TARGET], params + [TARGET_PARAMS])[-1]
+    np.testing.assert_array_equal(logprobs_of(out), logprobs_of(want))
