@@ -482,14 +482,19 @@ class LLM:
         add_request raises RuntimeError.  Sleeping again is a no-op, as in vLLM."""
         if self.is_sleeping:
             return
+        self.check_can_sleep()
+        self.runner.release(level)
+        self.params = self.runner.params  # the weights' ShapeDtypeStructs: what update_params checks against
+        self.block_manager.drop_cached()
+
+    def check_can_sleep(self) -> None:
+        """ValueError when sleep() may not run now: several processes, or unfinished
+        requests (a paused engine's frozen ones included) or a step in flight."""
         if jax.process_count() > 1:
             raise ValueError("sleep() is single-process only")
         if self.has_unfinished_requests() or self.scheduler.has_work or self._in_flight is not None:
             raise ValueError("sleep() with unfinished requests: step() until has_unfinished_requests() "
                              "is False, or abort() them first")
-        self.runner.release(level)
-        self.params = self.runner.params  # the weights' ShapeDtypeStructs: what update_params checks against
-        self.block_manager.drop_cached()
 
     def wake_up(self) -> None:
         """Undoes sleep(): the weights (the ones update_params gave while asleep, else

@@ -189,9 +189,8 @@ class DataParallelLLM:
 
     def sleep(self, level: int = 1) -> None:
         """LLM.sleep on every replica: checked on each first, so that none sleeps if one cannot."""
-        if any(r.has_unfinished_requests() or r.scheduler.has_work for r in self.replicas):
-            raise ValueError("sleep() with unfinished requests: step() until has_unfinished_requests() "
-                             "is False, or abort() them first")
+        for r in self.replicas:
+            r.check_can_sleep()
         for r in self.replicas:
             r.sleep(level)
 
