@@ -28,7 +28,17 @@ malformed, oversized, trickled or abandoned at will.
    A thread polls GET /health every 100 ms (its own connection each time) from
    before the soak to its end: p50 / p99 / max latency (target p99 < 0.5 s),
    and every answer must be 200.
-4. After: /metrics must show vllm:num_requests_running 0, nothing waiting and
+4. Hostile (--hostile_requests > 0): the same soak again, seed and mix, with
+   that many of issue 37's hostile requests (benchmarks/hostile_requests.py:
+   constraints that crashed or stalled the server, a tool call injected through
+   the user's text, malformed LoRA adapters and names, RL-route parameters that
+   were 500s) mixed in.  Each must get its 4xx (or, for the injection, a 200
+   calling no undeclared function); the ordinary requests must all pass as
+   before, their p99 latency within --hostile_p99_ratio of the first soak's,
+   and /health's p99 must stay under target.  The server runs with the RL
+   routes and two LoRA slots on, and a body cap that lets the 1 MB constraints
+   reach the constraint checks.
+5. After: /metrics must show vllm:num_requests_running 0, nothing waiting and
    vllm:kv_cache_usage_perc back at its idle value within --settle_seconds; the
    references are asked again (still exact); the server's VmRSS (from
    /proc/<pid>/status) at start, after warm-up and at the end must be flat (end
@@ -52,11 +62,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import app, flags
 
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
+import hostile_requests as H
 
 _N = flags.DEFINE_integer("num_requests", 200, "Soak requests, all started at once.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "max_tokens of a good request.")
@@ -68,11 +79,15 @@ _REQUEST_TIMEOUT = flags.DEFINE_float("request_timeout", 120, "Seconds one reque
 _START_TIMEOUT = flags.DEFINE_float("start_timeout", 600, "Seconds the server may take to turn healthy.")
 _BODY_TIMEOUT = flags.DEFINE_float("body_timeout", 2.0, "The server's --body_timeout_seconds.")
 _PROMPT_CAP = flags.DEFINE_integer("max_prompt_bytes", 4096, "The server's --max_prompt_bytes.")
-_BODY_CAP = flags.DEFINE_integer("max_request_body_bytes", 65536, "The server's --max_request_body_bytes.")
+_BODY_CAP = flags.DEFINE_integer("max_request_body_bytes", 2 << 20, "The server's --max_request_body_bytes "
+                                 "(2 MiB: the hostile 100,000-entry choice is under it).")
 _SETTLE = flags.DEFINE_float("settle_seconds", 5.0, "Seconds /metrics may take to show an idle engine.")
 _HEALTH_P99 = flags.DEFINE_float("health_p99_s", 0.5, "Target p99 of GET /health latency.")
 _RSS_TOL = flags.DEFINE_float("rss_tolerance_mb", 64.0, "Allowed VmRSS growth, end vs after warm-up.")
 _SEED = flags.DEFINE_integer("seed", 0, "Mix seed.")
+_HOSTILE = flags.DEFINE_integer("hostile_requests", 40, "Hostile requests mixed into a second soak (0: none).")
+_HOSTILE_RATIO = flags.DEFINE_float("hostile_p99_ratio", 2.0,
+                                    "Ordinary requests' p99 latency with the hostile ones / without, at most.")
 
 HOST = "127.0.0.1"
 MODEL = "smollm2-135m"
@@ -104,7 +119,8 @@ class Server(B.ServerProcess):
             "--port", str(port), "--precompile", "--noaccess_log",
             f"--config.max_num_seqs={_MAX_NUM_SEQS.value}", "--config.max_queued_requests=1000",
             f"--max_prompt_bytes={_PROMPT_CAP.value}", f"--max_request_body_bytes={_BODY_CAP.value}",
-            f"--body_timeout_seconds={_BODY_TIMEOUT.value:g}", *_EXTRA.value], port, log)
+            f"--body_timeout_seconds={_BODY_TIMEOUT.value:g}",
+            *(["--enable_rl_routes", "--config.max_loras=2"] if _HOSTILE.value else []), *_EXTRA.value], port, log)
 
     def rss(self) -> float:
         return vm_rss_mb(self.proc.pid)
@@ -307,6 +323,22 @@ async def bad_oversized(port: int, chunked: bool) -> None:
         writer.close()
 
 
+async def hostile(port: int, case: tuple) -> None:
+    """One of hostile_requests.cases(): its allowed status, an error body with a
+    message when refused, and its check when answered."""
+    name, _, path, body, allowed, check = case
+    status, _, resp = await post(port, path, b"" if body is None else json.dumps(body).encode())
+    if status not in allowed:
+        raise RuntimeError(f"status {status}, expected {allowed}: {resp[:300]!r}")
+    answer = json.loads(resp)
+    if status != 200:
+        err = answer.get("error")
+        if not isinstance(err, dict) or not err.get("message"):
+            raise RuntimeError(f"no OpenAI error body: {resp[:300]!r}")
+    elif check is not None and (why := check(answer)):
+        raise RuntimeError(why)
+
+
 async def disconnect(port: int) -> None:
     """A streamed chat of up to 64 tokens, abandoned after its first data chunk."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -373,6 +405,16 @@ async def slow(port: int) -> tuple[float, bool]:
 
 
 # ------------------------------------------------------------------ soak
+def with_hostile(reqs: list[dict[str, Any]], cases: list[tuple], n: int,
+                 rng: random.Random) -> list[dict[str, Any]]:
+    """`reqs` with n hostile requests (the cases in turn) at random places."""
+    out = list(reqs)
+    for j in range(n):
+        case = cases[j % len(cases)]
+        out.insert(rng.randrange(len(out) + 1), {"kind": "hostile", "name": case[0], "case": case})
+    return [{**r, "i": i} for i, r in enumerate(out)]
+
+
 def plan(n: int, rng: random.Random) -> list[dict[str, Any]]:
     """The soak's requests, shuffled."""
     kinds = (["good"] * (n * 50 // 100) + ["bad"] * (n * 20 // 100) + ["disconnect"] * (n * 15 // 100))
@@ -416,6 +458,8 @@ async def run_one(port: int, r: dict[str, Any], refs: dict[tuple[str, str], str]
                     await bad(port, r["path"], r["body"], r["expect"])
                 else:
                     await bad_oversized(port, r["chunked"])
+            elif r["kind"] == "hostile":
+                await hostile(port, r["case"])
             elif r["kind"] == "disconnect":
                 await disconnect(port)
             else:
@@ -423,7 +467,7 @@ async def run_one(port: int, r: dict[str, Any], refs: dict[tuple[str, str], str]
         await asyncio.wait_for(go(), _REQUEST_TIMEOUT.value)
     except Exception as e:  # noqa: BLE001 - a failure is recorded, not fatal
         error = f"{type(e).__name__}: {e}"
-    return {**{k: v for k, v in r.items() if k != "body"}, **extra, "error": error,
+    return {**{k: v for k, v in r.items() if k not in ("body", "case")}, **extra, "error": error,
             "seconds": time.perf_counter() - t0}
 
 
@@ -435,7 +479,7 @@ async def soak(port: int, reqs: list[dict], refs: dict) -> tuple[list[dict], flo
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     results = [t.result() for t in tasks if t in done]
-    results += [{**{k: v for k, v in r.items() if k != "body"}, "error": "not finished in total_timeout",
+    results += [{**{k: v for k, v in r.items() if k not in ("body", "case")}, "error": "not finished in total_timeout",
                  "seconds": _TOTAL_TIMEOUT.value} for r, t in zip(reqs, tasks) if t in pending]
     return results, time.perf_counter() - t0
 
@@ -460,6 +504,44 @@ def wait_idle(port: int, idle_kv: float) -> tuple[float | None, dict[str, float]
         if time.perf_counter() - t0 > _SETTLE.value:
             return None, m
         time.sleep(0.1)
+
+
+def polled(poller: HealthPoller, port: int, reqs: list[dict], refs: dict) -> tuple[list[dict], float]:
+    """soak(), with `poller` on /health from half a second before it to its end."""
+    poller.start()
+    time.sleep(0.5)
+    try:
+        return asyncio.run(soak(port, reqs, refs))
+    finally:
+        poller.stop_event.set()
+        poller.join(timeout=15)
+
+
+def good_p99(results: list[dict]) -> float:
+    """p99 seconds of the ordinary requests that passed (good and bad answered, not slow ones)."""
+    return B.pct([r["seconds"] for r in results if r["kind"] in ("good", "bad") and not r["error"]], 99)
+
+
+def hostile_check(check: Callable[..., None], baseline: list[dict], results: list[dict], span: float,
+                  poller: HealthPoller) -> None:
+    """The hostile soak's rows: every request answered as it should, the ordinary
+    ones as fast as without the hostile ones (p99 within the ratio), /health fast."""
+    for kind in ("good", "bad", "disconnect", "slow", "hostile"):
+        rs = [r for r in results if r["kind"] == kind]
+        failed = [r for r in rs if r["error"]]
+        check(f"hostile soak: {kind} requests failing", f"{len(failed)}/{len(rs)}", "0", not failed)
+    p99_base, p99_hostile = good_p99(baseline), good_p99(results)
+    ratio = p99_hostile / p99_base
+    check("ordinary p99 (s): soak / hostile soak", f"{p99_base:.2f} / {p99_hostile:.2f}", "-", True)
+    check("ordinary p99, hostile / plain", round(ratio, 2), f"<= {_HOSTILE_RATIO.value:g}", ratio <= _HOSTILE_RATIO.value)
+    check("hostile soak wall time (s)", round(span, 1), f"< {_TOTAL_TIMEOUT.value:g}", span < _TOTAL_TIMEOUT.value)
+    lat = poller.latencies
+    check("hostile soak: /health polls", len(lat), "> 0, all 200", bool(lat) and not poller.failures)
+    if lat:
+        p99 = B.pct(lat, 99)
+        check("hostile soak: /health p99 (ms)", round(1000 * p99, 1), f"< {1000 * _HEALTH_P99.value:g}",
+              p99 < _HEALTH_P99.value)
+        check("hostile soak: /health max (ms)", round(1000 * max(lat), 1), "-", True)
 
 
 def main(argv: list[str]) -> None:
@@ -497,11 +579,12 @@ def main(argv: list[str]) -> None:
 
             reqs = plan(_N.value, random.Random(_SEED.value))
             poller = HealthPoller(port, max_seconds=_TOTAL_TIMEOUT.value + 60)
-            poller.start()
-            time.sleep(0.5)
-            results, span = asyncio.run(soak(port, reqs, refs))
-            poller.stop_event.set()
-            poller.join(timeout=15)
+            results, span = polled(poller, port, reqs, refs)
+            if _HOSTILE.value:
+                cases = H.cases(MODEL, H.write_adapters(pathlib.Path(tmp) / "adapters"))
+                mixed = with_hostile(reqs, cases, _HOSTILE.value, random.Random(_SEED.value + 2))
+                hostile_poller = HealthPoller(port, max_seconds=_TOTAL_TIMEOUT.value + 60)
+                hostile_results, hostile_span = polled(hostile_poller, port, mixed, refs)
 
             settle, m = wait_idle(port, idle_kv)
             after = asyncio.run(references(port))
@@ -538,6 +621,8 @@ def main(argv: list[str]) -> None:
         check("/health p50 (ms)", round(1000 * B.pct(lat, 50), 1), "-", True)
         check("/health p99 (ms)", round(1000 * B.pct(lat, 99), 1), f"< {1000 * _HEALTH_P99.value:g}", B.pct(lat, 99) < _HEALTH_P99.value)
         check("/health max (ms)", round(1000 * max(lat), 1), "-", True)
+    if _HOSTILE.value:
+        hostile_check(check, results, hostile_results, hostile_span, hostile_poller)
     check("s until /metrics idle", None if settle is None else round(settle, 2), f"<= {_SETTLE.value:g}",
           settle is not None)
     check("vllm:num_requests_running", m.get("vllm:num_requests_running"), "0", m.get("vllm:num_requests_running") == 0)
@@ -552,21 +637,23 @@ def main(argv: list[str]) -> None:
     check("server alive at end", alive, "True", alive)
     check("server exit code (SIGTERM)", rc, "0", rc == 0)
 
-    for r in results:
+    every = results + ([{**r, "i": f"h{r['i']}"} for r in hostile_results] if _HOSTILE.value else [])
+    for r in every:
         if r["error"]:
             print(f"FAILED #{r['i']} {r['kind']} {r['name']}: {r['error']}")
     load = (f"load average 1/5/15 min before {'/'.join(f'{x:.2f}' for x in load_before)}, "
             f"after {'/'.join(f'{x:.2f}' for x in load_after)}")
     counts = ", ".join(f"{len(v)} {k}" for k, v in by_kind.items())
     title = (f"HTTP soak: {len(results)} concurrent requests ({counts}), max_tokens={_MAX_TOKENS.value}, "
-             f"max_num_seqs={_MAX_NUM_SEQS.value}, config {_CONFIG.value}")
+             f"max_num_seqs={_MAX_NUM_SEQS.value}, config {_CONFIG.value}"
+             + (f"; then the same with {_HOSTILE.value} hostile requests mixed in" if _HOSTILE.value else ""))
     B.report("soak_http", rows, COLUMNS, title=title)
     print(load)
     lines = [f"{title}; {B.machine()}, {B.today()}; {load}", "", B.markdown_table(rows, COLUMNS), ""]
     lines.append("Server: `" + " ".join(server.cmd[1:]).replace(str(server.port), "PORT") + "`")
     if failures:
         lines += ["", "Failures:", *[f"- {f}" for f in failures]]
-        lines += [f"- request #{r['i']} ({r['kind']} {r['name']}): {r['error']}" for r in results if r["error"]][:50]
+        lines += [f"- request #{r['i']} ({r['kind']} {r['name']}): {r['error']}" for r in every if r["error"]][:50]
     B.write_markdown("soak_http", "\n".join(lines))
     if failures:
         print("\nserver log tail:\n" + log_tail)
