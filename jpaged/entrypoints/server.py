@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Literal, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
 
 import h11
 import uvicorn
@@ -56,7 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -766,167 +766,6 @@ async def _host_route(request: Request, state: ServerState, fn: Callable[[Server
         return _error_response(e)
 
 
-# --------------------------------------------------------- LoRA adapters
-class LoadLoraAdapterRequest(BaseModel):
-    """POST /v1/load_lora_adapter, as vLLM: a PEFT directory on the server's disk,
-    loaded into a free adapter slot (max_loras) under `lora_name`."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraAdapterRequest(BaseModel):
-    """POST /v1/unload_lora_adapter, as vLLM: its requests in flight end ("abort")."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    lora_name: str
-    lora_int_id: Optional[int] = None  # vLLM's; names do here
-
-
-# On the engine thread.  Each sets state.adapters there, as the engine changes
-# (a client that leaves before the answer leaves no stale list behind).
-def _load_lora(state: ServerState, req: LoadLoraAdapterRequest, llm: Any) -> None:
-    """A 400 with the engine's message (naming the file, the name in use, or the slots) if it cannot."""
-    try:
-        llm.load_lora_adapter(req.lora_name, req.lora_path)
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-    state.adapters = lora_adapters(llm)
-
-
-def _unload_lora(state: ServerState, req: UnloadLoraAdapterRequest, llm: Any) -> None:
-    """A 404 for a name not loaded."""
-    from jpaged.engine.lora_manager import UnknownLoraError  # (jax: loaded with the engine)
-    try:
-        llm.unload_lora_adapter(req.lora_name)
-    except UnknownLoraError as e:
-        raise RequestError(str(e), "lora_name", code="model_not_found") from None
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-    state.adapters = lora_adapters(llm)
-
-
-def _lora_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
-    req = _json_body(body, kind)
-    if not req.lora_name:
-        raise RequestError("lora_name must not be empty", "lora_name")
-    if req.lora_name == state.model_name:  # requests naming it would run the base model
-        raise RequestError(f"lora_name {req.lora_name!r} is the base model's name", "lora_name")
-    return req
-
-
-async def _lora_route(request: Request, state: ServerState, kind: type[BaseModel],
-                      change: Callable[[ServerState, Any, Any], None]) -> Response:
-    """Loads or unloads an adapter on the engine thread, between two steps (the
-    engine's device state and scheduler are that thread's alone); vLLM's plain
-    text on success.  A bad adapter, a name in use or no free slot is a 400 with
-    the engine's message; unloading a name not loaded a 404."""
-    try:
-        engine = state.ready_engine()
-        req = await state.run_host(_lora_request, state, await request.body(), kind)
-        await engine.call(functools.partial(change, state, req))
-    except RequestError as e:
-        return _error_response(e)
-    except EngineClosed as e:
-        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
-    done = "added" if kind is LoadLoraAdapterRequest else "removed"
-    log.info("LoRA adapter %r %s", req.lora_name, done)
-    return Response(f"Success: LoRA adapter '{req.lora_name}' {done} successfully.", media_type="text/plain")
-
-
-# -------------------------------------------------------------- RL routes
-# What RL frameworks (verl, slime, OpenRLHF) call on a rollout server (vLLM's
-# and SGLang's names), only with ServerOptions.enable_rl_routes (else 404s):
-# POST /pause {"mode": "abort"|"keep"|"wait"} (default "keep"; returns at once,
-# "wait" lets the requests in flight finish meanwhile), POST /resume, POST
-# /sleep {"level": 1|2}, POST /wake_up, POST /update_weights {"path" (or
-# "model_path"), "in_flight": "abort"|"keep"|"recompute"} (an orbax, HF or
-# .gguf checkpoint of the same model, read on the engine thread: no step runs
-# meanwhile), POST /reset_prefix_cache; GET /is_paused, GET /is_sleeping.  Each
-# runs on the engine thread between two steps (LLM.pause, .sleep, ...); the
-# fields may also come as query parameters (vLLM's /sleep?level=1), the JSON
-# body winning.  A bad field, or the engine refusing (ValueError, RuntimeError,
-# OSError: sleep with requests unfinished, wake_up after sleep(2) without new
-# weights, a bad checkpoint, reset_prefix_cache while busy) is a 400 with the
-# message.  While paused, generation requests queue until /resume; while
-# asleep they are 503s.
-class RLRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class PauseRequest(RLRequest):
-    mode: Literal["abort", "keep", "wait"] = "keep"
-
-
-class SleepRequest(RLRequest):
-    level: Literal[1, 2] = 1
-
-
-class UpdateWeightsRequest(RLRequest):
-    path: str = Field(validation_alias=AliasChoices("path", "model_path"))
-    in_flight: Literal["abort", "keep", "recompute"] = "abort"
-
-
-def _rl_request(body: bytes, query: dict[str, str], kind: type[RLRequest]) -> RLRequest:
-    return _json_body(body, kind, {k: int(v) if v.isdigit() else v for k, v in query.items()})
-
-
-def _rl_change(state: ServerState, change: Callable[[Any, Any], Any], req: RLRequest, llm: Any) -> Any:
-    """On the engine thread: change(llm, req); the engine's refusals become 400s."""
-    try:
-        return change(llm, req)
-    except AttributeError as e:
-        raise RequestError(f"this engine does not support it: {e}") from None  # (a data-parallel router)
-    except (ValueError, RuntimeError, OSError) as e:
-        raise RequestError(str(e)) from None
-    finally:
-        state.asleep = bool(getattr(llm, "is_sleeping", False))
-
-
-async def _rl_route(request: Request, state: ServerState, kind: type[RLRequest],
-                    change: Callable[[Any, Any], Any], sleeps: bool = False) -> Response:
-    try:
-        engine = state.ready_engine()
-        req = await state.run_host(_rl_request, await request.body(), dict(request.query_params), kind)
-        if sleeps:
-            state.asleep = True  # before the call is queued: no request submitted after it meets the sleep
-        await engine.call(functools.partial(_rl_change, state, change, req))
-    except RequestError as e:
-        return _error_response(e)
-    except EngineClosed as e:
-        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
-    log.info("%s %s", request.url.path, req.model_dump())
-    return JSONResponse({"status": "ok"})
-
-
-def _add_rl_routes(app: FastAPI, state: ServerState) -> None:
-    def post(path: str, change: Callable[[Any, Any], Any], kind: type[RLRequest] = RLRequest,
-             sleeps: bool = False) -> None:
-        async def route(request: Request) -> Response:
-            return await _rl_route(request, state, kind, change, sleeps)
-        app.add_api_route(path, route, methods=["POST"], name=path.strip("/"))
-
-    def get(path: str, attribute: str) -> None:
-        async def route() -> Response:
-            try:
-                state.ready_engine()
-            except RequestError as e:
-                return _error_response(e)
-            return JSONResponse({attribute: bool(getattr(state.llm, attribute, False))})
-        app.add_api_route(path, route, methods=["GET"], name=path.strip("/"))
-
-    post("/pause", lambda llm, req: llm.pause(req.mode), PauseRequest)
-    post("/resume", lambda llm, req: llm.resume())
-    post("/sleep", lambda llm, req: llm.sleep(req.level), SleepRequest, sleeps=True)
-    post("/wake_up", lambda llm, req: llm.wake_up())
-    post("/update_weights", lambda llm, req: llm.update_params(req.path, in_flight=req.in_flight),
-         UpdateWeightsRequest)
-    post("/reset_prefix_cache", lambda llm, req: llm.reset_prefix_cache())
-    get("/is_paused", "is_paused")
-    get("/is_sleeping", "is_sleeping")
-
-
 # ------------------------------------------------------------ the guard
 class RequestGuard:
     """Pure ASGI, in front of the routes: the API key, then the body's framing
@@ -1107,16 +946,12 @@ def create_app(engine: Union["Engine", Callable[[], "Engine"]], config: Any = No
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        return await _lora_route(request, state, LoadLoraAdapterRequest, _load_lora)
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        return await _lora_route(request, state, UnloadLoraAdapterRequest, _unload_lora)
-
+    # (imported here: those modules use this one's state and helpers)
+    from jpaged.entrypoints.lora_routes import add_lora_routes
+    from jpaged.entrypoints.rl_routes import add_rl_routes
+    add_lora_routes(app, state)
     if state.options.enable_rl_routes:
-        _add_rl_routes(app, state)
+        add_rl_routes(app, state)
     return app
 
 
