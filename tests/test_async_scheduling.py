@@ -8,6 +8,8 @@ logprobs and prompt logprobs, and aborts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -166,3 +168,56 @@ def test_placeholders_read_on_the_device(make_tiny_llm):
     assert inputs.tokens.tolist()[:3] == [8, 8, 0]
     assert build_step_inputs([ScheduledSeq(other, 2)], num_tokens=8, num_seqs=4, block_size=BS,
                              table_width=2, vocab_size=64).prev_rows is None  # synchronous: no field, another program
+
+
+# generate() returns with the engine idle, whichever way its last request stopped:
+# asynchronously, a request that stops on EOS or a stop string leaves the step
+# launched after its last token on the device, and the calls documented for
+# "between generate() calls" need an idle engine (an RL loop makes them every round).
+EOS_PROMPT = "What is the capital of Italy? Once upon a time"  # the tiny Llama's greedy answer ends in EOS
+STOPS = {"eos": SamplingParams(max_tokens=16),
+         "stop string": SamplingParams(max_tokens=16, stop=("tp",), ignore_eos=True),  # its 4th and 5th tokens
+         "max_tokens": SamplingParams(max_tokens=5, ignore_eos=True)}
+BETWEEN_CALLS = {
+    "reset_prefix_cache": lambda llm, adapter: llm.reset_prefix_cache(),
+    "update_params": lambda llm, adapter: llm.update_params(llm.params),
+    "pause": lambda llm, adapter: (llm.pause(), llm.resume()),
+    "sleep": lambda llm, adapter: (llm.sleep(1), llm.wake_up()),
+    "load_lora_adapter": lambda llm, adapter: llm.load_lora_adapter("a", adapter),
+    "unload_lora_adapter": lambda llm, adapter: llm.unload_lora_adapter("a"),
+}
+
+
+@pytest.fixture(scope="module")
+def rollout_llm(tiny_llama, tiny_llama_tok_dir, tmp_path_factory):
+    """(an engine as an RL rollout runs one: prefix caching, LoRA slots, asynchronous
+    scheduling, the default; a PEFT adapter directory)."""
+    pytest.importorskip("peft")
+    from helpers import make_peft_adapter
+    adapter = tmp_path_factory.mktemp("between-calls") / "a"
+    make_peft_adapter(tiny_llama[1], adapter, seed=0, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    llm = LLM(**{**TINY_ENGINE, "model": tiny_llama_tok_dir, "max_loras": 2, "enable_prefix_caching": True})
+    assert llm.async_scheduling
+    return llm, str(adapter)
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_generate_returns_with_the_engine_idle(rollout_llm, stop):
+    llm, adapter = rollout_llm
+    params = STOPS[stop]
+    first = llm.generate([EOS_PROMPT], params)[0]
+    eos = set(llm.tokenizer.eos_token_ids)
+    if stop == "max_tokens":
+        assert (first.finish_reason, len(first.token_ids)) == ("length", params.max_tokens)
+    else:  # stopped before max_tokens, on EOS or else on a stop string
+        assert first.finish_reason == "stop" and len(first.token_ids) < params.max_tokens, first.error
+        assert (first.token_ids[-1] in eos) == (stop == "eos"), first.token_ids
+    for name, call in BETWEEN_CALLS.items():
+        out = llm.generate([EOS_PROMPT], params)[0]
+        assert (out.finish_reason, out.token_ids) == (first.finish_reason, first.token_ids), name
+        assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0, name
+        call(llm, adapter)  # raised "needs an idle engine" (or "unfinished requests") before
+        if name == "load_lora_adapter":
+            assert llm.generate([EOS_PROMPT], dataclasses.replace(params, lora="a"))[0].error is None
+    assert llm.generate([EOS_PROMPT], params)[0].token_ids == first.token_ids
+    assert_all_blocks_free(llm)

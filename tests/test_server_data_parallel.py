@@ -1,12 +1,17 @@
 """The HTTP server over a data-parallel engine: create_app(DataParallelLLM) on two
 of the simulated CPU devices (conftest.py), served by uvicorn in a thread and
 asked over HTTP.  Greedy answers are the single engine's tokens, requests
-reach both replicas, and /metrics reads the combined snapshot."""
+reach both replicas, and /metrics reads the combined snapshot.  Both engines
+offer every member of the Engine protocol, and the entry points read no other.
+(`jpaged serve` and `jpaged batch` start a data-parallel engine in
+tests/test_startup_matrix.py.)"""
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
+import pathlib
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from helpers import TINY_ENGINE, serve_in_thread, parse_metrics, random_prompts  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
+from jpaged.engine.protocol import Engine  # noqa: E402
 from jpaged.engine.router import DataParallelLLM, create_engine  # noqa: E402
 from jpaged.entrypoints.server import create_app  # noqa: E402
 
@@ -43,8 +49,8 @@ def metrics(url: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def expected(make_tiny_llm):
-    return [o.token_ids for o in make_tiny_llm().generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
+def expected(tiny_llm):
+    return [o.token_ids for o in tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +96,45 @@ def test_metrics_read_the_combined_snapshot(served):
     assert m["vllm:prefix_cache_queries_total"] == snap.totals.prompt_tokens > 0
     assert m["vllm:request_success_total{finished_reason=length}"] >= len(PROMPTS)
     assert not dp.has_unfinished_requests() and not dp._requests  # the router forgot finished requests
+
+
+def protocol_members() -> set[str]:
+    """Engine's attributes, methods and properties."""
+    return set(Engine.__annotations__) | {name for name, value in vars(Engine).items()
+                                          if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+
+
+def engine_reads(source: str) -> set[str]:
+    """The attributes a module reads off an engine: `llm.x`, `state.llm.x`,
+    `getattr(llm, "x")`, `create_engine(...).x` (the entry points' names for one)."""
+    def is_engine(node: ast.AST) -> bool:
+        return ((isinstance(node, ast.Name) and node.id == "llm")
+                or (isinstance(node, ast.Attribute) and node.attr == "llm")
+                or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "create_engine"))
+    reads = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and is_engine(node.value):
+            reads.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and is_engine(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+            reads.add(node.args[1].value)
+    return reads
+
+
+def test_entry_points_read_only_protocol_members():
+    """What serve, server (and its routes), batch, metrics, ray_serve and the
+    AsyncEngine read off an engine is in the protocol: a data-parallel engine has
+    it too (the check below)."""
+    package = pathlib.Path(__file__).resolve().parents[1] / "jpaged"
+    modules = [*sorted((package / "entrypoints").glob("*.py")), package / "engine" / "async_engine.py"]
+    reads = {m.name: engine_reads(m.read_text()) for m in modules}
+    assert {"kv_dtype", "loaded", "num_blocks"} <= reads["serve.py"]  # the walk does see the reads
+    assert {name: sorted(r - protocol_members()) for name, r in reads.items() if r - protocol_members()} == {}
+
+
+def test_both_engines_have_every_protocol_member(served, tiny_llm):
+    _, dp = served
+    for engine in (tiny_llm, dp):
+        assert isinstance(engine, Engine)
+        assert sorted(m for m in protocol_members() if not hasattr(engine, m)) == [], type(engine).__name__
+    assert dp.kv_dtype == tiny_llm.kv_dtype and dp.attention_impl == tiny_llm.attention_impl

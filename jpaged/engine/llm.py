@@ -538,6 +538,13 @@ class LLM:
         that can make no progress while requests wait raises EngineStalled."""
         return self.finish_step(self.start_step())
 
+    def drain(self) -> None:
+        """Completes the step in flight, if any (asynchronous scheduling: a request that
+        stops on EOS or a stop string leaves the step launched after its last token on
+        the device; its row for that request is discarded).  generate() calls it, so it
+        returns with the engine idle.  What finishes in it, the next step() returns."""
+        self._stashed += self._complete_in_flight(drafting=True)
+
     def start_step(self) -> StartedStep:
         """step()'s first half: schedules the step and dispatches it to the device
         without waiting for it.  finish_step() must follow before the next one.

@@ -30,11 +30,18 @@ PerPrompt = SamplingParams | list[SamplingParams] | None
 
 @runtime_checkable
 class Engine(Protocol):
-    """The engine interface (see the module docstring).  Attributes: `config`,
-    `tokenizer`, `model_config`, `loaded`, `attention_impl`, `attention_note`."""
+    """The engine interface (see the module docstring): everything the entry points
+    (jpaged.entrypoints: serve, server and its routes, batch, metrics) and the
+    AsyncEngine read off an engine.  tests/test_server_data_parallel.py checks that
+    both engines have every member and that the entry points read no other."""
 
     config: Any
     tokenizer: Any
+    model_config: Any     # jpaged.core.model_config.ModelConfig
+    loaded: Any           # jpaged.loading.weights.LoadedWeights: where the weights came from
+    kv_dtype: Any         # the KV pool's dtype (a jnp.dtype)
+    attention_impl: str   # the attention kernel that runs
+    attention_note: str | None  # why it is not the one the config asked for, or None
 
     # Requests: ids are the engine's; a finished request's id is not reused.
     def default_sampling_params(self) -> SamplingParams: ...
@@ -53,10 +60,23 @@ class Engine(Protocol):
     def step(self) -> list[Sequence]: ...
     def has_unfinished_requests(self) -> bool: ...
     def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int: ...
+    def drain(self) -> None: ...  # completes the step left in flight (asynchronous scheduling)
+    def follow(self) -> None: ...  # processes other than 0 of a multi-process run
+    def close(self) -> None: ...
+
+    # Between generate() calls (the RL routes): the engine is idle when generate() returns
     def reset_prefix_cache(self) -> None: ...
     def load_lora_adapter(self, name: str, path: str) -> None: ...
     def unload_lora_adapter(self, name: str) -> None: ...
-    def close(self) -> None: ...
+    def pause(self, mode: str = "keep") -> None: ...
+    def resume(self) -> None: ...
+    @property
+    def is_paused(self) -> bool: ...
+    def sleep(self, level: int = 1) -> None: ...
+    def wake_up(self) -> None: ...
+    @property
+    def is_sleeping(self) -> bool: ...
+    def update_params(self, params: Any, **kwargs: Any) -> None: ...
 
     # Batch API (both delegate to this module's functions)
     def generate(self, prompts: Prompts, sampling_params: PerPrompt = None, *,
@@ -133,3 +153,7 @@ def generate_iter(engine: Engine, prompts: Prompts, sampling_params: PerPrompt =
         # Closed early, or an exception: nothing stays queued.  The aborted requests
         # are returned by the engine's next step() (any later loop skips them).
         engine.abort(pending)
+        # Asynchronous scheduling leaves the step launched after a request's last
+        # token on the device (it stopped on EOS or a stop string): completed here,
+        # so that the calls made between generate() calls find the engine idle.
+        engine.drain()

@@ -65,6 +65,7 @@ class DataParallelLLM:
         first = self.replicas[0]  # every replica loads, tokenizes and validates alike
         self.loaded, self.tokenizer, self.model_config = first.loaded, first.tokenizer, first.model_config
         self.attention_impl, self.attention_note = first.attention_impl, first.attention_note
+        self.kv_dtype = first.kv_dtype
         self._next_id = 0
         # Unfinished requests: id -> [replica, samples not returned by step() yet].
         self._requests: dict[int, list[int]] = {}
@@ -163,6 +164,17 @@ class DataParallelLLM:
 
     def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
         return sum(r.precompile(max_num_tokens, background=background) for r in self.replicas)
+
+    def drain(self) -> None:
+        """LLM.drain on every replica: none keeps a step in flight."""
+        for r in self.replicas:
+            r.drain()
+
+    def follow(self) -> None:
+        """A data-parallel engine runs in one process (__init__ refuses several): there is
+        no process 0 to follow."""
+        raise RuntimeError("follow() is for the processes of a multi-process run; a data-parallel "
+                           "engine runs in one process")
 
     def close(self) -> None:
         for r in self.replicas:
