@@ -383,6 +383,7 @@ def test_tools_outside_chat_are_refused(parse, body, field, value):
 # ------------------------------------------------------ structured outputs and tools
 from jpaged.entrypoints.openai_protocol import chat_choice  # noqa: E402
 from jpaged.structured.spec import StructuredOutputs  # noqa: E402
+from jpaged.structured.tool_parser import DeclaredTools  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
@@ -508,13 +509,14 @@ def test_bad_tool_messages_name_where(message, words):
 
 def test_chat_choices_with_tool_calls():
     text = 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-    choice = chat_choice(0, text, "stop", parse_tool_calls=True)
+    tools = DeclaredTools([{"name": "f", "parameters": {"type": "object"}}])
+    choice = chat_choice(0, text, "stop", tools=tools)
     message = choice["message"]
     assert choice["finish_reason"] == "tool_calls" and message["content"] == "Checking."
     [call] = message["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
-    assert chat_choice(0, text, "length", parse_tool_calls=True)["finish_reason"] == "length"
+    assert chat_choice(0, text, "length", tools=tools)["finish_reason"] == "length"
     assert chat_choice(0, text, "stop")["message"] == {"role": "assistant", "content": text}  # "none": text
-    plain = chat_choice(0, "No call.", "stop", parse_tool_calls=True)
+    plain = chat_choice(0, "No call.", "stop", tools=tools)
     assert plain["message"] == {"role": "assistant", "content": "No call."} and plain["finish_reason"] == "stop"

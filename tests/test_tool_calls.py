@@ -18,6 +18,8 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                    "required": ["city"]}}}
 NOOP = {"type": "function", "function": {"name": "noop"}}
+AUTO = T.declared_tools(T.validate_tools([WEATHER, NOOP]), "auto")
+FORCED = T.declared_tools(T.validate_tools([WEATHER, NOOP]), "required")
 
 
 def block(name, arguments):
@@ -173,7 +175,7 @@ def test_messages_for_template_more_shapes():
     assert out[5]["content"] == "<tool_response>\n\n</tool_response>"
     assert all(set(m) == {"role", "content"} for m in out)
     # What it renders is what parse_tool_calls reads back.
-    content, calls = T.parse_tool_calls(out[2]["content"])
+    content, calls = T.parse_tool_calls(out[2]["content"], T.DeclaredTools(fns))
     assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == \
         [("get_weather", {"city": "P"}), ("noop", {})]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "P"}  # the input is not changed
@@ -207,7 +209,7 @@ ANSWERS = [
 
 @pytest.mark.parametrize("text, content, calls", ANSWERS)
 def test_parse_tool_calls(text, content, calls):
-    got_content, got_calls = T.parse_tool_calls(text)
+    got_content, got_calls = T.parse_tool_calls(text, AUTO)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
     for call in got_calls:
@@ -217,11 +219,11 @@ def test_parse_tool_calls(text, content, calls):
     assert len({c.id for c in got_calls}) == len(got_calls)
 
 
-def stream(pieces):
+def stream(pieces, tools=None):
     """(content, [(id, name, arguments)], parser) from streaming `pieces`, checking
     each delta's shape: no empty or whitespace-only content, a header per call
-    before its arguments."""
-    parser = T.ToolCallStreamParser()
+    before its arguments, no empty argument fragments."""
+    parser = T.ToolCallStreamParser(tools or AUTO)
     deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
     content, calls = "", {}
     for d in deltas:
@@ -236,29 +238,44 @@ def stream(pieces):
             calls[c["index"]] = [c["id"], c["function"]["name"], ""]
         else:
             assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+            assert c["function"]["arguments"] and c["index"] == len(calls) - 1
             calls[c["index"]][2] += c["function"]["arguments"]
     return content or None, [tuple(c) for c in calls.values()], parser
 
 
-@pytest.mark.parametrize("text, content, calls", ANSWERS)
-def test_streamed_calls_equal_whole_ones(text, content, calls):
-    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]  # every boundary
-    splits.append(list(text))  # a character at a time
+def splits(text):
+    """Ways a stream may deliver `text`: cut at every boundary, a character at a time, at random."""
+    out = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    out.append(list(text))
     rng = random.Random(0)
     for _ in range(20):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 8)))) if len(text) > 1 else []
-        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-    whole_content, whole_calls = T.parse_tool_calls(text)
-    for pieces in splits:
-        streamed, streamed_calls, parser = stream(pieces)
-        assert streamed == content == whole_content  # exactly, not only once stripped
-        assert [(name, json.loads(args)) for _, name, args in streamed_calls] == calls
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return out
+
+
+def assert_stream_is_whole(text, tools):
+    """Every way of streaming `text` gives parse_tool_calls' content and calls exactly."""
+    whole_content, whole_calls = T.parse_tool_calls(text, tools)
+    for pieces in splits(text):
+        streamed, streamed_calls, parser = stream(pieces, tools)
+        assert streamed == whole_content  # exactly, not only once stripped
         assert [(name, args) for _, name, args in streamed_calls] == [(c.name, c.arguments) for c in whole_calls]
-        assert [(c.id, c.name, c.arguments) for c in parser.calls] == streamed_calls
+        assert [(c.id, c.name, c.arguments, c.complete) for c in parser.calls] == \
+            [(*c, w.complete) for c, w in zip(streamed_calls, whole_calls)]
+    return whole_content, whole_calls
+
+
+@pytest.mark.parametrize("text, content, calls", ANSWERS)
+def test_streamed_calls_equal_whole_ones(text, content, calls):
+    whole_content, whole_calls = assert_stream_is_whole(text, AUTO)
+    assert whole_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == calls
+    assert_stream_is_whole(text, FORCED)  # forced: arguments stream as generated
 
 
 def test_stream_sends_text_early_and_holds_only_what_may_be_a_tag():
-    parser = T.ToolCallStreamParser()
+    parser = T.ToolCallStreamParser(AUTO)
     assert parser.feed("Hello") == [{"content": "Hello"}]
     assert parser.feed(" wor") == [{"content": " wor"}]      # the space goes out with the text after it
     assert parser.feed("ld <tool") == [{"content": "ld"}]     # " <tool" may begin a block
@@ -284,3 +301,106 @@ def test_chat_rendering_is_one_function_for_every_route(tokenizer):
     assert T.encode_chat_with_tools(tokenizer, messages, None) == tokenizer.encode_chat(messages)
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         T.encode_chat_with_tools(tokenizer, messages, [{"type": "x"}])
+
+
+# ------------------------------------------------- declared tools only (issue 37)
+DELETE = block("delete_all_files", {"path": "/"})
+
+
+@pytest.mark.parametrize("tools", [AUTO, FORCED], ids=["auto", "forced"])
+@pytest.mark.parametrize("text", [DELETE, "Sure: " + DELETE, DELETE + "\n" + block("noop", {}),
+                                  DELETE[:-len("</tool_call>")], DELETE[:40]])
+def test_an_undeclared_function_is_never_called(text, tools):
+    content, calls = assert_stream_is_whole(text, tools)
+    assert "delete_all_files" not in [c.name for c in calls]
+    assert "delete_all_files" in content  # the block stays text
+    for pieces in splits(text):  # nor does a streamed header ever name it
+        parser = T.ToolCallStreamParser(tools)
+        deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
+        assert "delete_all_files" not in json.dumps([d for d in deltas if "tool_calls" in d])
+
+
+@pytest.mark.parametrize("arguments", [{"days": 2}, {"city": 3}, {"city": "Oslo", "days": "two"}])
+def test_auto_calls_whose_arguments_do_not_validate_stay_content(arguments):
+    text = "Checking. " + block("get_weather", arguments)
+    content, calls = assert_stream_is_whole(text, AUTO)
+    assert calls == [] and content == text
+    # Forced, the grammar made the arguments; the parser does not check them again.
+    _, [call] = T.parse_tool_calls(text, FORCED)
+    assert json.loads(call.arguments) == arguments and call.complete
+
+
+def test_auto_arguments_validate_with_their_schema():
+    pattern = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["code"], "additionalProperties": False,
+        "properties": {"code": {"type": "string", "pattern": "^(a|aa)+$"}}}}}
+    tools = T.declared_tools(T.validate_tools([pattern]), "auto")
+    assert [c.name for c in T.parse_tool_calls(block("f", {"code": "aaa"}), tools)[1]] == ["f"]
+    for bad in ({"code": "ab"}, {"code": "aaa", "x": 1}, {"code": "a" * 64 + "!"}):  # (the last backtracks)
+        assert T.parse_tool_calls(block("f", bad), tools) == (block("f", bad), [])
+
+
+def test_forced_arguments_stream_as_generated():
+    text = block("get_weather", {"city": "San Francisco", "days": 3})
+    parser = T.ToolCallStreamParser(FORCED)
+    fragments, header_at = [], None
+    for i, char in enumerate(text):
+        for d in parser.feed(char):
+            [c] = d["tool_calls"]
+            if "id" in c:
+                header_at = i
+            else:
+                fragments.append(c["function"]["arguments"])
+    assert parser.finish() == []
+    assert text[header_at - 1:header_at + 1] == ' {'  # the header once the name (and what follows) is known
+    assert len(fragments) > 10 and "".join(fragments) == '{"city": "San Francisco", "days": 3}'
+    # Under auto the arguments must validate first: they go out once the block has ended.
+    parser = T.ToolCallStreamParser(AUTO)
+    held = [d for ch in text[:-1] for d in parser.feed(ch)]
+    assert held == [] and len(parser.feed(text[-1])) == 2
+
+
+@pytest.mark.parametrize("text, arguments", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', '{"city": "Par'),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}', '{"city": "Paris"}'),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_c', '{"city": "Paris"}'),
+])
+def test_a_forced_call_cut_short_is_reported_as_far_as_it_got(text, arguments):
+    content, [call] = assert_stream_is_whole(text, FORCED)
+    assert content is None and call.name == "get_weather" and call.arguments == arguments
+    assert call.complete == text.endswith("</tool_c")
+    # Cut before its name is whole: no call to report.
+    assert T.parse_tool_calls('<tool_call>\n{"name": "get_wea', FORCED) == ('<tool_call>\n{"name": "get_wea', [])
+
+
+def test_tool_parameters_must_be_json_schemas():
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                       "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(ValueError, match=r"tools\[1\]\.function\.parameters\.properties\.a\.type is not a valid"):
+        T.validate_tools([WEATHER, bad])
+
+
+# ------------------------------------------------ disable_additional_properties
+def test_disable_additional_properties_closes_open_objects(compiler, tokenizer):
+    open_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["a"], "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                                            "properties": {"const": {"properties": {}}}}}}}
+    extra = block("f", {"a": {"b": 1}, "zzz": 2})
+    inner_extra = block("f", {"a": {"b": 1, "c": 2}})
+    for closed in (False, True):
+        fns = T.validate_tools([open_tool], disable_additional_properties=closed)
+        spec = T.tool_choice_constraint(fns, "required")
+        assert compiler.check(spec) is None
+        assert accepts(compiler, tokenizer, spec, block("f", {"a": {"b": 1}}))
+        assert accepts(compiler, tokenizer, spec, extra) is not closed
+        assert accepts(compiler, tokenizer, spec, inner_extra) is not closed
+    params = fns[0]["parameters"]
+    assert params["additionalProperties"] is False and params["properties"]["a"]["additionalProperties"] is False
+    # A property named "properties" is a name, and const data is data: neither is changed.
+    assert params["properties"]["properties"] == {"const": {"properties": {}}}
+    # An object that says what it allows keeps it; the prompt shows the tools as the client wrote them.
+    assert T.validate_tools([{"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": True}}}], True)[0]["parameters"][
+        "additionalProperties"] is True
+    assert "additionalProperties" not in T.encode_chat_with_tools(tokenizer, [{"role": "user", "content": "x"}],
+                                                                 [open_tool])[0]

@@ -34,6 +34,7 @@ from jpaged.core.request_parsing import (CHAT_ONLY_FIELDS, REQUEST_FIELDS, SAMPL
                                          STRUCTURED_FIELDS, UNSUPPORTED_FIELDS, parse_sampling_params,
                                          role_problem, unsupported_field)
 from jpaged.core.sequence import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, TokenLogprob
+from jpaged.structured import schemas
 from jpaged.structured import tools as structured_tools
 
 LOGPROB_FLOOR = -9999.0  # what -inf (a token of probability 0) becomes: JSON has no infinities (as vLLM)
@@ -83,10 +84,14 @@ class GenerationRequest:
     echo: bool = False
     include_usage: bool = False
     model: str = ""
-    # Chat with tools (tool_choice other than "none"): answers are parsed for tool calls.
-    parse_tool_calls: bool = False
+    # Chat with tools (tool_choice other than "none"): answers are parsed for calls of these.
+    declared_tools: structured_tools.DeclaredTools | None = None
     # The body field that constrains the output (response_format, tool_choice, ...), if any.
     constraint_field: str | None = None
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        return self.declared_tools is not None
 
 
 # ------------------------------------------------------- validation errors
@@ -299,6 +304,9 @@ class _Request(BaseModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    # vLLM's: objects of the JSON schemas (and tool parameters) that do not say otherwise
+    # take no keys beyond theirs (jpaged.structured.schemas.close_objects).
+    disable_additional_properties: Optional[bool] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -353,7 +361,11 @@ class _Request(BaseModel):
         stops = self.stop_strings
         base = default if stops is None else dataclasses.replace(default, stop=stops)
         try:
-            return parse_sampling_params(fields, base)
+            fields["structured_outputs"], closed = schemas.split_flag(fields.get("structured_outputs"),
+                                                                      self.disable_additional_properties)
+            params = parse_sampling_params({k: v for k, v in fields.items() if v is not None}, base)
+            return dataclasses.replace(params, structured=schemas.closed_constraint(params.structured)) \
+                if closed else params
         except ValueError as e:
             message, param = str(e), _field_named(str(e))
             if param in (aliases or {}):  # named as this body names it
@@ -471,7 +483,7 @@ class ChatCompletionRequest(_OpenAIRequest):
                 raise RequestError("tool_choice needs tools", "tool_choice")
             return None, None
         try:
-            functions = structured_tools.validate_tools(self.tools)
+            functions = structured_tools.validate_tools(self.tools, self._closes_objects())
         except ValueError as e:
             raise RequestError(str(e), "tools") from None
         try:
@@ -479,6 +491,13 @@ class ChatCompletionRequest(_OpenAIRequest):
                                                                       self.parallel_tool_calls is not False)
         except ValueError as e:
             raise RequestError(str(e), "tool_choice") from None
+
+    def _closes_objects(self) -> bool:
+        """disable_additional_properties, at the top level or in structured_outputs."""
+        try:
+            return schemas.split_flag(self.structured_outputs, self.disable_additional_properties)[1]
+        except ValueError as e:
+            raise RequestError(str(e), "structured_outputs") from None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -505,7 +524,8 @@ class ChatCompletionRequest(_OpenAIRequest):
             prompt["tools"] = self.tools
         return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), stream=bool(self.stream),
                                  include_usage=self.include_usage, model=model,
-                                 parse_tool_calls=functions is not None and self.tool_choice != "none",
+                                 declared_tools=(structured_tools.declared_tools(functions, self.tool_choice)
+                                                 if functions is not None and self.tool_choice != "none" else None),
                                  constraint_field="tool_choice" if constraint is not None else self.constraint_field)
 
 
@@ -621,17 +641,25 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None = None, parse_tool_calls: bool = False) -> dict[str, Any]:
-    """A chat choice; with `parse_tool_calls`, the text's `<tool_call>` blocks become
-    `message.tool_calls` (and finish_reason "tool_calls" for a sample that stopped)."""
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+                tools: structured_tools.DeclaredTools | None = None) -> dict[str, Any]:
+    """A chat choice; with the request's `tools`, the text's `<tool_call>` blocks
+    calling them become `message.tool_calls` (finish_reason "tool_calls" for a sample
+    that stopped after whole calls; a call cut short keeps "length")."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    if parse_tool_calls:
-        content, calls = structured_tools.parse_tool_calls(text)
+    if tools is not None:
+        content, calls = structured_tools.parse_tool_calls(text, tools)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = tool_calls_finish_reason(finish_reason, calls)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_calls_finish_reason(finish_reason: str | None, calls: Sequence[structured_tools.ToolCall]) -> str | None:
+    """OpenAI's "tool_calls" for a sample that stopped after whole calls; else the sample's own reason."""
+    if finish_reason == "stop" and calls and all(c.complete for c in calls):
+        return "tool_calls"
+    return finish_reason
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None,

@@ -71,6 +71,7 @@ class Args:
     limit_concurrency: int | None = None
     backlog: int = 2048
     enable_rl_routes: bool = False
+    disable_additional_properties: bool = False
 
 
 def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
@@ -110,6 +111,10 @@ def define_flags() -> tuple[flags.FlagHolder, dict[str, flags.FlagHolder]]:
                                               "(/pause, /resume, /sleep, /wake_up, /is_paused, /is_sleeping, "
                                               "/update_weights, /reset_prefix_cache): they change the engine "
                                               "for every client; behind the API key."),
+        "disable_additional_properties": flags.DEFINE_bool(
+            "disable_additional_properties", False, "Objects of response and tool parameter JSON schemas that "
+            "list properties and say nothing of additionalProperties take no other keys (vLLM's option); a "
+            "request's own disable_additional_properties wins."),
     }
     cli.register_key_flags([config, *holders.values()])
     return config, holders
@@ -154,7 +159,8 @@ def server_options(args: Args, environ: Any = os.environ) -> Any:
                          body_timeout_seconds=args.body_timeout_seconds,
                          header_timeout_seconds=args.header_timeout_seconds,
                          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
-                         backlog=args.backlog, enable_rl_routes=args.enable_rl_routes)
+                         backlog=args.backlog, enable_rl_routes=args.enable_rl_routes,
+                         disable_additional_properties=args.disable_additional_properties)
 
 
 def run(config_file: Any, args: Args = Args()) -> int:

@@ -62,13 +62,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jpaged.engine.async_engine import AsyncEngine, Delta, EngineClosed, QueueFull, Submission
 from jpaged.structured import tools as structured_tools
-from jpaged.structured.tools import ToolCallStreamParser
+from jpaged.structured.tool_parser import ToolCallStreamParser
 from jpaged.tokenizer.detokenizer import SampleText
 from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError, chat_choice, chat_chunk_choice,
                                     chat_logprobs, completion_choice, completion_logprobs, envelope,
                                     Messages, error_body, model_not_found, new_id, parse_chat,
                                     parse_completion, parse_generate,
-                                    request_error, token_logprob_json, usage)
+                                    request_error, token_logprob_json, tool_calls_finish_reason, usage)
 from jpaged.core.config import lora_slots
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.sequence import TokenLogprob
@@ -104,6 +104,8 @@ class ServerOptions:
     backlog: int = 2048                     # the listening socket's accept queue
     host_threads: int = 4                   # threads for tokenizing / templating / detokenizing
     enable_rl_routes: bool = False          # /pause, /sleep, /update_weights, ...: else they are 404s
+    # A request's disable_additional_properties when it does not set one (vLLM's option).
+    disable_additional_properties: bool = False
 
     def resolved(self, config: Any) -> "ServerOptions":
         """These options with every None size derived from the config: prompts of
@@ -454,14 +456,16 @@ class ChatAnswer(Answer):
 
     def __init__(self, run: GenerationRun, state: ServerState, prompt_texts: list[str]):
         super().__init__(run, state, prompt_texts)
-        # Streaming with tools: each choice's text goes through a tool-call parser.
-        self._tool_parsers = ([ToolCallStreamParser() for _ in run.samples] if run.gen.parse_tool_calls
-                              else None)
+        # Streaming with tools: each choice's text goes through a tool-call parser; the
+        # logprobs of tokens it holds back wait for the choice's next chunk.
+        tools = run.gen.declared_tools
+        self._tool_parsers = [ToolCallStreamParser(tools) for _ in run.samples] if tools is not None else None
+        self._held_logprobs: list[list[TokenLogprob]] = [[] for _ in run.samples]
 
     def body(self) -> dict[str, Any]:
         run = self.run
         choices = [chat_choice(c, s.text, run.finish_reasons[c], self._logprobs(run.logprobs[c]),
-                               run.gen.parse_tool_calls)
+                               run.gen.declared_tools)
                    for c, s in enumerate(run.samples)]
         return envelope(self.id, "chat.completion", run.gen.model, choices, run.usage())
 
@@ -480,12 +484,14 @@ class ChatAnswer(Answer):
                                                    self._logprobs(update.logprobs))])]
         parser = self._tool_parsers[update.index]
         deltas = parser.feed(update.text) + (parser.finish() if update.finish_reason else [])
-        reason = update.finish_reason
-        if reason == "stop" and parser.calls:
-            reason = "tool_calls"
-        if reason is not None or not deltas:  # the finish (or logprobs with no text yet) in a chunk of its own
+        reason = tool_calls_finish_reason(update.finish_reason, parser.calls)
+        held = self._held_logprobs[update.index]
+        held += update.logprobs
+        if reason is None and not deltas:  # nothing to show yet: no empty chunk per token
+            return []
+        if reason is not None:  # the finish in a chunk of its own
             deltas.append({})
-        logprobs = self._logprobs(update.logprobs)
+        logprobs, held[:] = self._logprobs(list(held)), []
         return [self._chunk([chat_chunk_choice(update.index, delta, reason if i == len(deltas) - 1 else None,
                                                logprobs if i == 0 else None)])
                 for i, delta in enumerate(deltas)]
@@ -630,6 +636,9 @@ def _prepare(state: ServerState, parse: Callable[..., GenerationRequest],
              body: bytes) -> tuple[GenerationRequest, list[tuple[list[int], str]]]:
     """A body checked and its prompts tokenized (in the host pool, off the event loop)."""
     raw = _parse_json(body)
+    if state.options.disable_additional_properties and isinstance(raw, dict) \
+            and raw.get("disable_additional_properties") is None:
+        raw["disable_additional_properties"] = True  # the server's default (a request's own false wins)
     gen = parse(raw, state.defaults, state.model_name, tuple(state.adapters))
     bound = state.config.max_queued_requests
     if len(gen.prompts) > bound:  # a 429 would invite retrying a request that can never be queued

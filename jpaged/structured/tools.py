@@ -19,30 +19,36 @@ families.  Other families' formats (Llama 3's bare JSON, Mistral's
 - `messages_for_template`: a chat with tools for a template that does not
   render them itself (SmolLM2's): the tools in the system message, earlier
   calls and results as Hermes text.
-- `parse_tool_calls` and `ToolCallStreamParser`: the calls in an answer, whole
-  or streamed (OpenAI's `tool_calls` and `delta.tool_calls`).
+- `declared_tools`: how an answer's calls are read for a request (only its
+  declared functions are called); `parse_tool_calls` and `ToolCallStreamParser`
+  (jpaged.structured.tool_parser): the calls in an answer, whole or streamed
+  (OpenAI's `tool_calls` and `delta.tool_calls`).
+- `disable_additional_properties` (vLLM's option of that name): objects in the
+  parameters schemas that do not say otherwise take no keys beyond theirs.
 Host code: no jax.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-import secrets
 from typing import Any
 
+from jpaged.structured.schemas import DATA_KEYWORDS, NAMED_SCHEMAS, check_schema, close_objects
 from jpaged.structured.spec import StructuredOutputs
+from jpaged.structured.tool_parser import (CLOSE, OPEN, DeclaredTools, ToolCall,  # noqa: F401 - re-exported
+                                           ToolCallStreamParser, parse_tool_calls)
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def validate_tools(tools: Any) -> list[dict[str, Any]]:
+def validate_tools(tools: Any, disable_additional_properties: bool = False) -> list[dict[str, Any]]:
     """OpenAI's `tools` ([{"type": "function", "function": {"name", "description"?,
     "parameters"?, "strict"?}}]) as function dicts {"name", "description",
-    "parameters"}; ValueError naming the bad field (`tools[1].function.name ...`)."""
+    "parameters"}; ValueError naming the bad field (`tools[1].function.name ...`,
+    a `parameters` that is no JSON schema).  With `disable_additional_properties`,
+    the parameters' objects are closed (jpaged.structured.schemas.close_objects)."""
     if not isinstance(tools, list) or not tools:
         raise ValueError("tools must be a non-empty list of function tools")
     functions, seen = [], set()
@@ -67,6 +73,9 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
             parameters = EMPTY_PARAMETERS
         if not isinstance(parameters, dict):
             raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+        check_schema(parameters, f"{where}.function.parameters")
+        if disable_additional_properties:
+            parameters = close_objects(parameters)
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise ValueError(f"{where}.function.strict must be true or false")
         functions.append({"name": name, "description": description or "", "parameters": parameters})
@@ -95,6 +104,13 @@ def tool_choice_constraint(functions: list[dict[str, Any]], tool_choice: Any,
     return StructuredOutputs(grammar=_calls_grammar(chosen, repeat=False))
 
 
+def declared_tools(functions: list[dict[str, Any]], tool_choice: Any) -> DeclaredTools:
+    """How the answer to a request with these functions is read for calls: only
+    they are called; "required" or a named function forced the call (its grammar
+    made the arguments valid), else ("auto") the arguments must validate."""
+    return DeclaredTools(functions, forced=tool_choice not in (None, "none", "auto"))
+
+
 def _calls_grammar(functions: list[dict[str, Any]], repeat: bool) -> str:
     """Lark (llguidance) for `<tool_call>` blocks whose JSON is {"name": one of the
     functions, "arguments": that function's parameters}."""
@@ -108,12 +124,6 @@ def _calls_grammar(functions: list[dict[str, Any]], repeat: bool) -> str:
                         for i, f in enumerate(functions)]}
     more = ' ("\\n" call)*' if repeat else ""
     return f'start: call{more}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
-
-
-# Keywords whose values are JSON data, not schemas (a "$ref" key there is data),
-# and keywords whose values map names to schemas (a name there is no keyword).
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebased(schema: Any, base: str) -> Any:
@@ -203,139 +213,3 @@ def _call_block(function: dict[str, Any]) -> str:
         pass  # written as the client sent it
     body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
     return f"{OPEN}\n{body}\n{CLOSE}"
-
-
-# ---------------------------------------------------------------- parsing
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    """One call: `arguments` is the arguments object as compact JSON text."""
-
-    name: str
-    arguments: str
-    id: str = dataclasses.field(default_factory=lambda: "call_" + secrets.token_hex(12))
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of an answer.  A block runs from `<tool_call>` to the first
-    `</tool_call>` after it (as vLLM's Hermes parser reads it); one cut short, by
-    the next `<tool_call>` or the end of the text, counts when its JSON is whole
-    (a model may stop before the closing tag).  A block whose body is a JSON
-    object with a string "name" and an object "arguments" (or "parameters") is a
-    call; everything else, malformed blocks included, is the content, stripped
-    (None if blank)."""
-    pieces, _ = _split(text, final=True)
-    content = "".join(p for p in pieces if isinstance(p, str)).strip()
-    return content or None, [p for p in pieces if isinstance(p, ToolCall)]
-
-
-def _split(text: str, final: bool) -> tuple[list[str | ToolCall], str]:
-    """`text` as text pieces and calls in order, and the tail not yet decidable
-    (a block still open, or what may begin `<tool_call>`); with `final`, the
-    text is all there is and nothing is held back.  The one reading shared by
-    the whole and the streamed parser, so that they agree."""
-    pieces: list[str | ToolCall] = []
-    pos = 0
-    while True:
-        start = text.find(OPEN, pos)
-        if start < 0:
-            held = 0 if final else _partial_suffix(text[pos:], OPEN)
-            pieces.append(text[pos:len(text) - held])
-            return pieces, text[len(text) - held:]
-        pieces.append(text[pos:start])
-        body_end, block_end = _block_end(text, start)
-        if body_end < 0:
-            if not final:
-                return pieces, text[start:]
-            body_end = block_end = len(text)
-        call = _parse_call(text[start + len(OPEN):body_end])
-        pieces.append(call if call is not None else text[start:block_end])
-        pos = block_end
-
-
-def _block_end(text: str, start: int) -> tuple[int, int]:
-    """Where the body of the block opened at `start` ends, and the block: at its
-    `</tool_call>` (the block includes it), or cut short by the next `<tool_call>`
-    (which begins the next block); (-1, -1) when neither has arrived."""
-    close = text.find(CLOSE, start + len(OPEN))
-    reopen = text.find(OPEN, start + len(OPEN))
-    if reopen >= 0 and (close < 0 or reopen < close):
-        return reopen, reopen
-    return (close, close + len(CLOSE)) if close >= 0 else (-1, -1)
-
-
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get("arguments", obj.get("parameters"))
-    if not isinstance(arguments, dict):
-        return None
-    # vLLM's Hermes parser writes arguments the same way (json.dumps' separators).
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-class ToolCallStreamParser:
-    """parse_tool_calls for a stream: `feed(delta)` and then `finish()` return
-    OpenAI chat-chunk deltas, {"content": text} for text and, per call, a header
-    {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}
-    then {"tool_calls": [{"index", "function": {"arguments"}}]}.  Text that may
-    begin a `<tool_call>` is held back until it is known, and a block until it
-    ends; whitespace is held until text follows it, so that the content sent,
-    joined, is exactly parse_tool_calls' content, and `calls` its calls."""
-
-    def __init__(self) -> None:
-        self._pending = ""       # text not yet decidable
-        self._space = ""         # whitespace held until text follows it
-        self._sent_text = False  # leading whitespace is dropped, as parse_tool_calls strips it
-        self.calls: list[ToolCall] = []
-
-    def feed(self, delta: str) -> list[dict[str, Any]]:
-        """Deltas for what `delta` (with what was held) decides."""
-        pieces, self._pending = _split(self._pending + delta, final=False)
-        return self._deltas(pieces)
-
-    def finish(self) -> list[dict[str, Any]]:
-        """Deltas for what is held: an unclosed final block is a call when its JSON
-        is whole; trailing whitespace is dropped."""
-        pieces, self._pending = _split(self._pending, final=True)
-        out = self._deltas(pieces)
-        self._space = ""  # trailing: parse_tool_calls strips it
-        return out
-
-    def _deltas(self, pieces: list[str | ToolCall]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for piece in pieces:
-            out += self._call(piece) if isinstance(piece, ToolCall) else self._text(piece)
-        return out
-
-    def _text(self, text: str) -> list[dict[str, Any]]:
-        text = self._space + text
-        if not self._sent_text:
-            text = text.lstrip()
-        core = text.rstrip()
-        self._space = text[len(core):]
-        if not core:
-            return []
-        self._sent_text = True
-        return [{"content": core}]
-
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
-        index = len(self.calls)
-        self.calls.append(call)
-        return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]},
-                {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
