@@ -4,8 +4,11 @@
 `LLTokenizer` over the same `tokenizers` JSON, its vocabulary the model's
 logits width, its EOS the tokenizer's end-of-generation ids).  It checks a
 request's constraint before the request is queued (a bad schema, a regex
-that does not parse, a constraint no output satisfies: that request's
-error) and keeps the compiled grammars of recent constraints.  `Grammar` is
+that does not parse, a constraint no output satisfies, one beyond
+`limits.LIMITS`: that request's error) and keeps the compiled grammars of
+recent constraints, and the errors of those that failed.  A constraint's
+first compile runs in `sandbox` (a worker process that may crash, under a
+time budget); only one that compiled there is compiled in this process.  `Grammar` is
 one sample's matcher: `fill(mask, row)` writes the bitmask of the tokens it
 allows next into row `row` of a [S, ceil(vocab / 32)] int32 array (bit j of
 word w allows token 32 w + j; the jitted step sets the others to -inf), and
@@ -18,10 +21,13 @@ from __future__ import annotations
 import collections
 import re
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
+from jpaged.structured import limits, sandbox
+from jpaged.structured.sandbox import Busy, CompileSandbox
 from jpaged.structured.spec import StructuredOutputs
 
 CACHED_GRAMMARS = 256  # compiled constraints kept (LRU), shared by requests with the same one
@@ -71,7 +77,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._source = tokenizer
         self._ll_tokenizer: Any = None  # built on first use (~0.2 s for a 50k vocabulary)
-        self._grammars: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
+        self._sandbox: CompileSandbox | None = None  # started on the first constraint not yet seen
+        # A constraint's pristine matcher (fresh ones are its copies), or why it cannot run.
+        self._compiled: collections.OrderedDict[StructuredOutputs, Any] = collections.OrderedDict()
+        self._compiling: dict[StructuredOutputs, threading.Event] = {}  # first compiles in flight
         self._lock = threading.Lock()  # the HTTP server checks requests on its own threads
 
     @property
@@ -86,69 +95,115 @@ class GrammarCompiler:
 
     def check(self, spec: StructuredOutputs) -> str | None:
         """Why this constraint cannot run, or None (it compiles and admits an output)."""
-        try:
-            spec.validate()
-            self._compiled(spec)
-        except ValueError as e:
-            return str(e)
-        return None
+        compiled = self._entry(spec)
+        return compiled if isinstance(compiled, str) else None
 
     def grammar(self, spec: StructuredOutputs) -> Grammar:
         """A fresh matcher for `spec`; ValueError saying what is wrong with it."""
-        spec.validate()
-        return Grammar(self._matcher(self._compiled(spec), spec), spec)
+        compiled = self._entry(spec)
+        if isinstance(compiled, str):
+            raise ValueError(compiled)
+        return Grammar(compiled.deep_copy(), spec)
 
-    def _matcher(self, text: str, spec: StructuredOutputs) -> Any:
-        import llguidance
-        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind} constraint: {_first_line(matcher.get_error())}")
-        return matcher
-
-    def _compiled(self, spec: StructuredOutputs) -> str:
-        """llguidance's grammar text for `spec`, checked once per constraint (it
-        compiles, and its first token can be something other than an end): LRU-cached,
-        so a request's check and its samples' matchers share the work."""
-        with self._lock:
-            if spec in self._grammars:
-                self._grammars.move_to_end(spec)
-                return self._grammars[spec]
-        import llguidance
-        text = self._grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(text, self._tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"invalid {spec.kind} constraint: {_first_line(error)}")
-        matcher = self._matcher(text, spec)
-        mask = np.zeros((1, mask_words(self.vocab_size)), np.int32)
-        Grammar(matcher, spec).fill(mask, 0)
-        allowed = set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
-        if not allowed - set(self._tokenizer.eos_tokens) and not matcher.is_accepting():
-            raise ValueError(f"the {spec.kind} constraint admits no output ({spec.describe()})")
-        with self._lock:
-            self._grammars[spec] = text
-            while len(self._grammars) > CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
-        return text
-
-    @staticmethod
-    def _grammar_text(spec: StructuredOutputs) -> str:
-        from llguidance import LLMatcher, grammar_from, regex_to_lark
+    def _entry(self, spec: StructuredOutputs) -> Any:
+        """`spec`'s pristine matcher or its error, compiled once per constraint and
+        LRU-cached, errors included (a request's check and its samples' matchers
+        share the work; a constraint that failed is not compiled again).  The first
+        compile is checked against the limits, then compiled in the sandbox within
+        the time budget, and only then here; a request beside it with the same
+        constraint waits for it."""
+        deadline = time.monotonic() + limits.LIMITS.compile_seconds
+        while True:
+            with self._lock:
+                if spec in self._compiled:
+                    self._compiled.move_to_end(spec)
+                    return self._compiled[spec]
+                pending = self._compiling.get(spec)
+                if pending is None:
+                    self._compiling[spec] = threading.Event()
+                    break
+            if not pending.wait(max(0.0, deadline - time.monotonic())):
+                return f"the {spec.kind} constraint did not compile within {limits.LIMITS.compile_seconds:g} s " \
+                       "(compile_seconds)"
+            with self._lock:
+                if spec not in self._compiled:  # the other caller's compile was refused for being busy
+                    continue
         try:
-            if spec.kind == "json":
-                return LLMatcher.grammar_from_json_schema(spec.json)
-            if spec.kind == "json_object":
-                return LLMatcher.grammar_from_json_schema({"type": "object"})
-            if spec.kind == "regex":  # \d and \w are ASCII, as in JSON Schema and JavaScript
-                return LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(spec.regex, 'dw')}/")
-            if spec.kind == "choice":
-                return grammar_from("choice", list(spec.choice))
-            return grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"invalid {spec.kind} constraint: {_first_line(str(e))}") from None
+            compiled = self._first_compile(spec, deadline)
+        except Busy as e:  # not the constraint's fault: not remembered
+            return str(e)
+        finally:
+            with self._lock:
+                self._compiling.pop(spec).set()
+        return compiled
+
+    def _first_compile(self, spec: StructuredOutputs, deadline: float) -> Any:
+        """The matcher or the error (cached), or Busy."""
+        try:
+            spec.validate()  # the limits: before llguidance sees it
+            error = self._sandboxed().compile(spec, deadline)
+            if error:
+                raise ValueError(error)
+            compiled = compile_matcher(self._tokenizer, spec, self.vocab_size)  # safe: it compiled there
+        except ValueError as e:
+            compiled = str(e)
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _sandboxed(self) -> CompileSandbox:
+        if self._sandbox is None:
+            self._sandbox = sandbox.shared(self._source.backend.to_str(), self.vocab_size,
+                                           list(self._source.eos_token_ids))
+        return self._sandbox
+
+
+def compile_matcher(tokenizer: Any, spec: StructuredOutputs, vocab_size: int) -> Any:
+    """`spec` compiled for `tokenizer` (an LLTokenizer) under llguidance's limits: a
+    matcher in its initial state, checked to compile and to admit a first token
+    other than an end; ValueError saying what is wrong.  (The sandbox runs this
+    first; the engine then runs it again on what passed.)"""
+    import llguidance
+    text = grammar_text(spec)
+    error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=limits.parser_limits())
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(error)}")
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits.parser_limits())
+    if matcher.is_error():
+        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(matcher.get_error())}")
+    probe = Grammar(matcher.deep_copy(), spec)
+    mask = np.zeros((1, mask_words(vocab_size)), np.int32)
+    probe.fill(mask, 0)
+    allowed = set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
+    if not allowed - set(tokenizer.eos_tokens) and not probe._matcher.is_accepting():
+        raise ValueError(f"the {spec.kind} constraint admits no output ({spec.describe()})")
+    if probe.error:  # e.g. a first Earley row past max_items_in_row
+        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(probe.error)}")
+    return matcher
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """llguidance's grammar text for `spec` (not yet compiled)."""
+    from llguidance import LLMatcher, grammar_from, regex_to_lark
+    try:
+        if spec.kind == "json":
+            return LLMatcher.grammar_from_json_schema(spec.json)
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if spec.kind == "regex":  # \d and \w are ASCII, as in JSON Schema and JavaScript
+            return LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(spec.regex, 'dw')}/")
+        if spec.kind == "choice":
+            return grammar_from("choice", list(spec.choice))
+        return grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(str(e))}") from None
 
 
 def _first_line(message: str) -> str:
     """llguidance's multi-line message on one line, without its caret drawings."""
     lines = [" ".join(line.split()) for line in message.strip().splitlines()]
-    lines = [line for line in lines if line.strip("^ ") and not re.match(r"\d+ \|", line)]
+    lines = [line for line in lines if line.strip("^ ") and not re.match(r"\d+ \|", line)
+             and line != "<non-verbose/>"]  # (llguidance's mark for verbose_errors=False)
     return "; ".join(dict.fromkeys(lines))[:400] if lines else "unknown error"

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json as _json
+import re
 from typing import Any
 
 from jpaged.core.json_values import json_type
+from jpaged.structured import limits
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's pre-0.10 extras, each the StructuredOutputs field it means.
@@ -22,7 +24,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 # only at the values that leave jpaged's enforcement as it is.
 NEUTRAL_EXTRAS = {"guided_decoding_backend": (None, "", "auto", "guidance", "llguidance"),
                   "guided_whitespace_pattern": (None,)}
-MAX_SPEC_CHARS = 1 << 20  # a schema / grammar / regex larger than 1 MiB is refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,11 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, bool)):  # as text: hashable (key order kept: it is the order generated)
-            object.__setattr__(self, "json", _json.dumps(self.json, ensure_ascii=False))
+            try:
+                object.__setattr__(self, "json", _json.dumps(self.json, ensure_ascii=False))
+            except RecursionError:
+                raise ValueError(f"structured_outputs.json nests deeper than Python's JSON encoder writes; "
+                                 f"the limit is {limits.LIMITS.schema_depth} (schema_depth)") from None
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
 
@@ -65,6 +70,7 @@ class StructuredOutputs:
         if kind == "json":
             if not isinstance(value, str):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {json_type(value)}")
+            limits.check_schema(value, "structured_outputs.json")  # its size and depth, before it is parsed
             try:
                 schema = _json.loads(value)
             except ValueError as e:
@@ -81,8 +87,8 @@ class StructuredOutputs:
                                  f"got {json_type(value)}")
         elif not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {json_type(value)}")
-        if len(self.source()) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs.{kind} is larger than {MAX_SPEC_CHARS} characters")
+        if kind != "json":  # (checked above)
+            limits.check(kind, value, f"structured_outputs.{kind}")
 
     def source(self) -> str:
         """The constraint as text (the JSON schema's text, the regex, the grammar, ...)."""
@@ -97,10 +103,11 @@ class StructuredOutputs:
         return f"{self.kind} {text[:60]!r}{'...' if len(text) > 60 else ''}" if text else self.kind
 
 
-def from_dict(obj: Any, where: str = "structured_outputs") -> StructuredOutputs:
+def from_dict(obj: Any, where: str = "structured_outputs", leaf: bool = False) -> StructuredOutputs:
     """vLLM's `structured_outputs` request object ({"json": schema} / {"regex": ...} /
     {"choice": [...]} / {"grammar": ...} / {"json_object": true}); ValueError
-    naming `where` for anything else."""
+    naming `where` for anything else (`leaf`: `where` names the value itself,
+    as guided_json does, not an object holding it)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where} must be an object with one of {', '.join(KINDS)}, got {json_type(obj)}")
     unknown = [k for k in obj if k not in KINDS and obj[k] is not None]
@@ -108,9 +115,9 @@ def from_dict(obj: Any, where: str = "structured_outputs") -> StructuredOutputs:
         raise ValueError(f"{where}.{unknown[0]} is not supported (jpaged takes {', '.join(KINDS)})")
     fields = {k: obj[k] for k in KINDS if obj.get(k) is not None}
     if isinstance(fields.get("json"), str):  # the schema's JSON text
-        fields["json"] = _canonical_json(fields["json"], f"{where}.json")
-    spec = StructuredOutputs(**fields)
-    _validate(spec, where)
+        fields["json"] = _canonical_json(fields["json"], where if leaf else f"{where}.json")
+    spec = _built(fields, where, leaf)
+    _validate(spec, where, leaf)
     return spec
 
 
@@ -136,8 +143,8 @@ def from_response_format(value: Any, where: str = "response_format") -> Structur
         return StructuredOutputs(json_object=True)
     if not isinstance(schema, dict):
         raise ValueError(f"{where}.json_schema.schema must be an object, got {json_type(schema)}")
-    spec = StructuredOutputs(json=schema)
-    _validate(spec, f"{where}.json_schema.schema")
+    spec = _built({"json": schema}, f"{where}.json_schema.schema", leaf=True)
+    _validate(spec, f"{where}.json_schema.schema", leaf=True)
     return spec
 
 
@@ -160,21 +167,38 @@ def from_request(obj: dict[str, Any]) -> StructuredOutputs | None:
         found.append(("response_format", spec))
     for name, kind in GUIDED_FIELDS.items():
         if obj.get(name) is not None:
-            found.append((name, from_dict({kind: obj[name]}, name)))
+            found.append((name, from_dict({kind: obj[name]}, name, leaf=True)))
     if len(found) > 1:
         raise ValueError(f"{found[0][0]} and {found[1][0]} both constrain the output: give one")
     return found[0][1] if found else None
 
 
 def _canonical_json(text: str, where: str) -> str:
+    limits.check_schema(text, where)  # its size and depth, before it is parsed
     try:
         return _json.dumps(_json.loads(text), ensure_ascii=False)
     except ValueError as e:
         raise ValueError(f"{where} is not valid JSON: {e}") from None
 
 
-def _validate(spec: StructuredOutputs, where: str) -> None:
+def _built(fields: dict[str, Any], where: str, leaf: bool) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except ValueError as e:
+        raise ValueError(_renamed(str(e), where, leaf)) from None
+
+
+def _validate(spec: StructuredOutputs, where: str, leaf: bool = False) -> None:
     try:
         spec.validate()
     except ValueError as e:  # say which request field it came from
-        raise ValueError(str(e).replace("structured_outputs", where, 1)) from None
+        raise ValueError(_renamed(str(e), where, leaf)) from None
+
+
+def _renamed(message: str, where: str, leaf: bool) -> str:
+    """A StructuredOutputs message ("structured_outputs.json is ...") naming the
+    request's field: `where` replaces "structured_outputs", or with `leaf`
+    "structured_outputs.<kind>" (guided_json, response_format's schema)."""
+    if leaf:
+        message = re.sub(r"^structured_outputs\.(?:%s)\b" % "|".join(KINDS), where, message, count=1)
+    return message.replace("structured_outputs", where, 1)

@@ -1,0 +1,245 @@
+"""The first compile of a constraint, in a worker process that may die.
+
+llguidance compiles natively: a constraint beyond what `limits` can foresee
+could still overflow its stack (SIGSEGV) or run for minutes.  So the first
+compile of a constraint this process has not seen (its grammar text, llguidance's
+validation, a matcher and its first mask: `grammar.compile_matcher`) runs in
+a worker: a fresh interpreter (`python -m jpaged.structured.sandbox`: no fork
+of the parent's jax state, no import of it) that loads the tokenizer once and
+then compiles one constraint after another.  A worker that dies makes that
+constraint's error ("crashed the grammar compiler") and is started again for
+the next; one that runs past the time budget is killed, and the constraint's
+error says so.  The worker compiles on a thread with half the stack the
+parent's threads have, so a constraint that compiled there compiles in the
+parent (the same code on the same input) with room to spare.
+
+`CompileSandbox` is the parent's side: LIMITS.concurrent_compiles workers,
+shared by every engine of the process with the same tokenizer (`shared`),
+each started on first use and reused.  A caller waits for a free worker
+within its budget.  Host code: no jax.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from jpaged.structured import limits
+
+START_SECONDS = 120.0          # a worker's start (an interpreter, llguidance, the tokenizer): not the budget's
+WORKER_MEMORY = 8 << 30        # a worker's address space: a compile that needs more dies, contained
+_HEADER = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
+
+
+class CompileSandbox:
+    """Compiles constraints in worker processes (see the module docstring)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], workers: int):
+        self._setup = (tokenizer_json, vocab_size, list(eos_token_ids), _worker_stack_bytes())
+        self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()  # the warmest worker first
+        self.workers = [_Worker(self._setup) for _ in range(max(1, workers))]
+        for w in self.workers:
+            self._idle.put(w)
+
+    def compile(self, spec: Any, deadline: float) -> str | None:
+        """None when `spec` compiles in a worker by `deadline` (time.monotonic());
+        else why not: its error, a crash, the budget.  Raises Busy when no worker
+        came free by the deadline (not the constraint's fault: not to be cached)."""
+        try:
+            worker = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise Busy(f"the grammar compiler is busy: {len(self.workers)} constraints compiled for the whole "
+                       f"{limits.LIMITS.compile_seconds:g} s budget (concurrent_compiles, compile_seconds); "
+                       "retry later") from None
+        try:
+            return worker.compile(spec, deadline)
+        finally:
+            self._idle.put(worker)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+class Busy(Exception):
+    """No worker came free within the budget."""
+
+
+class _Worker:
+    """One worker process, started on first use and again after it dies."""
+
+    def __init__(self, setup: tuple[Any, ...]):
+        self._setup = setup
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def compile(self, spec: Any, deadline: float) -> str | None:
+        if self._proc is None or self._proc.poll() is not None:
+            started = time.monotonic()
+            error = self._start()
+            if error:
+                return error
+            deadline += time.monotonic() - started  # the start is the worker's cost, not the constraint's
+        assert self._proc is not None
+        try:
+            _send(self._proc.stdin, (spec, limits.LIMITS))
+            reply = _receive(self._proc.stdout, deadline)
+        except TimeoutError:
+            self.stop()
+            return (f"the {spec.kind} constraint did not compile within {limits.LIMITS.compile_seconds:g} s "
+                    "(compile_seconds)")
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return f"the {spec.kind} constraint crashed the grammar compiler ({self._death()})"
+        return reply
+
+    def _start(self) -> str | None:
+        """Starts the process and sends it the tokenizer; an error when it does not come up."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [_package_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        self._proc = subprocess.Popen([sys.executable, "-m", "jpaged.structured.sandbox"], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        try:
+            _send(self._proc.stdin, self._setup)
+            reply = _receive(self._proc.stdout, time.monotonic() + START_SECONDS)
+        except (OSError, EOFError, TimeoutError, pickle.UnpicklingError):
+            reply = f"it did not start: {self._death()}"
+        if reply != "ready":
+            self.stop()
+            return f"the grammar compiler is unavailable ({reply})"
+        return None
+
+    def _death(self) -> str:
+        """How the process ended (it is reaped)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return "no process"
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit status {code}"
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+_SHARED: dict[tuple[int, int, tuple[int, ...]], CompileSandbox] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> CompileSandbox:
+    """The process's sandbox for this tokenizer (engines of one model, data-parallel
+    replicas: the cap on concurrent compiles is theirs together)."""
+    key = (hash(tokenizer_json), vocab_size, tuple(eos_token_ids))
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = CompileSandbox(tokenizer_json, vocab_size, eos_token_ids,
+                                          limits.LIMITS.concurrent_compiles)
+        return _SHARED[key]
+
+
+def _worker_stack_bytes() -> int:
+    """Half the stack this process's threads get (pthreads' default is the soft
+    RLIMIT_STACK; glibc takes 2 MiB when it is unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    threads = soft if 0 < soft != resource.RLIM_INFINITY else 2 << 20
+    return max(threads // 2, 512 << 10)
+
+
+def _package_root() -> str:
+    import jpaged
+    return os.path.dirname(os.path.dirname(os.path.abspath(jpaged.__file__)))
+
+
+# ------------------------------------------------------------------ framing
+def _send(pipe: Any, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    pipe.write(_HEADER.pack(len(data)) + data)
+    pipe.flush()
+
+
+def _receive(pipe: Any, deadline: float | None) -> Any:
+    """The next message; TimeoutError past `deadline`, EOFError when the writer is gone."""
+    (size,) = _HEADER.unpack(_read(pipe, _HEADER.size, deadline))
+    return pickle.loads(_read(pipe, size, deadline))
+
+
+def _read(pipe: Any, size: int, deadline: float | None) -> bytes:
+    fd, chunks, left = pipe.fileno(), [], size
+    while left:
+        if deadline is not None:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# ------------------------------------------------------------------- worker
+def _serve(stdin: Any, stdout: Any, setup: tuple[Any, ...]) -> None:
+    """The worker's loop: the tokenizer (`setup`), then one constraint per message,
+    each answered None (it compiles) or its error, until the parent closes the pipe."""
+    import llguidance
+    from jpaged.structured.grammar import compile_matcher
+    tokenizer_json, vocab_size, eos, _ = setup
+    tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
+    _send(stdout, "ready")
+    while True:
+        try:
+            spec, limits.LIMITS = _receive(stdin, None)  # the parent's limits, llguidance's included
+        except EOFError:
+            return
+        try:
+            compile_matcher(tokenizer, spec, vocab_size)
+            reply = None
+        except ValueError as e:
+            reply = str(e)
+        _send(stdout, reply)
+
+
+def main() -> None:
+    # The protocol keeps its own copy of stdout; fd 1 becomes stderr, so that nothing
+    # native prints can corrupt a message.
+    stdin, stdout = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's to handle
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
+    except (ValueError, OSError):
+        pass
+    setup = _receive(stdin, None)
+    threading.stack_size(setup[3])  # see the module docstring
+    worker = threading.Thread(target=_serve, args=(stdin, stdout, setup), name="jpaged-grammar-sandbox")
+    worker.start()
+    worker.join()
+
+
+if __name__ == "__main__":
+    main()
