@@ -2,6 +2,8 @@
 
     jpaged batch [flags]   a batch of prompts (JSONL) through the engine (jpaged.entrypoints.batch)
     jpaged serve [flags]   an OpenAI-compatible HTTP server (jpaged.entrypoints.serve)
+    jpaged export-tokenizer DIR [flags]   the model's tokenizer for transformers' AutoTokenizer
+                           (jpaged.entrypoints.export_tokenizer)
 
 `jpaged <command> --help` lists a command's flags; every config field is a flag
 as --config.<field>=<value>.  Only the chosen command's module is imported (each
@@ -16,12 +18,14 @@ import sys
 COMMANDS = {
     "batch": ("jpaged.entrypoints.batch", "run a batch of prompts (JSONL) and print completions and a summary"),
     "serve": ("jpaged.entrypoints.serve", "serve an OpenAI-compatible HTTP API"),
+    "export-tokenizer": ("jpaged.entrypoints.export_tokenizer",
+                         "write the model's tokenizer as a Hugging Face tokenizer directory (AutoTokenizer)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: jpaged <command> [flags]", "", "commands:"]
-    lines += [f"  {name:<8}{about}" for name, (_, about) in COMMANDS.items()]
+    lines += [f"  {name:<17}{about}" for name, (_, about) in COMMANDS.items()]
     lines += ["", "`jpaged <command> --help` lists the command's flags."]
     return "\n".join(lines)
 
