@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -15,8 +16,9 @@ from safetensors.numpy import load_file, save_file
 
 from helpers import import_torch
 from jpaged.core.model_config import ModelConfig
-from jpaged.loading.peft import (LORA_TARGETS, PEFT_MODULES, lora_from_arrays, lora_module_shapes, load_peft_adapter,
-                                 parse_lora_modules)
+from jpaged.loading.peft import (LORA_TARGETS, MAX_CONFIG_BYTES, MAX_HEADER_BYTES, PEFT_MODULES, PeftFiles,
+                                 adapter_name_error, lora_from_arrays, lora_module_shapes, load_peft_adapter,
+                                 parse_adapter_config, parse_lora_modules, read_peft_files)
 
 peft = pytest.importorskip("peft")
 ALL = list(PEFT_MODULES)
@@ -192,8 +194,8 @@ def _rename_layer(t):
 
 
 ERRORS = {  # name -> (change to the good adapter dir (returns the file the message names), message pattern)
-    "no dir": (lambda d: d / "nope", "directory not found"),
-    "no config": (lambda d: (d / "adapter_config.json").unlink() or d / "adapter_config.json", "missing"),
+    "no dir": (lambda d: d / "nope", "not a readable LoRA adapter directory"),
+    "no config": (lambda d: (d / "adapter_config.json").unlink() or d, "not a readable LoRA adapter directory"),
     "not json": (lambda d: (d / "adapter_config.json").write_text("{oops") and d / "adapter_config.json",
                  "not JSON"),
     "no weights": (lambda d: (d / "adapter_model.safetensors").unlink() or d / "adapter_model.safetensors",
@@ -259,8 +261,8 @@ def test_parse_lora_modules(spec, want):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("a", "not name=path"), ("a=/x,b", "not name=path"), ("=/x", "empty"), ("a=", "empty path"),
-    ("a b=/x", "characters"), ("a=/x,a=/y", "given twice"), ({"a": 3}, "strings"), (["a=/x"], "expected"),
+    ("a", "not name=path"), ("a=/x,b", "not name=path"), ("=/x", "is not 1 to 128"), ("a=", "empty path"),
+    ("a b=/x", "is not 1 to 128 characters"), ("../x=/x", "without '..'"), ("a=/x,a=/y", "given twice"), ({"a": 3}, "strings"), (["a=/x"], "expected"),
 ])
 def test_parse_lora_modules_errors(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -273,3 +275,131 @@ def test_host_only():
             "print([m for m in ('jax', 'torch', 'peft', 'transformers', 'flax') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------- hostile adapters
+GOOD_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+
+BAD_CONFIGS = {  # name -> (fields over GOOD_CONFIG, the field named, message pattern)
+    "rank 0": ({"rank_pattern": {"q_proj": 0}}, "rank_pattern", r"\['q_proj'\] is 0, not a positive integer"),
+    "alpha text": ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern", "'x', not a positive finite number"),
+    "bad regex": ({"rank_pattern": {"(": 8}}, "rank_pattern", "key '\\(' is not a regular expression"),
+    "slow regex": ({"rank_pattern": {"(a+)+$": 8}}, "rank_pattern", "repeats a repetition"),
+    "many stars": ({"alpha_pattern": {"a.*b.*c": 8}}, "alpha_pattern", "2 repetitions"),
+    "long key": ({"rank_pattern": {"q" * 300: 8}}, "rank_pattern", "above the limit of 256"),
+    "many keys": ({"rank_pattern": {f"k{i}": 8 for i in range(1025)}}, "rank_pattern", "1,025 entries"),
+    "pattern list": ({"rank_pattern": [8]}, "rank_pattern", "not a JSON object"),
+    "layers float": ({"layers_to_transform": 1.5}, "layers_to_transform", "1.5, not a layer index"),
+    "layers mixed": ({"layers_to_transform": [0, "1"]}, "layers_to_transform", "not a layer index"),
+    "layers negative": ({"layers_to_transform": -1}, "layers_to_transform", "not a layer index"),
+    "r float": ({"r": 8.5}, "r", "8.5, not a positive integer"),
+    "r bool": ({"r": True}, "r", "True, not a positive integer"),
+    "r zero": ({"r": 0}, "r", "0, not a positive integer"),
+    "alpha inf": ({"lora_alpha": float("inf")}, "lora_alpha", "inf, not a positive finite number"),
+    "alpha text 2": ({"lora_alpha": "16"}, "lora_alpha", "not a positive finite number"),
+    "rslora": ({"use_rslora": "yes"}, "use_rslora", "not true or false"),
+    "targets int": ({"target_modules": 5}, "target_modules", "not a list of names or a regex"),
+    "targets bad regex": ({"target_modules": "("}, "target_modules", "not a regular expression"),
+    "targets slow regex": ({"target_modules": "((.*)*)*x"}, "target_modules", "repeats a repetition"),
+    "peft type": ({"peft_type": ["LORA"]}, "peft_type", "LoRA adapters only"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_config_validator(name):
+    """Each malformed adapter_config.json is a ValueError naming the file and the field."""
+    changes, field, pattern = BAD_CONFIGS[name]
+    with pytest.raises(ValueError, match=pattern) as e:
+        parse_adapter_config({**GOOD_CONFIG, **changes}, "/ad/adapter_config.json")
+    assert str(e.value).startswith(f"/ad/adapter_config.json: {field}")
+
+
+def test_config_validator_accepts_peft_shapes():
+    config = parse_adapter_config({**GOOD_CONFIG, "rank_pattern": {"q_proj": 4, r"layers\.\d+\.mlp\.up_proj": 2},
+                                   "alpha_pattern": {"v_proj": 2.5}, "layers_to_transform": 0,
+                                   "use_rslora": True}, "c.json")
+    assert config.module_scale("model.layers.0.self_attn.q_proj") == (4, 16 / 2)
+    assert config.module_scale("model.layers.3.mlp.up_proj") == (2, 16 / 2 ** 0.5)
+    assert config.module_scale("model.layers.0.self_attn.v_proj") == (8, 2.5 / 8 ** 0.5)
+    assert config.layers_to_transform == {0}
+    with pytest.raises(ValueError, match="^x.json: not a JSON object"):
+        parse_adapter_config([GOOD_CONFIG], "x.json")
+
+
+def _copy(good_adapter, tmp_path) -> pathlib.Path:
+    d = tmp_path / "adapter"
+    shutil.copytree(good_adapter[0], d)
+    return d
+
+
+def test_deep_json_is_an_error(good_adapter, tmp_path):
+    """100,000-deep JSON, in adapter_config.json or in the safetensors header, is a
+    ValueError naming the file (not a RecursionError)."""
+    d = _copy(good_adapter, tmp_path)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (d / "adapter_config.json").write_bytes(deep)
+    with pytest.raises(ValueError, match="adapter_config.json: the file is nested too deeply"):
+        read_peft_files(d)
+    shutil.copy(good_adapter[0] / "adapter_config.json", d / "adapter_config.json")
+    header = b'{"a": ' + deep + b"}"
+    (d / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match="adapter_model.safetensors: the safetensors header is nested too deeply"):
+        read_peft_files(d)
+
+
+def test_reads_are_bounded(good_adapter, tmp_path):
+    """A 1 GiB adapter_config.json (sparse: nothing to read) is refused by its size, and a
+    safetensors header length above the cap by that length, before either is read."""
+    d = _copy(good_adapter, tmp_path)
+    with open(d / "adapter_config.json", "r+b") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(ValueError, match=f"adapter_config.json: the file is 1,073,741,824 bytes, above the limit "
+                                         f"of {MAX_CONFIG_BYTES:,}"):
+        read_peft_files(d)
+    (d / "adapter_config.json").write_bytes(b" " * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match="above the limit"):
+        read_peft_files(d)
+    shutil.copy(good_adapter[0] / "adapter_config.json", d / "adapter_config.json")
+    weights = d / "adapter_model.safetensors"
+    weights.write_bytes((MAX_HEADER_BYTES + 1).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match=f"safetensors header is {MAX_HEADER_BYTES + 1:,} bytes, above the limit"):
+        read_peft_files(d)
+
+
+def test_unreadable_paths_say_the_same(good_adapter, tmp_path):
+    """A missing path, a file, an empty directory, a directory whose adapter_config.json
+    is a directory or a FIFO (not opened blocking): one message, naming only the path."""
+    (tmp_path / "file").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "dir_config" / "adapter_config.json").mkdir(parents=True)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "adapter_config.json")
+    for name in ("missing", "file", "empty", "dir_config", "fifo", "nul\0byte"):
+        with pytest.raises(ValueError) as e:
+            read_peft_files(tmp_path / name)
+        assert str(e.value) == (f"{tmp_path / name}: not a readable LoRA adapter directory (one holding "
+                                f"adapter_config.json and adapter_model.safetensors)")
+
+
+def test_read_off_the_engine_then_fitted(good_adapter):
+    """read_peft_files holds the data in memory (no memory map); load_peft_adapter fits
+    it to the model without reading the directory again, as from its path."""
+    src, cfg = good_adapter
+    files = read_peft_files(src)
+    assert isinstance(files, PeftFiles) and os.fspath(files) == str(src)
+    assert all(not isinstance(t, np.memmap) and t.base is None for pair in files.pairs.values() for t in pair.values())
+    from_files, from_path = (load_peft_adapter("a", p, cfg, max_rank=8) for p in (files, src))
+    assert from_files.path == from_path.path and from_files.rank == from_path.rank
+    for target, (a, b) in from_path.modules.items():
+        np.testing.assert_array_equal(from_files.modules[target][0], a)
+        np.testing.assert_array_equal(from_files.modules[target][1], b)
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("sql", True), ("org/sql-lora:v1.2", True), ("a_b.c", True), ("x" * 128, True),
+    ("", False), ("x" * 129, False), ("x" * 100_000, False), ("<|im_end|>", False), ("../x", False),
+    ("a/../b", False), ("/abs", False), ("trail/", False), ("a,b", False), ("a b", False), ("tab\t", False),
+    ("é", False), (None, False), (3, False),
+])
+def test_adapter_name_rule(name, ok):
+    assert (adapter_name_error(name) is None) == ok

@@ -12,11 +12,12 @@ another adapter of the same name) is never reused.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
 from jpaged.core.model_config import ModelConfig
-from jpaged.loading.peft import LoraAdapter, load_peft_adapter, lora_from_arrays
+from jpaged.loading.peft import LoraAdapter, check_adapter_name, load_peft_adapter, lora_from_arrays
 from jpaged.runtime.sharding import replicate_kv_heads
 
 
@@ -63,9 +64,13 @@ class LoraManager:
             raise UnknownLoraError(f"LoRA adapter {name!r} is not loaded (loaded: {have})")
         return lora.slot, (lora.name, lora.serial)
 
-    def load(self, name: str, path: str) -> LoadedLora:
+    def load(self, name: str, path: str | os.PathLike) -> LoadedLora:
         """Reads a PEFT directory into a free slot; ValueError (naming the file and the
-        problem) for a bad adapter, a name already loaded, or no free slot."""
+        problem) for a bad name (jpaged.loading.peft.ADAPTER_NAME_RULE), a bad adapter,
+        a name already loaded, or no free slot.  `path` may be the directory's
+        PeftFiles, read beforehand off the engine thread (the server does): then only
+        the fitting to the model and the slot's write happen here."""
+        check_adapter_name(name)
         self._check_free(name)
         return self._install(load_peft_adapter(name, path, self.base_cfg, max_rank=self.max_rank))
 

@@ -28,7 +28,13 @@ import math
 import os
 import pathlib
 import re
+import stat
 from typing import Any
+
+try:  # the stdlib's regex parser (to look at a pattern's shape), renamed in 3.11
+    from re import _parser as _sre_parser
+except ImportError:  # pragma: no cover
+    import sre_parse as _sre_parser  # type: ignore[no-redef]
 
 import numpy as np
 
@@ -54,7 +60,26 @@ _UNSUPPORTED = {
     "arrow_config": "Arrow routing (arrow_config)", "kasa_config": "KaSA (kasa_config)",
     "monteclora_config": "MonteCLoRA (monteclora_config)", "use_bdlora": "block-diagonal LoRA (use_bdlora)",
 }
-_NAME = re.compile(r"[A-Za-z0-9_\-./:]+")
+
+# Adapter names, at start (lora_modules) and at run time (/v1/load_lora_adapter,
+# LLM.load_lora_adapter): one rule.  A name is a "model" in requests, a label
+# value in /metrics (joined with ","), a log field: 1 to 128 letters, digits
+# and _-./: ("org/name:v1.2"), never "..", nor starting or ending with "/".
+ADAPTER_NAME_RULE = "1 to 128 characters, each a letter, a digit or one of _-./:, without '..' or a leading or " \
+    "trailing '/'"
+_ADAPTER_NAME = re.compile(r"(?!/)(?!.*\.\.)[A-Za-z0-9_\-./:]{1,128}(?<!/)")
+
+# Bounds on what an adapter directory may make the server read or compute.
+MAX_CONFIG_BYTES = 1 << 20          # adapter_config.json (real ones are ~1 KB)
+MAX_HEADER_BYTES = 16 << 20         # a safetensors JSON header (an adapter's is a few KB per layer)
+MAX_PATTERNS = 1024                 # rank_pattern / alpha_pattern entries
+MAX_PATTERN_CHARS = 256             # one pattern key (a module name or a regex)
+MAX_PATTERN_REPEATS = 1             # "*", "+", "{2,}"... in a rank/alpha_pattern key (see _backtracking_error)
+MAX_TARGET_REPEATS = 4              # in a target_modules regex (matched against two short names)
+MAX_TENSOR_NAME_CHARS = 256         # one tensor name in the safetensors header
+MAX_TENSORS = 16384                 # lora_A + lora_B tensors (7 modules x 2 x 1,170 layers)
+MAX_PATTERN_MATCHES = 1 << 19       # pattern keys x modules matched (an 80-layer adapter listing
+                                    # every module in rank_pattern: 560 x 560)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,89 +100,308 @@ def lora_module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
 
 
-# ================================================================= PEFT directories
-def load_peft_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, *, max_rank: int) -> LoraAdapter:
-    """Reads a PEFT LoRA adapter directory for a model of `cfg` (ranks up to max_rank)."""
-    root = pathlib.Path(path)
-    if not root.is_dir():
-        raise ValueError(f"{root}: LoRA adapter directory not found")
-    config = _read_config(root / CONFIG_FILE)
-    weights = root / WEIGHTS_FILE
-    if not weights.is_file():
-        hint = ("; it holds adapter_model.bin, a pickle, which jpaged does not load: re-save the adapter with "
-                "save_pretrained(..., safe_serialization=True)" if (root / "adapter_model.bin").is_file() else "")
-        raise ValueError(f"{weights}: missing{hint}")
-    pieces = _read_pieces(weights, config, cfg, max_rank)
-    return _assemble(name, str(root), pieces, cfg)
+# ================================================================= adapter names
+def adapter_name_error(name: Any) -> str | None:
+    """Why `name` cannot name an adapter (see ADAPTER_NAME_RULE), or None if it can."""
+    if not isinstance(name, str):
+        return f"an adapter name is a string, not {type(name).__name__}"
+    if not _ADAPTER_NAME.fullmatch(name):
+        shown = repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name):,} characters)"
+        return f"adapter name {shown} is not {ADAPTER_NAME_RULE}"
+    return None
 
 
-def _read_config(path: pathlib.Path) -> dict[str, Any]:
-    """adapter_config.json, checked for what jpaged can apply."""
-    if not path.is_file():
-        raise ValueError(f"{path}: missing; a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}; jpaged loads LoRA adapters only (LORA)")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"{path}: bias is {config['bias']!r}; jpaged applies adapters without biases (bias 'none')")
+def check_adapter_name(name: Any) -> str:
+    """`name`, or ValueError saying why it cannot name an adapter."""
+    error = adapter_name_error(name)
+    if error:
+        raise ValueError(error)
+    return name
+
+
+# ================================================================= adapter_config.json
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+    """What jpaged applies of a checked adapter_config.json."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: tuple[tuple[re.Pattern, int], ...]       # (PEFT's suffix regex of the key, r)
+    alpha_pattern: tuple[tuple[re.Pattern, float], ...]
+    layers_to_transform: frozenset[int] | None
+
+    def module_scale(self, module: str) -> tuple[int, float]:
+        """(configured rank, scale) of one PEFT module: peft.utils.other.get_pattern_key, the
+        first key that is a regex suffix of `module`, else r / lora_alpha."""
+        r = next((v for key, v in self.rank_pattern if key.match(module)), self.r)
+        alpha = next((v for key, v in self.alpha_pattern if key.match(module)), self.lora_alpha)
+        return r, alpha / (math.sqrt(r) if self.use_rslora else r)
+
+
+def parse_adapter_config(raw: Any, where: str | os.PathLike) -> AdapterConfig:
+    """adapter_config.json's parsed JSON, checked field by field: ValueError naming
+    `where` (the file) and the field for anything jpaged cannot apply exactly."""
+    def bad(field: str, problem: str) -> ValueError:
+        return ValueError(f"{where}: {field} {problem}")
+
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    if raw.get("peft_type") != "LORA":
+        raise bad("peft_type", f"is {_show(raw.get('peft_type'))}; jpaged loads LoRA adapters only (LORA)")
+    if raw.get("bias", "none") != "none":
+        raise bad("bias", f"is {_show(raw['bias'])}; jpaged applies adapters without biases (bias 'none')")
     for field, what in _UNSUPPORTED.items():
-        if config.get(field):
-            raise ValueError(f"{path}: {what} is not supported ({field}={config[field]!r}); jpaged applies plain LoRA")
-    for field in ("r", "lora_alpha"):
-        value = config.get(field, 8)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{path}: {field} is {value!r}, not a positive number")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(field) or {}, dict):
-            raise ValueError(f"{path}: {field} is {config[field]!r}, not a JSON object")
-    _check_targets(path, config.get("target_modules"))
-    return config
+        if raw.get(field):
+            raise ValueError(f"{where}: {what} is not supported ({field}={_show(raw[field])}); "
+                             f"jpaged applies plain LoRA")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise bad("use_rslora", f"is {_show(use_rslora)}, not true or false")
+    _check_targets(where, raw.get("target_modules"))
+    return AdapterConfig(
+        r=_positive(raw.get("r", 8), int, lambda p: bad("r", p)),
+        lora_alpha=_positive(raw.get("lora_alpha", 8), float, lambda p: bad("lora_alpha", p)),
+        use_rslora=use_rslora,
+        rank_pattern=_patterns(raw.get("rank_pattern"), int, lambda p: bad("rank_pattern", p)),
+        alpha_pattern=_patterns(raw.get("alpha_pattern"), float, lambda p: bad("alpha_pattern", p)),
+        layers_to_transform=_layers(raw.get("layers_to_transform"), lambda p: bad("layers_to_transform", p)))
 
 
-def _check_targets(path: pathlib.Path, targets: Any) -> None:
+def _show(value: Any) -> str:
+    """A config value for a message: its repr, cut (a hostile one may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _positive(value: Any, kind: type, bad: Any) -> Any:
+    """A positive int (kind int) or finite number (kind float); bad(problem) otherwise."""
+    ok = (not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float))
+          and math.isfinite(value) and value > 0)
+    if not ok:
+        raise bad(f"is {_show(value)}, not a positive {'integer' if kind is int else 'finite number'}")
+    return kind(value)
+
+
+def _patterns(value: Any, kind: type, bad: Any) -> tuple[tuple[re.Pattern, Any], ...]:
+    """rank_pattern / alpha_pattern: {regex: value}, compiled as PEFT matches them."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad(f"is {_show(value)}, not a JSON object")
+    if len(value) > MAX_PATTERNS:
+        raise bad(f"has {len(value):,} entries, above the limit of {MAX_PATTERNS}")
+    out = []
+    for key, v in value.items():
+        if len(key) > MAX_PATTERN_CHARS:
+            raise bad(f"key {_show(key)} is {len(key):,} characters, above the limit of {MAX_PATTERN_CHARS}")
+        try:
+            pattern = re.compile(rf"(.*\.)?({key})$")
+        except (re.error, RecursionError, OverflowError) as e:
+            raise bad(f"key {_show(key)} is not a regular expression ({e})") from None
+        slow = _backtracking_error(key, MAX_PATTERN_REPEATS)
+        if slow:
+            raise bad(f"key {_show(key)} is a regex that could take long to match: {slow}")
+        out.append((pattern, _positive(v, kind, lambda p: bad(f"[{_show(key)}] {p}"))))
+    return tuple(out)
+
+
+def _backtracking_error(pattern: str, max_repeats: int) -> str | None:
+    """Why matching this (compiled) regex against a module name could take long, or None:
+    nested repetition or a repeated alternation ("(a+)+", "(a|a)*": exponential) or
+    more than `max_repeats` repetitions ("a.*b.*c": polynomial in the name's length)."""
+    repeats = 0
+
+    def walk(items: Any, under_repeat: bool) -> str | None:
+        nonlocal repeats
+        for op, arg in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                if under_repeat:
+                    return "it repeats a repetition"
+                repeats += arg[1] > 1
+                inner = walk(arg[2], True)
+            elif name == "BRANCH":
+                inner = "it repeats an alternation" if under_repeat else None
+                inner = inner or next(filter(None, (walk(b, under_repeat) for b in arg[1])), None)
+            elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT", "ATOMIC_GROUP"):
+                inner = walk(arg[-1] if name != "ATOMIC_GROUP" else arg, under_repeat)
+            else:
+                inner = None
+            if inner:
+                return inner
+        return None
+
+    error = walk(_sre_parser.parse(pattern), False)
+    return error or (f"it has {repeats} repetitions (at most {max_repeats})" if repeats > max_repeats else None)
+
+
+def _layers(value: Any, bad: Any) -> frozenset[int] | None:
+    """layers_to_transform: null, a layer index, or a list of them."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise bad(f"is {_show(value)}, not a layer index (an integer >= 0) or a list of them")
+    return frozenset(values)
+
+
+def _check_targets(where: str | os.PathLike, targets: Any) -> None:
     """target_modules names only modules jpaged can adapt (validation only: the tensors decide)."""
     if targets is None or targets == "all-linear":
         return
     if isinstance(targets, str):  # PEFT fullmatches the regex against each module name
-        try:
-            bad = [m for m in ("model.embed_tokens", "lm_head") if re.fullmatch(targets, m)]
-        except re.error as e:
-            raise ValueError(f"{path}: target_modules {targets!r} is not a regular expression ({e})") from None
+        if len(targets) > MAX_PATTERN_CHARS:
+            raise ValueError(f"{where}: target_modules is {len(targets):,} characters, above the limit of "
+                             f"{MAX_PATTERN_CHARS}")
+        problem = _regex_error(targets) or _backtracking_error(targets, MAX_TARGET_REPEATS)
+        if problem:
+            raise ValueError(f"{where}: target_modules {_show(targets)} is not a regular expression ({problem})")
+        bad = [m for m in ("model.embed_tokens", "lm_head") if re.fullmatch(targets, m)]
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         bad = [t for t in targets if t.rsplit(".", 1)[-1] not in PEFT_MODULES]
     else:
-        raise ValueError(f"{path}: target_modules is {targets!r}, not a list of names or a regex")
+        raise ValueError(f"{where}: target_modules is {_show(targets)}, not a list of names or a regex")
     if bad:
-        raise ValueError(f"{path}: target_modules includes {bad}, which jpaged cannot adapt; "
+        raise ValueError(f"{where}: target_modules includes {_show(bad)}, which jpaged cannot adapt; "
                          f"it applies LoRA to {sorted(PEFT_MODULES)} only")
 
 
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """peft.utils.other.get_pattern_key: the first key that is a regex suffix of `module`."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _regex_error(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        return str(e) or type(e).__name__
+    return None
 
 
-def _module_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
-    """(configured rank, scale) of one PEFT module."""
-    r = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
-    return r, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+# ================================================================= bounded reads
+class _Unreadable(Exception):
+    """A file that cannot be opened as a regular file (missing, a directory, a FIFO, no permission)."""
 
 
-def _read_pieces(path: pathlib.Path, config: dict[str, Any], cfg: ModelConfig, max_rank: int
-                 ) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """target -> layer -> (A [in, r], B [r, out] * scale) from the safetensors file, checked."""
+def _read_capped(path: pathlib.Path, cap: int, what: str, start: int = 0, size: int | None = None) -> bytes:
+    """`size` bytes (all, if None) of the regular file at `path` from `start`, refusing
+    more than `cap` before reading any: ValueError naming the file and the cap;
+    _Unreadable when it is not a regular file (opened without blocking: a FIFO does
+    not hang the reader)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
+        raise _Unreadable(path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _Unreadable(path)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        want = info.st_size - start if size is None else size
+        if want > cap:
+            raise ValueError(f"{path}: {what} is {want:,} bytes, above the limit of {cap:,}")
+        f.seek(start)
+        data = f.read(want if size is not None else cap + 1)
+    if len(data) > cap:  # grew meanwhile, or a file whose size stat does not tell
+        raise ValueError(f"{path}: {what} is above the limit of {cap:,} bytes")
+    return data
+
+
+def _parse_json(data: bytes, where: str | os.PathLike, what: str) -> Any:
+    """JSON from bytes; ValueError naming the file for anything that is not (deep nesting included)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{where}: {what} is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, an integer of 5,000 digits
+        raise ValueError(f"{where}: {what} is not JSON ({_show(str(e))[1:-1]})") from None
+
+
+def read_adapter_config(path: str | os.PathLike) -> AdapterConfig:
+    """A bounded read of adapter_config.json (MAX_CONFIG_BYTES), checked."""
+    path = pathlib.Path(path)
+    return parse_adapter_config(_parse_json(_read_capped(path, MAX_CONFIG_BYTES, "the file"), path, "the file"),
+                                path)
+
+
+def _read_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """The safetensors file's tensors, memory-mapped: its header's length is read first
+    and refused above MAX_HEADER_BYTES before read_safetensors reads the header."""
+    size = int.from_bytes(_read_capped(path, 8, "the header length", size=8), "little")
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: the safetensors header is {size:,} bytes, above the limit of {MAX_HEADER_BYTES:,}")
+    try:
+        tensors = read_safetensors(path)
+    except RecursionError:
+        raise ValueError(f"{path}: the safetensors header is nested too deeply") from None
+    except ValueError as e:  # (json's own, an integer of 5,000 digits, does not name the file)
+        raise (e if str(path) in str(e) else ValueError(f"{path}: {_show(str(e))[1:-1]}")) from None
+    names = list(tensors)
+    if len(names) > MAX_TENSORS:
+        raise ValueError(f"{path}: {len(names):,} tensors, above the limit of {MAX_TENSORS:,}")
+    long = [n for n in names if len(n) > MAX_TENSOR_NAME_CHARS]
+    if long:
+        raise ValueError(f"{path}: tensor name {_show(long[0])} is above the limit of {MAX_TENSOR_NAME_CHARS} "
+                         f"characters")
+    return tensors
+
+
+# ================================================================= PEFT directories
+@dataclasses.dataclass(frozen=True, eq=False)
+class PeftFiles(os.PathLike):
+    """A PEFT adapter directory, read and checked on the host without the model: its
+    config and its LoRA tensors in memory, (module, layer, proj) -> {"A", "B"}.  It is
+    an os.PathLike of the directory, so it goes where the directory's path goes
+    (LLM.load_lora_adapter): the server reads it in its host pool and the engine
+    thread, which then only fits it to the model, reads nothing from disk."""
+
+    path: str
+    config: AdapterConfig
+    pairs: dict[tuple[str, int, str], dict[str, np.ndarray]]
+    scales: dict[str, tuple[int, float]]  # module -> (configured rank, scale)
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+def read_peft_files(path: str | os.PathLike) -> PeftFiles:
+    """Reads a PEFT LoRA adapter directory (bounded: see the MAX_ limits).  ValueError
+    naming the file and the field for anything jpaged cannot apply; the same message
+    for a missing path and one that is not a readable adapter directory (what the
+    server's disk holds is not told to a client)."""
+    root = pathlib.Path(path)
+    try:
+        config = read_adapter_config(root / CONFIG_FILE)
+    except _Unreadable:
+        raise ValueError(f"{root}: not a readable LoRA adapter directory (one holding {CONFIG_FILE} and "
+                         f"{WEIGHTS_FILE})") from None
+    weights = root / WEIGHTS_FILE
+    try:
+        tensors = _read_weights(weights)
+    except _Unreadable:
+        hint = ("; it holds adapter_model.bin, a pickle, which jpaged does not load: re-save the adapter with "
+                "save_pretrained(..., safe_serialization=True)" if (root / "adapter_model.bin").is_file() else "")
+        raise ValueError(f"{weights}: missing{hint}") from None
+    pairs = _read_pairs(weights, tensors)
+    scales = _module_scales(weights, pairs, config)
+    for (module, _, _), pair in sorted(pairs.items()):  # before reading the data: the header's shapes
+        _check_ranks(f"{weights}: {module}", pair["A"], pair["B"], scales[module][0])
+    # Read into memory here, off the memory map: the disk is read now, not on the engine thread.
+    return PeftFiles(str(root), config, {k: {ab: np.array(t) for ab, t in pair.items()} for k, pair in pairs.items()},
+                     scales)
+
+
+def load_peft_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, *, max_rank: int) -> LoraAdapter:
+    """A PEFT LoRA adapter directory (or its PeftFiles, already read) for a model of
+    `cfg` (ranks up to max_rank)."""
+    files = path if isinstance(path, PeftFiles) else read_peft_files(path)
+    return _assemble(name, files.path, _fit_pieces(files, cfg, max_rank), cfg)
+
+
+def _read_pairs(path: pathlib.Path, tensors: dict[str, np.ndarray]
+                ) -> dict[tuple[str, int, str], dict[str, np.ndarray]]:
+    """(module, layer, proj) -> {"A": [r, in], "B": [out, r]} (memory-mapped) by the
+    tensors' names, every module with both."""
     pairs: dict[tuple[str, int, str], dict[str, np.ndarray]] = {}
     unknown = []
-    for key, tensor in read_safetensors(path).items():
+    for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
         if m is None or m["proj"] not in PEFT_MODULES:
             unknown.append(key)
@@ -171,21 +415,50 @@ def _read_pieces(path: pathlib.Path, config: dict[str, Any], cfg: ModelConfig, m
                          f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''}")
     if not pairs:
         raise ValueError(f"{path}: no LoRA tensors")
-    layers = config.get("layers_to_transform")
-    layers = None if layers is None else {layers} if isinstance(layers, int) else set(layers)
-    shapes = lora_module_shapes(cfg)
-    pieces: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-    for (module, layer, proj), pair in sorted(pairs.items()):
-        where = f"{path}: {module}"
+    for (module, _, _), pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
-            raise ValueError(f"{where} has lora_{''.join(pair)} but no lora_{'B' if 'A' in pair else 'A'}")
+            raise ValueError(f"{path}: {module} has lora_{''.join(pair)} but no lora_{'B' if 'A' in pair else 'A'}")
+    return pairs
+
+
+def _module_scales(path: pathlib.Path, pairs: dict[tuple[str, int, str], dict[str, np.ndarray]],
+                   config: AdapterConfig) -> dict[str, tuple[int, float]]:
+    """module -> (configured rank, scale), each module's patterns matched once (and at most
+    MAX_PATTERN_MATCHES matches in all); its layer checked against layers_to_transform."""
+    modules = {module: layer for module, layer, _ in pairs}
+    matches = len(modules) * (len(config.rank_pattern) + len(config.alpha_pattern))
+    if matches > MAX_PATTERN_MATCHES:
+        raise ValueError(f"{path}: {len(modules):,} modules against {matches // len(modules):,} rank_pattern and "
+                         f"alpha_pattern keys is above the limit of {MAX_PATTERN_MATCHES:,} matches")
+    layers = config.layers_to_transform
+    for module, layer in sorted(modules.items()):
+        if layers is not None and layer not in layers:
+            raise ValueError(f"{path}: {module}: layer {layer} is not in layers_to_transform {sorted(layers)}")
+    return {module: config.module_scale(module) for module in modules}
+
+
+def _check_ranks(where: str, a: np.ndarray, b: np.ndarray, r: int) -> None:
+    """A [r, in] and B [out, r] as files hold them: matrices of the configured rank r."""
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"{where}: A {a.shape} and B {b.shape} are not both matrices")
+    if a.shape[0] != b.shape[1]:
+        raise ValueError(f"{where}: the ranks of A ({a.shape[0]}) and B ({b.shape[1]}) disagree")
+    if a.shape[0] != r:
+        raise ValueError(f"{where}: rank {a.shape[0]} in the file, but adapter_config.json gives r={r}")
+
+
+def _fit_pieces(files: PeftFiles, cfg: ModelConfig, max_rank: int
+                ) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """target -> layer -> (A [in, r], B [r, out] * scale), checked against the model."""
+    path, shapes = pathlib.Path(files.path) / WEIGHTS_FILE, lora_module_shapes(cfg)
+    pieces: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    for (module, layer, proj), pair in sorted(files.pairs.items()):
+        where = f"{path}: {module}"
         if layer >= cfg.num_layers:
             raise ValueError(f"{where}: layer {layer}, but the model has {cfg.num_layers} layers")
-        if layers is not None and layer not in layers:
-            raise ValueError(f"{where}: layer {layer} is not in layers_to_transform {sorted(layers)}")
         target = PEFT_MODULES[proj]
         a, b = pair["A"], pair["B"]
-        r, scale = _module_scale(config, module)
+        r, scale = files.scales[module]
         _check_pair(where, a.T, b.T, shapes[target], r, max_rank)
         pieces.setdefault(target, {})[layer] = (a.T.astype(np.float32), b.T.astype(np.float32) * np.float32(scale))
     return pieces
@@ -270,9 +543,8 @@ def parse_lora_modules(spec: str | dict | None) -> dict[str, str]:
         if not isinstance(name, str) or not isinstance(path, str):
             raise ValueError(f"LoRA module {name!r}={path!r}: name and path must be strings")
         name, path = name.strip(), path.strip()
-        if not _NAME.fullmatch(name):
-            raise ValueError(f"LoRA module name {name!r} is empty or has characters other than letters, digits "
-                             f"and _-./:")
+        if adapter_name_error(name):
+            raise ValueError(f"LoRA module name {name!r} is not {ADAPTER_NAME_RULE}")
         if not path:
             raise ValueError(f"LoRA module {name!r} has an empty path")
         if name in out:
