@@ -25,7 +25,9 @@ echoed with escapes (a failure to print is said on stderr, and the run goes
 on), a failed write (a full disk) stops the run with one line saying how many
 results were written (exit 1), SIGINT/SIGTERM stop the batch after the current
 step and keep what finished, and --resume skips the requests already in
---output.  Memory settings (num_blocks, kv_memory_fraction, swap_space_gb) are
+--output (a line that failed, its constraint included, is there as its
+error).  --output is locked while a run writes it: a second run on the same
+file exits 2 with one line.  Memory settings (num_blocks, kv_memory_fraction, swap_space_gb) are
 checked against this machine once the weights are loaded, before the KV pool
 is allocated.
 
@@ -39,6 +41,7 @@ others run its steps.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import importlib.resources
 import json
 import os
@@ -167,19 +170,40 @@ class ResultWriter:
 
 # ------------------------------------------------------------------ output
 def open_output(path: str | None, prompts: str | None, resume: bool) -> tuple[TextIO | None, set[int]]:
-    """Opens --output before anything loads (a bad path costs nothing) and, with
-    --resume, returns the indices already written there."""
+    """Opens and locks --output before anything loads (a bad path, or a file another
+    run holds, costs nothing) and, with --resume, returns the indices already
+    written there."""
     if path is None:
         if resume:
             raise UsageError("--resume: needs --output")
         return None, set()
     if prompts is not None and os.path.exists(path) and os.path.exists(prompts) and os.path.samefile(path, prompts):
         raise UsageError(f"--output: {path} is the prompts file; writing there would destroy the input")
-    done = _finished_indices(path) if resume else set()
-    try:
-        return open(path, "a" if resume else "w", encoding="utf-8"), done
+    try:  # opened without truncating: a file another run is writing is left as it is
+        f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666), "a", encoding="utf-8")
     except OSError as e:
         raise UsageError(f"--output: cannot write {path}: {e.strerror}") from None
+    try:
+        lock_output(f, path)
+        if not resume:
+            f.truncate(0)
+        return f, _finished_indices(path) if resume else set()
+    except BaseException:
+        f.close()
+        raise
+
+
+def lock_output(f: TextIO, path: str) -> None:
+    """Holds an exclusive lock on --output until `f` closes (the process ends): a
+    second run on the same file (a --resume beside a live run) would write its
+    results twice."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"--output: {path} is being written by another jpaged batch (it holds the file's "
+                         "lock); wait for that run to end, then rerun with --resume") from None
+    except OSError:  # a filesystem without locks: nothing to hold
+        pass
 
 
 def open_summary(path: str | None) -> TextIO | None:
