@@ -18,6 +18,7 @@ Host code: no jax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Iterator
 
@@ -41,13 +42,28 @@ def check_schema(schema: Any, where: str) -> None:
     """ValueError naming `where` when `schema` is no valid JSON schema (by the
     metaschema of its "$schema", draft 2020-12 when it names none)."""
     try:
-        cls = validators.validator_for(schema)
-        cls.check_schema(schema)
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError(f"{where} is nested too deeply") from None
+    problem = _schema_problem(text)
+    if problem is not None:
+        raise ValueError(f"{where}{problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(text: str) -> str | None:
+    """What check_schema says of the schema `text` (its path and message), or None.
+    Cached: a metaschema check takes milliseconds, and a client sends the same
+    tools with every request of a conversation."""
+    schema = json.loads(text)
+    try:
+        validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
-        raise ValueError(f"{where}{path} is not a valid JSON schema: {e.message}") from None
+        return f"{path} is not a valid JSON schema: {e.message}"
     except RecursionError:
-        raise ValueError(f"{where} is nested too deeply") from None
+        return " is nested too deeply"
+    return None
 
 
 class SchemaValidator:
