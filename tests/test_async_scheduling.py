@@ -8,12 +8,14 @@ logprobs and prompt logprobs, and aborts.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
 import pytest
 
 from helpers import TINY_ENGINE, assert_all_blocks_free, random_prompts
+from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.llm import LLM
 from jpaged.core.sequence import PLACEHOLDER, SamplingParams
 
@@ -220,4 +222,29 @@ def test_generate_returns_with_the_engine_idle(rollout_llm, stop):
         if name == "load_lora_adapter":
             assert llm.generate([EOS_PROMPT], dataclasses.replace(params, lora="a"))[0].error is None
     assert llm.generate([EOS_PROMPT], params)[0].token_ids == first.token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_a_server_call_after_the_last_request_finds_the_engine_idle(rollout_llm):
+    """The server's RL and LoRA routes run on the engine thread (AsyncEngine.call),
+    between two steps: one queued as the last request ends runs before the step
+    that request left in flight is completed, and must find the engine idle."""
+    llm, _ = rollout_llm
+    ids, params, text, _ = llm.prepare_prompt(EOS_PROMPT, STOPS["eos"])
+    rid = llm.add_request(ids, params, text)
+    while llm.get_sequence(rid) is not None:
+        llm.step()
+    assert llm.has_unfinished_requests()  # the step launched after its EOS is still on the device
+
+    async def reset_on_the_engine_thread():
+        engine = AsyncEngine(llm, max_queued_requests=4)
+        call = asyncio.ensure_future(engine.call(lambda e: e.reset_prefix_cache()))
+        await asyncio.sleep(0)  # queued before the thread starts: the thread's first work
+        engine.start()
+        try:
+            await asyncio.wait_for(call, 60)
+        finally:
+            engine.close(60)
+    asyncio.run(reset_on_the_engine_thread())
+    assert not llm.has_unfinished_requests()
     assert_all_blocks_free(llm)

@@ -245,6 +245,9 @@ class AsyncEngine:
             if kind == "add":
                 self._add(request)
             elif kind == "call":
+                # A step left in flight after the last request ended would make the
+                # engine look busy to a call that needs it idle (/reset_prefix_cache).
+                self.llm.drain()
                 request.run(self.llm)
             elif request.engine_id in self._tracked:  # else finished already
                 self.llm.abort([request.engine_id])
