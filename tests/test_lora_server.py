@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
+import shutil
 import signal
+import threading
 import urllib.error
 import urllib.request
 
@@ -22,6 +25,7 @@ from helpers import TINY_ENGINE, serve_in_thread, make_peft_adapter  # noqa: E40
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints import batch  # noqa: E402
 from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
+from jpaged.loading.peft import parse_lora_modules  # noqa: E402
 
 SECONDS = 60  # any one wait
 NEW_TOKENS = 8
@@ -180,8 +184,9 @@ def test_bad_load_requests_are_400s_naming_the_problem(served, tmp_path, tiny_ll
     url, _ = served
     load = url + "/v1/load_lora_adapter"
     missing = str(tmp_path / "no-such-adapter")
-    for body, param, words in [({"lora_name": "x", "lora_path": missing}, None, missing),
-                               ({"lora_name": "x", "lora_path": tiny_llama_tok_dir}, None, "adapter_config.json"),
+    for body, param, words in [({"lora_name": "x", "lora_path": missing}, "lora_path", missing),
+                               ({"lora_name": "x", "lora_path": tiny_llama_tok_dir}, "lora_path",
+                                "adapter_config.json"),
                                ({"lora_name": "x"}, "lora_path", "lora_path is required"),
                                ({"lora_name": "tiny", "lora_path": missing}, "lora_name", "base model"),
                                ({"lora_name": 3, "lora_path": missing}, "lora_name", "lora_name")]:
@@ -189,6 +194,91 @@ def test_bad_load_requests_are_400s_naming_the_problem(served, tmp_path, tiny_ll
         error = json.loads(text)["error"]
         assert (status, error["param"]) == (400, param) and words in error["message"], text
     assert [m["id"] for m in json.loads(http("GET", url + "/v1/models")[1])["data"]] == ["tiny", "a1"]
+
+
+def _hostile(src: str, dest: pathlib.Path, config: dict | None = None, raw_config: bytes | None = None,
+             header: bytes | None = None) -> str:
+    """A copy of the adapter at `src` with its config changed (fields over the good one, or
+    raw bytes) or its safetensors file replaced by one with `header`."""
+    shutil.copytree(src, dest)
+    path = dest / "adapter_config.json"
+    if config is not None:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if raw_config is not None:
+        path.write_bytes(raw_config)
+    if header is not None:
+        (dest / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return str(dest)
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+HOSTILE = {  # name -> (_hostile's changes, the file named, words of the message)
+    "rank 0": (dict(config={"rank_pattern": {"q_proj": 0}}), "adapter_config.json", "rank_pattern['q_proj'] is 0"),
+    "alpha text": (dict(config={"alpha_pattern": {"q_proj": "x"}}), "adapter_config.json", "alpha_pattern['q_proj']"),
+    "bad regex": (dict(config={"rank_pattern": {"(": 8}}), "adapter_config.json", "rank_pattern key '('"),
+    "layers float": (dict(config={"layers_to_transform": 1.5}), "adapter_config.json", "layers_to_transform is 1.5"),
+    "deep config": (dict(raw_config=DEEP), "adapter_config.json", "nested too deeply"),
+    "deep header": (dict(header=b'{"a": ' + DEEP + b"}"), "adapter_model.safetensors", "nested too deeply"),
+    "huge config": (dict(raw_config=b" " * (2 << 20)), "adapter_config.json", "above the limit of 1,048,576"),
+}
+
+
+def test_hostile_adapters_are_400s_naming_file_and_field(served, adapters, tmp_path):
+    """Each malformed adapter is a 400 (param lora_path) naming the file and the field;
+    nothing is loaded and the server goes on serving."""
+    url, expected = served
+    for name, (changes, file, words) in HOSTILE.items():
+        path = _hostile(adapters["a3"], tmp_path / name.replace(" ", "_"), **changes)
+        status, text = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": path})
+        error = json.loads(text)["error"]
+        assert (status, error["param"]) == (400, "lora_path"), (name, text)
+        assert error["message"].startswith(f"{path}/{file}: ") and words in error["message"], (name, text)
+    assert [m["id"] for m in json.loads(http("GET", url + "/v1/models")[1])["data"]] == ["tiny", "a1"]
+    status, text = http("POST", url + "/v1/completions", {"model": "a1", "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                                                          "temperature": 0, "ignore_eos": True})
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == expected["completion", "a1"]
+
+
+def test_unreadable_paths_do_not_tell_the_disk(served, tmp_path):
+    """A missing path, an existing directory and a file get the same message (but their path)."""
+    (tmp_path / "file").write_text("x")
+    messages = set()
+    for path in (tmp_path / "missing", tmp_path, tmp_path / "file"):
+        status, text = http("POST", served[0] + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(path)})
+        assert status == 400, text
+        messages.add(json.loads(text)["error"]["message"].replace(str(path), "<path>"))
+    assert len(messages) == 1 and http("GET", served[0] + "/health")[0] == 200
+
+
+@pytest.mark.parametrize("name", ["x" * 100_000, "<|im_end|>", "../x", "a,forged", "", "/abs", "a b"])
+def test_lora_name_follows_the_start_up_rule(served, adapters, name):
+    """lora_name at run time meets the rule lora_modules meets at start (a 400 naming
+    lora_name); "," never reaches the comma-joined /metrics label."""
+    url, _ = served
+    status, text = http("POST", url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapters["a3"]})
+    error = json.loads(text)["error"]
+    assert (status, error["param"]) == (400, "lora_name") and "1 to 128 characters" in error["message"], text
+    assert len(text) < 1000  # a long name is not echoed whole
+    with pytest.raises(ValueError, match="1 to 128 characters"):
+        parse_lora_modules({name: adapters["a3"]})  # (the dict form: "," splits the string form)
+    assert lora_info(url)["running_lora_adapters"] == ""
+
+
+def test_adapter_files_are_read_off_the_engine_thread(served, adapters, monkeypatch):
+    """Every read of the adapter's files happens in the server's host pool: the engine
+    thread only fits what was read to the model and writes the slot."""
+    from jpaged.loading import peft as peft_module
+    url, _ = served
+    threads, read = [], peft_module._read_capped
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return read(*args, **kwargs)
+    monkeypatch.setattr(peft_module, "_read_capped", recording)
+    status, text = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"]})
+    assert status == 200, text
+    assert threads and all(t.startswith("jpaged-host") for t in threads), threads
+    assert http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "a2"})[0] == 200
 
 
 def test_adapter_routes_need_the_api_key():

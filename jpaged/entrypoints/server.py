@@ -54,8 +54,6 @@ import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -72,7 +70,7 @@ from jpaged.entrypoints.openai_protocol import (GenerationRequest, RequestError,
 from jpaged.core.config import lora_slots
 from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.sequence import TokenLogprob
-from jpaged.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
+from jpaged.entrypoints.server_metrics import CONTENT_TYPE, LoraRequestsInfo, ServerMetrics
 
 if TYPE_CHECKING:  # the engine (and jax) load when the server builds it, not on import
     from jpaged.engine.protocol import Engine
@@ -155,7 +153,7 @@ class ServerState:
         # awake: a generation request submitted after it would meet a sleeping engine (a 503).
         self.asleep = False
         if lora_slots(config):
-            self.metrics.registry.register(LoraRequestsInfo(self, lora_slots(config)))
+            self.metrics.registry.register(LoraRequestsInfo(lambda: self.runs, lora_slots(config)))
         self._token_texts: dict[int, str] = {}
 
     def load(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
@@ -238,28 +236,6 @@ def _is_factory(source: Any) -> bool:
 def lora_adapters(llm: Any) -> dict[str, str]:
     """The engine's loaded LoRA adapters, name -> path (a copy: read off the engine thread)."""
     return dict(llm.lora_adapters)
-
-
-class LoraRequestsInfo(Collector):
-    """vLLM's `vllm:lora_requests_info` (when adapters are on): its labels name the
-    adapters of the requests running and waiting, and the slots (max_lora); its
-    value is the time.  llm-d's gateway routes by it (LoRA affinity).  Read from
-    the requests in flight at scrape time, on the event loop that owns them."""
-
-    def __init__(self, state: ServerState, max_lora: int):
-        self.state, self.max_lora = state, max_lora
-
-    def collect(self) -> Any:
-        running, waiting = set(), set()
-        for run in list(self.state.runs):
-            lora = run.gen.params.lora
-            for request in run.submission.requests if lora is not None else ():
-                if not request.finished:
-                    (waiting if request.queued else running).add(lora)
-        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
-                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        info.add_metric([str(self.max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))], time.time())
-        yield info
 
 
 # --------------------------------------------------------------- a request

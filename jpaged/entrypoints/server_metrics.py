@@ -14,7 +14,8 @@ at scrape time by a custom collector.
 
 from __future__ import annotations
 
-from typing import Iterator
+import time
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from jpaged.core.stats import EngineSnapshot
 from jpaged.engine.async_engine import EngineMetrics, EngineRequest
+from jpaged.loading.peft import adapter_name_error
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -128,3 +130,35 @@ class _SnapshotCollector(Collector):
                       snap.totals.spec_decode_num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       snap.totals.spec_decode_num_accepted_tokens)
+
+
+class LoraRequestsInfo(Collector):
+    """vLLM's `vllm:lora_requests_info` (when adapters are on): its labels name the
+    adapters of the requests running and waiting, comma-joined, and the slots
+    (max_lora); its value is the time.  llm-d's gateway routes by it (LoRA
+    affinity).  Read from the server's requests in flight (`runs()`) at scrape
+    time, on the event loop that owns them."""
+
+    def __init__(self, runs: Callable[[], Iterable[Any]], max_lora: int):
+        self.runs, self.max_lora = runs, max_lora
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running, waiting = set(), set()
+        for run in list(self.runs()):
+            lora = run.gen.params.lora
+            for request in run.submission.requests if lora is not None else ():
+                if not request.finished:
+                    (waiting if request.queued else running).add(lora)
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(self.max_lora), adapter_label(running), adapter_label(waiting)], time.time())
+        yield info
+
+
+def adapter_label(names: Iterable[str]) -> str:
+    """Adapter names comma-joined, as vLLM's label holds them.  The adapter name rule
+    (jpaged.loading.peft) has no ",": a name that broke it could forge other names in
+    the label, so one is left out rather than joined."""
+    names = sorted(names)
+    assert all("," not in n for n in names if adapter_name_error(n) is None)  # (the rule's own promise)
+    return ",".join(n for n in names if adapter_name_error(n) is None)

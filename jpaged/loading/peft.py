@@ -142,8 +142,8 @@ class AdapterConfig:
 def parse_adapter_config(raw: Any, where: str | os.PathLike) -> AdapterConfig:
     """adapter_config.json's parsed JSON, checked field by field: ValueError naming
     `where` (the file) and the field for anything jpaged cannot apply exactly."""
-    def bad(field: str, problem: str) -> ValueError:
-        return ValueError(f"{where}: {field} {problem}")
+    def bad(field: str, problem: str) -> ValueError:  # ("rank_pattern['q_proj'] is 0": an entry's problem)
+        return ValueError(f"{where}: {field}{'' if problem.startswith('[') else ' '}{problem}")
 
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: not a JSON object")
