@@ -14,8 +14,6 @@ import dataclasses
 import json
 import random
 import signal
-import threading
-import time
 import types
 
 import pytest
@@ -183,21 +181,19 @@ def test_a_compile_past_its_budget_is_cut_and_remembered(compiler, lifted, monke
     assert compiler.check(StructuredOutputs(regex="b+")) is None
 
 
-def test_compiles_beyond_the_cap_wait_and_then_are_refused_uncached():
-    """One worker busy for the whole budget: another constraint is refused as
-    busy (not its fault: not cached), and runs once the worker is free."""
+def test_compiles_beyond_the_cap_wait_and_then_are_refused_uncached(compiler, monkeypatch):
+    """Every worker busy for a caller's whole budget: its constraint is refused as
+    busy, and, not being its fault, not remembered: it compiles once a worker is free."""
+    monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, compile_seconds=0.2))
     box = sandbox.CompileSandbox(byte_tokenizer().to_str(), 256, [2], workers=1)
+    compiler._sandbox = box
     try:
-        slow = StructuredOutputs(choice=tuple(big_choice(12_000)))
-        done = []
-        worker = threading.Thread(target=lambda: done.append(box.compile(slow, time.monotonic() + 60)))
-        worker.start()
-        while box._idle.qsize():  # the slow compile has the worker
-            time.sleep(0.01)
-        with pytest.raises(sandbox.Busy, match="concurrent_compiles"):
-            box.compile(StructuredOutputs(regex="a+"), time.monotonic() + 0.2)
-        worker.join()
-        assert done == [None] and box.compile(StructuredOutputs(regex="a+"), time.monotonic() + 60) is None
+        held = box._idle.get()  # another constraint compiling
+        error = compiler.check(StructuredOutputs(regex="a+"))
+        assert error.startswith("the grammar compiler is busy") and "(concurrent_compiles, compile_seconds)" in error
+        box._idle.put(held)
+        monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, compile_seconds=60))
+        assert compiler.check(StructuredOutputs(regex="a+")) is None
     finally:
         box.close()
 

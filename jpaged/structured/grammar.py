@@ -19,6 +19,7 @@ so preemption (recompute or swap) leaves it as it is.  Host code: no jax.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import threading
 import time
@@ -78,8 +79,8 @@ class GrammarCompiler:
         self._source = tokenizer
         self._ll_tokenizer: Any = None  # built on first use (~0.2 s for a 50k vocabulary)
         self._sandbox: CompileSandbox | None = None  # started on the first constraint not yet seen
-        # A constraint's pristine matcher (fresh ones are its copies), or why it cannot run.
-        self._compiled: collections.OrderedDict[StructuredOutputs, Any] = collections.OrderedDict()
+        # A constraint's grammar text, checked to compile (_Compiled), or why it cannot run (str).
+        self._compiled: collections.OrderedDict[StructuredOutputs, _Compiled | str] = collections.OrderedDict()
         self._compiling: dict[StructuredOutputs, threading.Event] = {}  # first compiles in flight
         self._lock = threading.Lock()  # the HTTP server checks requests on its own threads
 
@@ -103,10 +104,10 @@ class GrammarCompiler:
         compiled = self._entry(spec)
         if isinstance(compiled, str):
             raise ValueError(compiled)
-        return Grammar(compiled.deep_copy(), spec)
+        return Grammar(new_matcher(self._tokenizer, compiled.text, spec), spec)
 
-    def _entry(self, spec: StructuredOutputs) -> Any:
-        """`spec`'s pristine matcher or its error, compiled once per constraint and
+    def _entry(self, spec: StructuredOutputs) -> _Compiled | str:
+        """`spec`'s checked grammar text or its error, compiled once per constraint and
         LRU-cached, errors included (a request's check and its samples' matchers
         share the work; a constraint that failed is not compiled again).  The first
         compile is checked against the limits, then compiled in the sandbox within
@@ -137,14 +138,18 @@ class GrammarCompiler:
                 self._compiling.pop(spec).set()
         return compiled
 
-    def _first_compile(self, spec: StructuredOutputs, deadline: float) -> Any:
-        """The matcher or the error (cached), or Busy."""
+    def _first_compile(self, spec: StructuredOutputs, deadline: float) -> _Compiled | str:
+        """The grammar text or the error (cached), or Busy."""
         try:
             spec.validate()  # the limits: before llguidance sees it
+        except ValueError as e:  # not cached: cheap to say again, and the spec may be large
+            return str(e)
+        try:
             error = self._sandboxed().compile(spec, deadline)
             if error:
                 raise ValueError(error)
-            compiled = compile_matcher(self._tokenizer, spec, self.vocab_size)  # safe: it compiled there
+            # Safe here now: the same code compiled it there, on half this process's stack.
+            compiled: _Compiled | str = _Compiled(compile_check(self._tokenizer, spec, self.vocab_size))
         except ValueError as e:
             compiled = str(e)
         with self._lock:
@@ -160,28 +165,39 @@ class GrammarCompiler:
         return self._sandbox
 
 
-def compile_matcher(tokenizer: Any, spec: StructuredOutputs, vocab_size: int) -> Any:
-    """`spec` compiled for `tokenizer` (an LLTokenizer) under llguidance's limits: a
-    matcher in its initial state, checked to compile and to admit a first token
-    other than an end; ValueError saying what is wrong.  (The sandbox runs this
-    first; the engine then runs it again on what passed.)"""
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    text: str  # llguidance's grammar text of a constraint that compiles
+
+
+def new_matcher(tokenizer: Any, text: str, spec: StructuredOutputs) -> Any:
+    """A matcher for grammar `text` under llguidance's limits; ValueError when it is in error."""
+    import llguidance
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits.parser_limits())
+    if matcher.is_error():
+        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(matcher.get_error())}")
+    return matcher
+
+
+def compile_check(tokenizer: Any, spec: StructuredOutputs, vocab_size: int) -> str:
+    """llguidance's grammar text for `spec`, checked to compile for `tokenizer` (an
+    LLTokenizer) under llguidance's limits and to admit a first token other than
+    an end; ValueError saying what is wrong.  (The sandbox runs this first; this
+    process then runs it again on what passed there.)"""
     import llguidance
     text = grammar_text(spec)
     error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=limits.parser_limits())
     if error and not error.startswith("WARNING"):
         raise ValueError(f"invalid {spec.kind} constraint: {_first_line(error)}")
-    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits.parser_limits())
-    if matcher.is_error():
-        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(matcher.get_error())}")
-    probe = Grammar(matcher.deep_copy(), spec)
+    grammar = Grammar(new_matcher(tokenizer, text, spec), spec)
     mask = np.zeros((1, mask_words(vocab_size)), np.int32)
-    probe.fill(mask, 0)
+    grammar.fill(mask, 0)
     allowed = set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
-    if not allowed - set(tokenizer.eos_tokens) and not probe._matcher.is_accepting():
+    if not allowed - set(tokenizer.eos_tokens) and not grammar._matcher.is_accepting():
         raise ValueError(f"the {spec.kind} constraint admits no output ({spec.describe()})")
-    if probe.error:  # e.g. a first Earley row past max_items_in_row
-        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(probe.error)}")
-    return matcher
+    if grammar.error:  # e.g. a first Earley row past max_items_in_row
+        raise ValueError(f"invalid {spec.kind} constraint: {_first_line(grammar.error)}")
+    return text
 
 
 def grammar_text(spec: StructuredOutputs) -> str:

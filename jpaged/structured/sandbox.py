@@ -3,7 +3,7 @@
 llguidance compiles natively: a constraint beyond what `limits` can foresee
 could still overflow its stack (SIGSEGV) or run for minutes.  So the first
 compile of a constraint this process has not seen (its grammar text, llguidance's
-validation, a matcher and its first mask: `grammar.compile_matcher`) runs in
+validation, a matcher and its first mask: `grammar.compile_check`) runs in
 a worker: a fresh interpreter (`python -m jpaged.structured.sandbox`: no fork
 of the parent's jax state, no import of it) that loads the tokenizer once and
 then compiles one constraint after another.  A worker that dies makes that
@@ -207,7 +207,7 @@ def _serve(stdin: Any, stdout: Any, setup: tuple[Any, ...]) -> None:
     """The worker's loop: the tokenizer (`setup`), then one constraint per message,
     each answered None (it compiles) or its error, until the parent closes the pipe."""
     import llguidance
-    from jpaged.structured.grammar import compile_matcher
+    from jpaged.structured.grammar import compile_check
     tokenizer_json, vocab_size, eos, _ = setup
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
     _send(stdout, "ready")
@@ -217,7 +217,7 @@ def _serve(stdin: Any, stdout: Any, setup: tuple[Any, ...]) -> None:
         except EOFError:
             return
         try:
-            compile_matcher(tokenizer, spec, vocab_size)
+            compile_check(tokenizer, spec, vocab_size)
             reply = None
         except ValueError as e:
             reply = str(e)
