@@ -7,6 +7,7 @@ before the server takes it."""
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 import urllib.error
 import urllib.request
@@ -139,6 +140,46 @@ def test_bad_fields_and_reset_prefix_cache(served):
     status, body = http("POST", url + "/sleep", {"level": 3})
     assert status == 400 and body["error"]["param"] == "level"
     assert http("POST", url + "/reset_prefix_cache") == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/sleep?level=%C2%B2", None, "level", "level must be 1 or 2, got '²'"),  # '²'.isdigit() is true
+    ("/sleep?level=1&level=2", None, "level", "given more than once"),
+    ("/sleep?level=01", None, "level", "level must be 1 or 2"),
+    ("/sleep?level=1", {"level": True}, "level", "must be an integer"),
+    ("/sleep", {"level": 1.0}, "level", "must be an integer"),
+    ("/sleep", {"level": 1, "tags": ["weights"]}, "tags", "Extra inputs"),
+    ("/sleep?lvl=1", None, "lvl", "Extra inputs"),
+    ("/pause", {"mod": "keep"}, "mod", "Extra inputs"),
+    ("/pause?mode=keep&mode=abort", None, "mode", "given more than once"),
+    ("/resume", [1], None, "JSON object"),
+    ("/update_weights", {"path": "/", "in_flight": "keep", "load_format": "hf"}, "load_format", "Extra inputs"),
+    ("/is_paused?x=1", None, "x", "no query parameters"),
+])
+def test_rl_inputs_are_strict(served, path, body, param, words):
+    """Every RL route input is a 400 naming its field; nothing changes, the server serves on."""
+    url, expected, _ = served
+    status, answer = http("GET" if path.startswith("/is_") else "POST", url + path, body)
+    assert (status, answer["error"]["param"]) == (400, param) and words in answer["error"]["message"], answer
+    assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": False})
+    assert http("GET", url + "/is_paused") == (200, {"is_paused": False})
+    assert text(url) == expected
+
+
+def test_update_weights_names_only_its_fields(served, tmp_path):
+    """A path that is not a checkpoint, missing or not, is one 400 naming "path" (not
+    load_format, which the route has not, nor what the disk holds)."""
+    url, expected, model_dir = served
+    (tmp_path / "file.bin").write_bytes(b"x")
+    messages = set()
+    for path in (tmp_path / "missing", tmp_path, tmp_path / "file.bin", "x" * 5000, "a\0b"):
+        status, body = http("POST", url + "/update_weights", {"path": str(path)})
+        assert (status, body["error"]["param"]) == (400, "path"), body
+        assert "load_format" not in body["error"]["message"]
+        if isinstance(path, pathlib.Path):
+            messages.add(body["error"]["message"].replace(str(path), "<path>"))
+    assert len(messages) == 1, messages
+    assert text(url) == expected
 
 
 def test_off_by_default_and_behind_the_key(tiny_llm):
