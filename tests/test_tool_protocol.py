@@ -115,3 +115,18 @@ def test_the_server_option_is_each_requests_default(tmp_path):
         with pytest.raises(Stop):
             _prepare(state, parse, json.dumps({"messages": MESSAGES, "response_format": fmt, **body}).encode())
         assert seen == [expected]
+
+
+def test_batch_lines_take_disable_additional_properties():
+    """The batch CLI's request lines read it as the server does (request_parsing, shared)."""
+    from jpaged.core.request_parsing import parse_request
+    line = {"prompt": "x", "guided_json": OPEN_SCHEMA, "disable_additional_properties": True}
+    parsed = parse_request(line, DEFAULT)
+    assert parsed.error is None and not parsed.warnings
+    assert json.loads(parsed.params.structured.json)["additionalProperties"] is False
+    inner = {"prompt": "x", "structured_outputs": {"json": OPEN_SCHEMA, "disable_additional_properties": True}}
+    assert json.loads(parse_request(inner, DEFAULT).params.structured.json)["additionalProperties"] is False
+    assert "additionalProperties" not in json.loads(parse_request({"prompt": "x", "guided_json": OPEN_SCHEMA},
+                                                                  DEFAULT).params.structured.json)
+    bad = parse_request({**line, "disable_additional_properties": "yes"}, DEFAULT, index=2)
+    assert bad.error.startswith("request 2: disable_additional_properties must be true or false")

@@ -16,6 +16,7 @@ from typing import Any
 from jpaged.core.json_values import json_type as _json_type
 from jpaged.core.json_values import short as _short
 from jpaged.core.sequence import SamplingParams
+from jpaged.structured import schemas
 from jpaged.structured import spec as structured_spec
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
@@ -26,8 +27,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_decoding",
                      *structured_spec.GUIDED_FIELDS, *structured_spec.NEUTRAL_EXTRAS)
 PROMPT_FIELDS = ("prompt", "messages")
+# vLLM's disable_additional_properties (also accepted inside structured_outputs): the
+# JSON schemas' objects take no keys they do not list (jpaged.structured.schemas).
+SCHEMA_FIELDS = ("disable_additional_properties",)
 # "model": the base model's name (or absent), or a LoRA adapter's, which the request runs (as vLLM).
-REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS + STRUCTURED_FIELDS + ("model",)
+REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS + STRUCTURED_FIELDS + SCHEMA_FIELDS + ("model",)
 
 # Request fields of vLLM (SamplingParams, its OpenAI server's extra_body) and of
 # OpenAI that would change the answer and that jpaged does not implement, each
@@ -253,7 +257,7 @@ def role_problem(role: Any) -> str | None:
 
 def _sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingParams:
     overrides = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
-    structured = structured_spec.from_request(obj)
+    structured = _structured(obj)
     if structured is not None:
         overrides["structured"] = structured
     if isinstance(overrides.get("stop_token_ids"), list):
@@ -268,6 +272,16 @@ def _sampling_params(obj: dict[str, Any], default: SamplingParams) -> SamplingPa
     params = dataclasses.replace(default, **overrides)
     params.validate()
     return params
+
+
+def _structured(obj: dict[str, Any]) -> structured_spec.StructuredOutputs | None:
+    """The request's constraint, its JSON schema's objects closed with disable_additional_properties."""
+    flag = obj.get("disable_additional_properties")
+    if flag is not None and not isinstance(flag, bool):
+        raise ValueError(f"disable_additional_properties must be true or false, got {_json_type(flag)}")
+    inner, closed = schemas.split_flag(obj.get("structured_outputs"), flag)
+    structured = structured_spec.from_request({**obj, "structured_outputs": inner})
+    return schemas.closed_constraint(structured) if closed else structured
 
 
 def _suggest(name: str) -> str:

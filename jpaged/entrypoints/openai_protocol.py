@@ -31,7 +31,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError
 
 from jpaged.core.request_parsing import (CHAT_ONLY_FIELDS, REQUEST_FIELDS, SAMPLING_FIELDS,  # noqa: F401
-                                         STRUCTURED_FIELDS, UNSUPPORTED_FIELDS, parse_sampling_params,
+                                         SCHEMA_FIELDS, STRUCTURED_FIELDS, UNSUPPORTED_FIELDS, parse_sampling_params,
                                          role_problem, unsupported_field)
 from jpaged.core.sequence import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, TokenLogprob
 from jpaged.structured import schemas
@@ -355,17 +355,13 @@ class _Request(BaseModel):
         """The body's sampling fields and stop strings over `default`; the route
         gives the ROUTE_FIELDS it read in its own way.  A value SamplingParams
         refuses is a 400 naming its field (or its alias in this body)."""
-        fields = {k: getattr(self, k) for k in _COMMON_SAMPLING_FIELDS + STRUCTURED_FIELDS}
+        fields = {k: getattr(self, k) for k in _COMMON_SAMPLING_FIELDS + STRUCTURED_FIELDS + SCHEMA_FIELDS}
         fields.update(route_fields)
         fields = {k: v for k, v in fields.items() if v is not None}
         stops = self.stop_strings
         base = default if stops is None else dataclasses.replace(default, stop=stops)
         try:
-            fields["structured_outputs"], closed = schemas.split_flag(fields.get("structured_outputs"),
-                                                                      self.disable_additional_properties)
-            params = parse_sampling_params({k: v for k, v in fields.items() if v is not None}, base)
-            return dataclasses.replace(params, structured=schemas.closed_constraint(params.structured)) \
-                if closed else params
+            return parse_sampling_params(fields, base)
         except ValueError as e:
             message, param = str(e), _field_named(str(e))
             if param in (aliases or {}):  # named as this body names it
