@@ -115,6 +115,9 @@ def test_the_server_option_is_each_requests_default(tmp_path):
         with pytest.raises(Stop):
             _prepare(state, parse, json.dumps({"messages": MESSAGES, "response_format": fmt, **body}).encode())
         assert seen == [expected]
+    from jpaged.entrypoints import serve  # `jpaged serve --disable_additional_properties`
+    assert serve.server_options(serve.Args(disable_additional_properties=True), {}).disable_additional_properties
+    assert not serve.server_options(serve.Args(), {}).disable_additional_properties
 
 
 def test_batch_lines_take_disable_additional_properties():
