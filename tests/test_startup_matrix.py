@@ -8,7 +8,7 @@ suite's tiny engine shapes (helpers.TINY_ENGINE: the step programs come from the
 suite's compilation cache).  Speculative decoding (speculative_method=ngram) is
 started this way in tests/test_server.py (scripts/serve.py) and
 tests/test_serve_batch.py (scripts/serve_batch.py), the same main() as `jpaged
-serve` / `jpaged batch`; tensor parallelism over two processes in
+serve` / `jpaged batch`; `jpaged batch` over two processes (tensor_parallel_size=4) in
 tests/test_multihost.py.
 """
 
