@@ -14,6 +14,7 @@ import dataclasses
 import json
 import random
 import signal
+import threading
 import types
 
 import pytest
@@ -27,7 +28,9 @@ from jpaged.structured import limits, sandbox
 from jpaged.structured.grammar import GrammarCompiler
 from jpaged.structured.spec import StructuredOutputs, from_request
 
+from helpers import TINY_ENGINE, serve_in_thread
 from test_serve_batch_failures import assert_one_line_error, run as run_cli
+from test_server import http
 
 N = 3000  # the issue's repros
 
@@ -196,6 +199,65 @@ def test_compiles_beyond_the_cap_wait_and_then_are_refused_uncached(compiler, mo
         assert compiler.check(StructuredOutputs(regex="a+")) is None
     finally:
         box.close()
+
+
+# -------------------------------------------------------------- over HTTP
+@pytest.fixture(scope="module")
+def server_url(tiny_llama_tok_dir):
+    """A server on the tiny Llama in this process (so the tests can lift its limits)."""
+    from jpaged.engine.llm import LLM
+    from jpaged.entrypoints.server import create_app
+    with serve_in_thread(create_app(LLM(model=tiny_llama_tok_dir, **TINY_ENGINE), model_name="tiny")) as url:
+        yield url
+
+
+def complete(url: str, **fields) -> tuple[int, dict]:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **fields}
+    status, _, text = http("POST", url + "/v1/completions", json.dumps(body).encode(), timeout=120)
+    return status, json.loads(text)
+
+
+def test_over_http_each_repro_is_a_400_and_the_server_goes_on(server_url, monkeypatch):
+    for body, field, limit in REPROS:
+        status, answer = complete(server_url, **body)
+        assert status == 400 and answer["error"]["param"] == field.split(".")[0], answer
+        assert answer["error"]["message"].startswith(field) and f"({limit})" in answer["error"]["message"]
+    monkeypatch.setattr(limits, "check_schema", lambda text, field: None)  # the crash reaches llguidance
+    status, answer = complete(server_url, **SCHEMA_FIELDS[1][0])
+    assert status == 400 and answer["error"]["param"] == "guided_json", answer
+    assert "crashed the grammar compiler" in answer["error"]["message"]
+    status, answer = complete(server_url)
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_compiling_constraints_hold_none_of_the_request_threads(server_url, monkeypatch):
+    """Six new constraints compiling at once (more than the server's 4 host
+    threads): an unconstrained request is answered meanwhile, and each
+    constrained one once its compile ends."""
+    release, started = threading.Event(), []
+    real = sandbox.CompileSandbox.compile
+
+    def slow(self, spec, wait_until):
+        started.append(spec)
+        release.wait(60)
+        return real(self, spec, wait_until)
+    monkeypatch.setattr(sandbox.CompileSandbox, "compile", slow)
+    answers: list = []
+    senders = [threading.Thread(target=lambda i=i: answers.append(complete(
+        server_url, structured_outputs={"regex": f"[0-9]{{{i + 1}}}"}))) for i in range(6)]
+    for t in senders:
+        t.start()
+    try:
+        while len(started) < limits.LIMITS.concurrent_compiles:  # the compilers are taken
+            threading.Event().wait(0.05)
+        status, answer = complete(server_url)
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+        assert not answers  # every constrained request still waits for its compile
+    finally:
+        release.set()
+        for t in senders:
+            t.join(120)
+    assert [status for status, _ in answers] == [200] * 6, answers
 
 
 # ------------------------------------------------------------------- batch

@@ -19,6 +19,7 @@ so preemption (recompute or swap) leaves it as it is.  Host code: no jax.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import re
 import threading
@@ -83,6 +84,7 @@ class GrammarCompiler:
         self._compiled: collections.OrderedDict[StructuredOutputs, _Compiled | str] = collections.OrderedDict()
         self._compiling: dict[StructuredOutputs, threading.Event] = {}  # first compiles in flight
         self._lock = threading.Lock()  # the HTTP server checks requests on its own threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # check_async's threads
 
     @property
     def _tokenizer(self) -> Any:
@@ -96,24 +98,41 @@ class GrammarCompiler:
 
     def check(self, spec: StructuredOutputs) -> str | None:
         """Why this constraint cannot run, or None (it compiles and admits an output)."""
-        compiled = self._entry(spec)
+        return self._check_by(spec, time.monotonic() + limits.LIMITS.compile_seconds)
+
+    def check_async(self, spec: StructuredOutputs) -> concurrent.futures.Future[str | None]:
+        """check(spec) on the compiler's own threads (LIMITS.concurrent_compiles of
+        them), its wait for a compiler counted from now: a server awaits this rather
+        than hold one of its request threads while a constraint compiles."""
+        with self._lock:
+            cached = self._compiled.get(spec)
+            if cached is not None or self._pool is None:
+                self._pool = self._pool or concurrent.futures.ThreadPoolExecutor(
+                    limits.LIMITS.concurrent_compiles, thread_name_prefix="jpaged-grammar")
+        if cached is not None:
+            done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+            done.set_result(cached if isinstance(cached, str) else None)
+            return done
+        return self._pool.submit(self._check_by, spec, time.monotonic() + limits.LIMITS.compile_seconds)
+
+    def _check_by(self, spec: StructuredOutputs, wait_until: float) -> str | None:
+        compiled = self._entry(spec, wait_until)
         return compiled if isinstance(compiled, str) else None
 
     def grammar(self, spec: StructuredOutputs) -> Grammar:
         """A fresh matcher for `spec`; ValueError saying what is wrong with it."""
-        compiled = self._entry(spec)
+        compiled = self._entry(spec, time.monotonic() + limits.LIMITS.compile_seconds)
         if isinstance(compiled, str):
             raise ValueError(compiled)
         return Grammar(new_matcher(self._tokenizer, compiled.text, spec), spec)
 
-    def _entry(self, spec: StructuredOutputs) -> _Compiled | str:
+    def _entry(self, spec: StructuredOutputs, wait_until: float) -> _Compiled | str:
         """`spec`'s checked grammar text or its error, compiled once per constraint and
         LRU-cached, errors included (a request's check and its samples' matchers
         share the work; a constraint that failed is not compiled again).  The first
-        compile is checked against the limits, then compiled in the sandbox within
-        the time budget, and only then here; a request beside it with the same
-        constraint waits for it."""
-        deadline = time.monotonic() + limits.LIMITS.compile_seconds
+        compile is checked against the limits, then compiled in the sandbox (a
+        compiler free by `wait_until`, then the time budget), and only then here;
+        a request beside it with the same constraint waits for it."""
         while True:
             with self._lock:
                 if spec in self._compiled:
@@ -123,14 +142,13 @@ class GrammarCompiler:
                 if pending is None:
                     self._compiling[spec] = threading.Event()
                     break
-            if not pending.wait(max(0.0, deadline - time.monotonic())):
-                return f"the {spec.kind} constraint did not compile within {limits.LIMITS.compile_seconds:g} s " \
-                       "(compile_seconds)"
+            pending.wait()  # (the other caller's compile ends within its budgets)
             with self._lock:
-                if spec not in self._compiled:  # the other caller's compile was refused for being busy
-                    continue
+                given_up = spec not in self._compiled and time.monotonic() >= wait_until
+            if given_up:  # the other caller's compile was refused (busy, or over the limits)
+                return sandbox.busy_message(limits.LIMITS.concurrent_compiles)
         try:
-            compiled = self._first_compile(spec, deadline)
+            compiled = self._first_compile(spec, wait_until)
         except Busy as e:  # not the constraint's fault: not remembered
             return str(e)
         finally:
@@ -138,14 +156,14 @@ class GrammarCompiler:
                 self._compiling.pop(spec).set()
         return compiled
 
-    def _first_compile(self, spec: StructuredOutputs, deadline: float) -> _Compiled | str:
+    def _first_compile(self, spec: StructuredOutputs, wait_until: float) -> _Compiled | str:
         """The grammar text or the error (cached), or Busy."""
         try:
             spec.validate()  # the limits: before llguidance sees it
         except ValueError as e:  # not cached: cheap to say again, and the spec may be large
             return str(e)
         try:
-            error = self._sandboxed().compile(spec, deadline)
+            error = self._sandboxed().compile(spec, wait_until)
             if error:
                 raise ValueError(error)
             # Safe here now: the same code compiled it there, on half this process's stack.

@@ -15,8 +15,8 @@ parent (the same code on the same input) with room to spare.
 
 `CompileSandbox` is the parent's side: LIMITS.concurrent_compiles workers,
 shared by every engine of the process with the same tokenizer (`shared`),
-each started on first use and reused.  A caller waits for a free worker
-within its budget.  Host code: no jax.
+each started on first use and reused.  A caller waits for a free worker at
+most LIMITS.compile_seconds, and its compile then has LIMITS.compile_seconds.  Host code: no jax.
 """
 
 from __future__ import annotations
@@ -51,18 +51,17 @@ class CompileSandbox:
         for w in self.workers:
             self._idle.put(w)
 
-    def compile(self, spec: Any, deadline: float) -> str | None:
-        """None when `spec` compiles in a worker by `deadline` (time.monotonic());
-        else why not: its error, a crash, the budget.  Raises Busy when no worker
-        came free by the deadline (not the constraint's fault: not to be cached)."""
+    def compile(self, spec: Any, wait_until: float) -> str | None:
+        """None when `spec` compiles in a worker within LIMITS.compile_seconds; else
+        why not: its error, a crash, the budget.  Raises Busy when no worker came
+        free by `wait_until` (time.monotonic()): not the constraint's fault, so not
+        to be remembered as its error."""
         try:
-            worker = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
+            worker = self._idle.get(timeout=max(0.0, wait_until - time.monotonic()))
         except queue.Empty:
-            raise Busy(f"the grammar compiler is busy: {len(self.workers)} constraints compiled for the whole "
-                       f"{limits.LIMITS.compile_seconds:g} s budget (concurrent_compiles, compile_seconds); "
-                       "retry later") from None
+            raise Busy(busy_message(len(self.workers))) from None
         try:
-            return worker.compile(spec, deadline)
+            return worker.compile(spec, time.monotonic() + limits.LIMITS.compile_seconds)
         finally:
             self._idle.put(worker)
 
@@ -73,6 +72,11 @@ class CompileSandbox:
 
 class Busy(Exception):
     """No worker came free within the budget."""
+
+
+def busy_message(workers: int) -> str:
+    return (f"the grammar compiler is busy: {workers} constraints compiled for the whole "
+            f"{limits.LIMITS.compile_seconds:g} s budget (concurrent_compiles, compile_seconds); retry later")
 
 
 class _Worker:
