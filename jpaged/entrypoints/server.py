@@ -611,6 +611,13 @@ def _explicit_max_tokens(raw: Any, chat: bool) -> str | None:
 def _prepare(state: ServerState, parse: Callable[..., GenerationRequest],
              body: bytes) -> tuple[GenerationRequest, list[tuple[list[int], str]]]:
     """A body checked and its prompts tokenized (in the host pool, off the event loop)."""
+    gen, explicit = _parsed(state, parse, body)
+    return gen, _tokenized_prompts(state, gen, explicit)
+
+
+def _parsed(state: ServerState, parse: Callable[..., GenerationRequest],
+            body: bytes) -> tuple[GenerationRequest, str | None]:
+    """A body checked: (the request, the field that set max_tokens or None)."""
     raw = _parse_json(body)
     if state.options.disable_additional_properties and isinstance(raw, dict) \
             and raw.get("disable_additional_properties") is None:
@@ -621,8 +628,24 @@ def _prepare(state: ServerState, parse: Callable[..., GenerationRequest],
         raise RequestError(f"this request has {len(gen.prompts)} prompts; the server queues at most {bound} "
                            "requests (max_queued_requests), so it can never take them all at once: send at "
                            f"most {bound} prompts per request", "prompt", code="too_many_prompts")
-    explicit = _explicit_max_tokens(raw, parse is parse_chat)
-    return gen, [_tokenized(state, p, gen, explicit) for p in gen.prompts]
+    return gen, _explicit_max_tokens(raw, parse is parse_chat)
+
+
+def _tokenized_prompts(state: ServerState, gen: GenerationRequest,
+                       explicit: str | None) -> list[tuple[list[int], str]]:
+    return [_tokenized(state, p, gen, explicit) for p in gen.prompts]
+
+
+async def _constraint_compiled(state: ServerState, gen: GenerationRequest) -> None:
+    """The request's constraint compiled, or refused (a 400 naming its field), on the
+    grammar compiler's own bounded threads: a slow compile holds no host-pool thread."""
+    grammars = getattr(state.llm, "grammars", None)
+    if gen.params.structured is None or grammars is None:
+        return
+    problem = await asyncio.wrap_future(grammars.check_async(gen.params.structured))
+    if problem:
+        field = gen.constraint_field
+        raise RequestError(f"{field}: {problem}" if field else problem, field)
 
 
 def _error_response(e: RequestError) -> JSONResponse:
@@ -634,7 +657,9 @@ async def _handle(request: Request, state: ServerState, parse: Callable[..., Gen
                   answer_type: type[Answer]) -> Response:
     try:
         engine = state.ready_engine()
-        gen, prompts = await state.run_host(_prepare, state, parse, await request.body())
+        gen, explicit = await state.run_host(_parsed, state, parse, await request.body())
+        await _constraint_compiled(state, gen)
+        prompts = await state.run_host(_tokenized_prompts, state, gen, explicit)
         if state.asleep or getattr(state.llm, "is_sleeping", False):  # (no await from here to submit)
             raise RequestError("the engine is asleep: POST /wake_up first", status=503,
                                kind="service_unavailable")
