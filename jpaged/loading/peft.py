@@ -289,11 +289,11 @@ def _read_capped(path: pathlib.Path, cap: int, what: str, start: int = 0, size: 
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except (OSError, ValueError):  # ValueError: a NUL byte in the path
         raise _Unreadable(path) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise _Unreadable(path)
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
         want = info.st_size - start if size is None else size
         if want > cap:
             raise ValueError(f"{path}: {what} is {want:,} bytes, above the limit of {cap:,}")
