@@ -76,7 +76,7 @@ MAX_PATTERNS = 1024                 # rank_pattern / alpha_pattern entries
 MAX_PATTERN_CHARS = 256             # one pattern key (a module name or a regex)
 MAX_PATTERN_REPEATS = 1             # "*", "+", "{2,}"... in a rank/alpha_pattern key (see _backtracking_error)
 MAX_TARGET_REPEATS = 4              # in a target_modules regex (matched against two short names)
-MAX_TENSOR_NAME_CHARS = 256         # one tensor name in the safetensors header
+MAX_TENSOR_NAME_CHARS = 128         # one tensor name in the safetensors header (real ones: < 90)
 MAX_TENSORS = 16384                 # lora_A + lora_B tensors (7 modules x 2 x 1,170 layers)
 MAX_PATTERN_MATCHES = 1 << 19       # pattern keys x modules matched (an 80-layer adapter listing
                                     # every module in rank_pattern: 560 x 560)
