@@ -403,3 +403,26 @@ def test_read_off_the_engine_then_fitted(good_adapter):
 ])
 def test_adapter_name_rule(name, ok):
     assert (adapter_name_error(name) is None) == ok
+
+
+def _synthetic_adapter(d: pathlib.Path, config: dict, tensors: dict) -> pathlib.Path:
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, d / "adapter_model.safetensors")
+    return d
+
+
+def test_pattern_matching_and_tensor_names_are_bounded(tmp_path):
+    """Patterns x modules matched is capped (each match is bounded by the key checks), and
+    so is a tensor's name, before any regex meets it."""
+    a, b = np.ones((8, 4), np.float32), np.ones((4, 8), np.float32)
+    tensors = {Q.format(i, ab): t for i in range(513) for ab, t in (("A", a), ("B", b))}
+    many = _synthetic_adapter(tmp_path / "many", {**GOOD_CONFIG, "rank_pattern": {f"k{i}": 8 for i in range(1024)}},
+                              tensors)
+    with pytest.raises(ValueError, match="513 modules against 1,024 rank_pattern and alpha_pattern keys is above "
+                                         "the limit of 524,288 matches"):
+        read_peft_files(many)
+    long = _synthetic_adapter(tmp_path / "long", GOOD_CONFIG, {Q.replace("model.model.", "model.model." + "x" * 80)
+                                                               .format(0, "A"): a})
+    with pytest.raises(ValueError, match="is above the limit of 128 characters"):
+        read_peft_files(long)
