@@ -24,7 +24,7 @@ from jpaged.core.sequence import SamplingParams
 from jpaged.entrypoints import batch
 from jpaged.entrypoints.cli import UsageError
 from jpaged.entrypoints.openai_protocol import RequestError, parse_chat
-from jpaged.structured import limits, sandbox
+from jpaged.structured import grammar, limits, sandbox
 from jpaged.structured.grammar import GrammarCompiler
 from jpaged.structured.spec import StructuredOutputs, from_request
 
@@ -77,8 +77,9 @@ def byte_tokenizer():
 
 
 @pytest.fixture
-def compiler():
-    """A GrammarCompiler over the byte-level tokenizer (EOS 2)."""
+def compiler(monkeypatch):
+    """A GrammarCompiler over the byte-level tokenizer (EOS 2), with a cache of its own."""
+    monkeypatch.setattr(grammar, "_SHARED", {})
     return GrammarCompiler(types.SimpleNamespace(backend=byte_tokenizer(), eos_token_ids=[2]), 256)
 
 
@@ -132,7 +133,7 @@ def nested_arrays(depth: int) -> dict:
     (StructuredOutputs(choice=tuple("x" * 1000 + str(i) for i in range(1000))), "choice_bytes"),
 ])
 def test_the_compiler_refuses_what_is_beyond_the_limits_without_compiling(compiler, monkeypatch, spec, limit):
-    monkeypatch.setattr(sandbox, "shared", None)  # any compile would fail on this
+    monkeypatch.setattr(sandbox.CompileSandbox, "compile", None)  # any compile would fail on this
     error = compiler.check(spec)
     assert error.startswith(f"structured_outputs.{spec.kind} ") and f"({limit})" in error
 
@@ -184,12 +185,23 @@ def test_a_compile_past_its_budget_is_cut_and_remembered(compiler, lifted, monke
     assert compiler.check(StructuredOutputs(regex="b+")) is None
 
 
+def test_compilers_of_one_tokenizer_share_what_they_compiled(compiler, monkeypatch):
+    """Data-parallel replicas each load the tokenizer: a constraint one compiled
+    (or refused) the others take from the cache."""
+    other = GrammarCompiler(types.SimpleNamespace(backend=byte_tokenizer(), eos_token_ids=[2]), 256)
+    good, bad = StructuredOutputs(regex="[a-c]{3}"), StructuredOutputs(regex="a[")
+    assert compiler.check(good) is None and "unclosed character class" in compiler.check(bad)
+    calls = sandbox_calls(monkeypatch)
+    assert other.check(good) is None and other.grammar(good).error is None
+    assert other.check(bad) == compiler.check(bad) and calls == []
+
+
 def test_compiles_beyond_the_cap_wait_and_then_are_refused_uncached(compiler, monkeypatch):
     """Every worker busy for a caller's whole budget: its constraint is refused as
     busy, and, not being its fault, not remembered: it compiles once a worker is free."""
     monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, compile_seconds=0.2))
     box = sandbox.CompileSandbox(byte_tokenizer().to_str(), 256, [2], workers=1)
-    compiler._sandbox = box
+    monkeypatch.setattr(compiler._shared, "sandbox", box)
     try:
         held = box._idle.get()  # another constraint compiling
         error = compiler.check(StructuredOutputs(regex="a+"))

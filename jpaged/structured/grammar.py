@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import re
 import threading
 import time
@@ -79,12 +80,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._source = tokenizer
         self._ll_tokenizer: Any = None  # built on first use (~0.2 s for a 50k vocabulary)
-        self._sandbox: CompileSandbox | None = None  # started on the first constraint not yet seen
-        # A constraint's grammar text, checked to compile (_Compiled), or why it cannot run (str).
-        self._compiled: collections.OrderedDict[StructuredOutputs, _Compiled | str] = collections.OrderedDict()
-        self._compiling: dict[StructuredOutputs, threading.Event] = {}  # first compiles in flight
+        self._state: _Shared | None = None  # bound on first use
         self._lock = threading.Lock()  # the HTTP server checks requests on its own threads
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # check_async's threads
 
     @property
     def _tokenizer(self) -> Any:
@@ -104,16 +101,14 @@ class GrammarCompiler:
         """check(spec) on the compiler's own threads (LIMITS.concurrent_compiles of
         them), its wait for a compiler counted from now: a server awaits this rather
         than hold one of its request threads while a constraint compiles."""
-        with self._lock:
-            cached = self._compiled.get(spec)
-            if cached is not None or self._pool is None:
-                self._pool = self._pool or concurrent.futures.ThreadPoolExecutor(
-                    limits.LIMITS.concurrent_compiles, thread_name_prefix="jpaged-grammar")
+        shared = self._shared
+        with shared.lock:
+            cached = shared.compiled.get(spec)
         if cached is not None:
             done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
             done.set_result(cached if isinstance(cached, str) else None)
             return done
-        return self._pool.submit(self._check_by, spec, time.monotonic() + limits.LIMITS.compile_seconds)
+        return shared.pool.submit(self._check_by, spec, time.monotonic() + limits.LIMITS.compile_seconds)
 
     def _check_by(self, spec: StructuredOutputs, wait_until: float) -> str | None:
         compiled = self._entry(spec, wait_until)
@@ -133,18 +128,19 @@ class GrammarCompiler:
         compile is checked against the limits, then compiled in the sandbox (a
         compiler free by `wait_until`, then the time budget), and only then here;
         a request beside it with the same constraint waits for it."""
+        shared = self._shared
         while True:
-            with self._lock:
-                if spec in self._compiled:
-                    self._compiled.move_to_end(spec)
-                    return self._compiled[spec]
-                pending = self._compiling.get(spec)
+            with shared.lock:
+                if spec in shared.compiled:
+                    shared.compiled.move_to_end(spec)
+                    return shared.compiled[spec]
+                pending = shared.compiling.get(spec)
                 if pending is None:
-                    self._compiling[spec] = threading.Event()
+                    shared.compiling[spec] = threading.Event()
                     break
             pending.wait()  # (the other caller's compile ends within its budgets)
-            with self._lock:
-                given_up = spec not in self._compiled and time.monotonic() >= wait_until
+            with shared.lock:
+                given_up = spec not in shared.compiled and time.monotonic() >= wait_until
             if given_up:  # the other caller's compile was refused (busy, or over the limits)
                 return sandbox.busy_message(limits.LIMITS.concurrent_compiles)
         try:
@@ -152,8 +148,8 @@ class GrammarCompiler:
         except Busy as e:  # not the constraint's fault: not remembered
             return str(e)
         finally:
-            with self._lock:
-                self._compiling.pop(spec).set()
+            with shared.lock:
+                shared.compiling.pop(spec).set()
         return compiled
 
     def _first_compile(self, spec: StructuredOutputs, wait_until: float) -> _Compiled | str:
@@ -163,24 +159,51 @@ class GrammarCompiler:
         except ValueError as e:  # not cached: cheap to say again, and the spec may be large
             return str(e)
         try:
-            error = self._sandboxed().compile(spec, wait_until)
+            error = self._shared.sandbox.compile(spec, wait_until)
             if error:
                 raise ValueError(error)
             # Safe here now: the same code compiled it there, on half this process's stack.
             compiled: _Compiled | str = _Compiled(compile_check(self._tokenizer, spec, self.vocab_size))
         except ValueError as e:
             compiled = str(e)
-        with self._lock:
-            self._compiled[spec] = compiled
-            while len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        shared = self._shared
+        with shared.lock:
+            shared.compiled[spec] = compiled
+            while len(shared.compiled) > CACHED_GRAMMARS:
+                shared.compiled.popitem(last=False)
         return compiled
 
-    def _sandboxed(self) -> CompileSandbox:
-        if self._sandbox is None:
-            self._sandbox = sandbox.shared(self._source.backend.to_str(), self.vocab_size,
-                                           list(self._source.eos_token_ids))
-        return self._sandbox
+    @property
+    def _shared(self) -> _Shared:
+        """What this process's compilers of the same tokenizer share (data-parallel
+        replicas each load it): the cache, the compile threads, the sandbox."""
+        with self._lock:
+            if self._state is None:
+                text = self._source.backend.to_str()
+                key = (hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(), self.vocab_size,
+                       tuple(self._source.eos_token_ids))
+                with _SHARED_LOCK:
+                    if key not in _SHARED:
+                        _SHARED[key] = _Shared(text, self.vocab_size, list(self._source.eos_token_ids))
+                    self._state = _SHARED[key]
+            return self._state
+
+
+class _Shared:
+    """The compiled constraints of one tokenizer (grammar text, or why it cannot run),
+    the first compiles in flight, check_async's threads and the sandbox."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+        self.compiled: collections.OrderedDict[StructuredOutputs, _Compiled | str] = collections.OrderedDict()
+        self.compiling: dict[StructuredOutputs, threading.Event] = {}
+        self.lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(limits.LIMITS.concurrent_compiles,
+                                                          thread_name_prefix="jpaged-grammar")
+        self.sandbox = CompileSandbox(tokenizer_json, vocab_size, eos_token_ids, limits.LIMITS.concurrent_compiles)
+
+
+_SHARED: dict[tuple[str, int, tuple[int, ...]], _Shared] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)

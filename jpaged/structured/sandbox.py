@@ -13,9 +13,9 @@ error says so.  The worker compiles on a thread with half the stack the
 parent's threads have, so a constraint that compiled there compiles in the
 parent (the same code on the same input) with room to spare.
 
-`CompileSandbox` is the parent's side: LIMITS.concurrent_compiles workers,
-shared by every engine of the process with the same tokenizer (`shared`),
-each started on first use and reused.  A caller waits for a free worker at
+`CompileSandbox` is the parent's side: LIMITS.concurrent_compiles workers
+(one sandbox per tokenizer, shared by the process's engines: see
+grammar.GrammarCompiler), each started on first use and reused.  A caller waits for a free worker at
 most LIMITS.compile_seconds, and its compile then has LIMITS.compile_seconds.  Host code: no jax.
 """
 
@@ -148,21 +148,6 @@ class _Worker:
                     pipe.close()
                 except OSError:
                     pass
-
-
-_SHARED: dict[tuple[int, int, tuple[int, ...]], CompileSandbox] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> CompileSandbox:
-    """The process's sandbox for this tokenizer (engines of one model, data-parallel
-    replicas: the cap on concurrent compiles is theirs together)."""
-    key = (hash(tokenizer_json), vocab_size, tuple(eos_token_ids))
-    with _SHARED_LOCK:
-        if key not in _SHARED:
-            _SHARED[key] = CompileSandbox(tokenizer_json, vocab_size, eos_token_ids,
-                                          limits.LIMITS.concurrent_compiles)
-        return _SHARED[key]
 
 
 def _worker_stack_bytes() -> int:
