@@ -264,6 +264,15 @@ def test_lora_name_follows_the_start_up_rule(served, adapters, name):
     assert lora_info(url)["running_lora_adapters"] == ""
 
 
+def test_metrics_label_joins_only_rule_abiding_names():
+    """vllm:lora_requests_info joins names with ",": one that broke the name rule (it cannot
+    load) would be left out, never split into forged names."""
+    from jpaged.entrypoints.server_metrics import adapter_label
+    assert adapter_label(["org/a:v1", "b"]) == "b,org/a:v1"
+    assert adapter_label(["b", "org/a:v1", "x,forged", "<|im_end|>"]) == "b,org/a:v1"
+    assert adapter_label([]) == ""
+
+
 def test_adapter_files_are_read_off_the_engine_thread(served, adapters, monkeypatch):
     """Every read of the adapter's files happens in the server's host pool: the engine
     thread only fits what was read to the model and writes the slot."""
