@@ -22,7 +22,8 @@ most LIMITS.compile_seconds, and its compile then has LIMITS.compile_seconds.  H
 from __future__ import annotations
 
 import os
-import pickle
+import dataclasses
+import json
 import queue
 import resource
 import select
@@ -38,7 +39,8 @@ from jpaged.structured import limits
 
 START_SECONDS = 120.0          # a worker's start (an interpreter, llguidance, the tokenizer): not the budget's
 WORKER_MEMORY = 8 << 30        # a worker's address space: a compile that needs more dies, contained
-_HEADER = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
+_HEADER = struct.Struct("<Q")  # each message: its JSON's length, then the JSON (never pickle: a worker
+MAX_REPLY = 1 << 20            # that native code corrupted must not run code here, nor fill this memory)
 
 
 class CompileSandbox:
@@ -95,14 +97,16 @@ class _Worker:
             deadline += time.monotonic() - started  # the start is the worker's cost, not the constraint's
         assert self._proc is not None
         try:
-            _send(self._proc.stdin, (spec, limits.LIMITS))
-            reply = _receive(self._proc.stdout, deadline)
+            _send(self._proc.stdin, [dataclasses.asdict(spec), dataclasses.asdict(limits.LIMITS)])
+            reply = _receive(self._proc.stdout, deadline, MAX_REPLY)
         except TimeoutError:
             self.stop()
             return (f"the {spec.kind} constraint did not compile within {limits.LIMITS.compile_seconds:g} s "
                     "(compile_seconds)")
-        except (OSError, EOFError, pickle.UnpicklingError):
+        except (OSError, EOFError, ValueError):
             return f"the {spec.kind} constraint crashed the grammar compiler ({self._death()})"
+        if reply is not None and not isinstance(reply, str):
+            return f"the {spec.kind} constraint crashed the grammar compiler (it answered {type(reply).__name__})"
         return reply
 
     def _start(self) -> str | None:
@@ -113,8 +117,8 @@ class _Worker:
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         try:
             _send(self._proc.stdin, self._setup)
-            reply = _receive(self._proc.stdout, time.monotonic() + START_SECONDS)
-        except (OSError, EOFError, TimeoutError, pickle.UnpicklingError):
+            reply = _receive(self._proc.stdout, time.monotonic() + START_SECONDS, MAX_REPLY)
+        except (OSError, EOFError, TimeoutError, ValueError):
             reply = f"it did not start: {self._death()}"
         if reply != "ready":
             self.stop()
@@ -165,15 +169,18 @@ def _package_root() -> str:
 
 # ------------------------------------------------------------------ framing
 def _send(pipe: Any, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = json.dumps(obj).encode("utf-8", "surrogatepass")
     pipe.write(_HEADER.pack(len(data)) + data)
     pipe.flush()
 
 
-def _receive(pipe: Any, deadline: float | None) -> Any:
-    """The next message; TimeoutError past `deadline`, EOFError when the writer is gone."""
+def _receive(pipe: Any, deadline: float | None, max_size: int | None = None) -> Any:
+    """The next message; TimeoutError past `deadline`, EOFError when the writer is
+    gone, ValueError for one over `max_size` bytes or not JSON."""
     (size,) = _HEADER.unpack(_read(pipe, _HEADER.size, deadline))
-    return pickle.loads(_read(pipe, size, deadline))
+    if max_size is not None and size > max_size:
+        raise ValueError(f"a message of {size} bytes")
+    return json.loads(_read(pipe, size, deadline).decode("utf-8", "surrogatepass"))
 
 
 def _read(pipe: Any, size: int, deadline: float | None) -> bytes:
@@ -197,14 +204,17 @@ def _serve(stdin: Any, stdout: Any, setup: tuple[Any, ...]) -> None:
     each answered None (it compiles) or its error, until the parent closes the pipe."""
     import llguidance
     from jpaged.structured.grammar import compile_check
+    from jpaged.structured.spec import StructuredOutputs
     tokenizer_json, vocab_size, eos, _ = setup
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
     _send(stdout, "ready")
     while True:
         try:
-            spec, limits.LIMITS = _receive(stdin, None)  # the parent's limits, llguidance's included
+            fields, parent_limits = _receive(stdin, None)
         except EOFError:
             return
+        limits.LIMITS = limits.Limits(**parent_limits)  # llguidance's limits as the parent sets them
+        spec = StructuredOutputs(**fields)
         try:
             compile_check(tokenizer, spec, vocab_size)
             reply = None
