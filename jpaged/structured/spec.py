@@ -60,7 +60,11 @@ class StructuredOutputs:
 
     def validate(self) -> None:
         """ValueError naming the field when this is not exactly one well-typed
-        constraint (whether it compiles is the grammar compiler's check)."""
+        constraint within limits.LIMITS (whether it compiles is the grammar
+        compiler's check).  Checked once per object (a request's is checked where
+        it is parsed, checked and queued; a 256 KiB schema takes tens of ms)."""
+        if self.__dict__.get("_checked_against") is limits.LIMITS:
+            return
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got "
@@ -89,6 +93,7 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {json_type(value)}")
         if kind != "json":  # (checked above)
             limits.check(kind, value, f"structured_outputs.{kind}")
+        object.__setattr__(self, "_checked_against", limits.LIMITS)  # (not a field: equality and hash ignore it)
 
     def source(self) -> str:
         """The constraint as text (the JSON schema's text, the regex, the grammar, ...)."""
