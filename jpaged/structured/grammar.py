@@ -166,6 +166,9 @@ class GrammarCompiler:
             compiled: _Compiled | str = _Compiled(compile_check(self._tokenizer, spec, self.vocab_size))
         except ValueError as e:
             compiled = str(e)
+        except (RuntimeError, TypeError, OverflowError, MemoryError) as e:
+            # An llguidance surprise: still this request's error, not the server's.
+            compiled = f"invalid {spec.kind} constraint: {type(e).__name__}: {_first_line(str(e))}"
         shared = self._shared
         with shared.lock:
             shared.compiled[spec] = compiled

@@ -73,7 +73,8 @@ class CompileSandbox:
 
 
 class Busy(Exception):
-    """No worker came free within the budget."""
+    """No worker came free within the budget, or none would start: not the
+    constraint's fault."""
 
 
 def busy_message(workers: int) -> str:
@@ -91,9 +92,7 @@ class _Worker:
     def compile(self, spec: Any, deadline: float) -> str | None:
         if self._proc is None or self._proc.poll() is not None:
             started = time.monotonic()
-            error = self._start()
-            if error:
-                return error
+            self._start()
             deadline += time.monotonic() - started  # the start is the worker's cost, not the constraint's
         assert self._proc is not None
         try:
@@ -109,12 +108,16 @@ class _Worker:
             return f"the {spec.kind} constraint crashed the grammar compiler (it answered {type(reply).__name__})"
         return reply
 
-    def _start(self) -> str | None:
-        """Starts the process and sends it the tokenizer; an error when it does not come up."""
+    def _start(self) -> None:
+        """Starts the process and sends it the tokenizer; Busy (no constraint's fault)
+        when it does not come up."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [_package_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        self._proc = subprocess.Popen([sys.executable, "-m", "jpaged.structured.sandbox"], env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "jpaged.structured.sandbox"], env=env,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        except OSError as e:
+            raise Busy(f"the grammar compiler is unavailable (it did not start: {e})") from None
         try:
             _send(self._proc.stdin, self._setup)
             reply = _receive(self._proc.stdout, time.monotonic() + START_SECONDS, MAX_REPLY)
@@ -122,8 +125,7 @@ class _Worker:
             reply = f"it did not start: {self._death()}"
         if reply != "ready":
             self.stop()
-            return f"the grammar compiler is unavailable ({reply})"
-        return None
+            raise Busy(f"the grammar compiler is unavailable ({reply})")
 
     def _death(self) -> str:
         """How the process ended (it is reaped)."""
