@@ -155,6 +155,7 @@ def test_bad_fields_and_reset_prefix_cache(served):
     ("/resume", [1], None, "JSON object"),
     ("/update_weights", {"path": "/", "in_flight": "keep", "load_format": "hf"}, "load_format", "Extra inputs"),
     ("/is_paused?x=1", None, "x", "no query parameters"),
+    ("/wake_up?tags=weights&tags=gpu", None, "tags", "'weights' or 'kv_cache'"),
 ])
 def test_rl_inputs_are_strict(served, path, body, param, words):
     """Every RL route input is a 400 naming its field; nothing changes, the server serves on."""
@@ -163,6 +164,17 @@ def test_rl_inputs_are_strict(served, path, body, param, words):
     assert (status, answer["error"]["param"]) == (400, param) and words in answer["error"]["message"], answer
     assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": False})
     assert http("GET", url + "/is_paused") == (200, {"is_paused": False})
+    assert text(url) == expected
+
+
+def test_wake_up_takes_vllms_tags(served):
+    """vLLM's /wake_up?tags=weights&tags=kv_cache (the query's list repeated, or the body's):
+    jpaged wakes the whole engine."""
+    url, expected, _ = served
+    for query, body in (("?tags=weights&tags=kv_cache", None), ("?tags=weights", None), ("", {"tags": ["kv_cache"]})):
+        assert http("POST", url + "/sleep") == (200, {"status": "ok"})
+        assert http("POST", url + "/wake_up" + query, body) == (200, {"status": "ok"})
+        assert http("GET", url + "/is_sleeping") == (200, {"is_sleeping": False})
     assert text(url) == expected
 
 

@@ -58,20 +58,30 @@ class SleepRequest(RLRequest):
     level: Annotated[Literal[1, 2], BeforeValidator(_exact_int)] = 1
 
 
+class WakeUpRequest(RLRequest):
+    # vLLM's /wake_up?tags=weights&tags=kv_cache wakes part of a sleeping engine; jpaged
+    # always wakes all of it (a superset of any subset asked for), so the tags are checked only.
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+
+
 class UpdateWeightsRequest(RLRequest):
     path: str = Field(validation_alias=AliasChoices("path", "model_path"))
     in_flight: Literal["abort", "keep", "recompute"] = "abort"
 
 
 def _query_fields(items: list[tuple[str, str]], kind: type[RLRequest]) -> dict[str, Any]:
-    """The query parameters as fields: each given once; an integer field's value one of
-    its values' exact ASCII spelling ("1", not "01", " 1" or "²")."""
+    """The query parameters as fields: each given once (a list field's values repeated);
+    an integer field's value one of its values' exact ASCII spelling ("1", not "01",
+    " 1" or "²")."""
     fields: dict[str, Any] = {}
     for key, value in items:
+        field = kind.model_fields.get(key)
+        if field is not None and _is_list(field.annotation):
+            fields.setdefault(key, []).append(value)  # a list field: ?tags=a&tags=b
+            continue
         if key in fields:
             raise RequestError(f"query parameter {key!r} is given more than once", key)
         fields[key] = value
-        field = kind.model_fields.get(key)
         choices = typing.get_args(field.annotation) if field and typing.get_origin(field.annotation) is Literal else ()
         if choices and all(type(c) is int for c in choices):
             spelled = {str(c): c for c in choices}
@@ -79,6 +89,11 @@ def _query_fields(items: list[tuple[str, str]], kind: type[RLRequest]) -> dict[s
                 raise RequestError(f"{key} must be {' or '.join(spelled)}, got {value!r}", key)
             fields[key] = spelled[value]
     return fields
+
+
+def _is_list(annotation: Any) -> bool:
+    """list[...] or list[...] | None."""
+    return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
 
 
 def _rl_request(body: bytes, query: list[tuple[str, str]], kind: type[RLRequest]) -> RLRequest:
@@ -160,7 +175,7 @@ def add_rl_routes(app: FastAPI, state: ServerState) -> None:
     post("/pause", lambda llm, req: llm.pause(req.mode), PauseRequest)
     post("/resume", lambda llm, req: llm.resume())
     post("/sleep", lambda llm, req: llm.sleep(req.level), SleepRequest, sleeps=True)
-    post("/wake_up", lambda llm, req: llm.wake_up())
+    post("/wake_up", lambda llm, req: llm.wake_up(), WakeUpRequest)
     post("/update_weights", lambda llm, req: llm.update_params(req.path, in_flight=req.in_flight),
          UpdateWeightsRequest, field="path")
     post("/reset_prefix_cache", lambda llm, req: llm.reset_prefix_cache())
