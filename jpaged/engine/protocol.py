@@ -42,6 +42,7 @@ class Engine(Protocol):
     kv_dtype: Any         # the KV pool's dtype (a jnp.dtype)
     attention_impl: str   # the attention kernel that runs
     attention_note: str | None  # why it is not the one the config asked for, or None
+    grammars: Any         # jpaged.structured.grammar.GrammarCompiler, or None (no tokenizer)
 
     # Requests: ids are the engine's; a finished request's id is not reused.
     def default_sampling_params(self) -> SamplingParams: ...

@@ -65,7 +65,7 @@ class DataParallelLLM:
         first = self.replicas[0]  # every replica loads, tokenizes and validates alike
         self.loaded, self.tokenizer, self.model_config = first.loaded, first.tokenizer, first.model_config
         self.attention_impl, self.attention_note = first.attention_impl, first.attention_note
-        self.kv_dtype = first.kv_dtype
+        self.kv_dtype, self.grammars = first.kv_dtype, first.grammars  # (replicas share compiled constraints)
         self._next_id = 0
         # Unfinished requests: id -> [replica, samples not returned by step() yet].
         self._requests: dict[int, list[int]] = {}

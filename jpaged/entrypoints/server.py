@@ -639,7 +639,7 @@ def _tokenized_prompts(state: ServerState, gen: GenerationRequest,
 async def _constraint_compiled(state: ServerState, gen: GenerationRequest) -> None:
     """The request's constraint compiled, or refused (a 400 naming its field), on the
     grammar compiler's own bounded threads: a slow compile holds no host-pool thread."""
-    grammars = getattr(state.llm, "grammars", None)
+    grammars = state.llm.grammars
     if gen.params.structured is None or grammars is None:
         return
     problem = await asyncio.wrap_future(grammars.check_async(gen.params.structured))
