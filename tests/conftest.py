@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 from importlib.metadata import version
 
 # XLA's CPU backend at LLVM -O0 without its expensive passes, for this process and
@@ -106,6 +107,15 @@ def _make_tiny(kind: str, root: pathlib.Path):
     out = root / kind
     model.save_pretrained(out, safe_serialization=True)
     return out, model
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """batch.run installs SIGINT / SIGTERM handlers: put pytest's back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture(scope="session")

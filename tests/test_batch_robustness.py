@@ -11,7 +11,6 @@ import errno
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -29,12 +28,8 @@ def config(tiny_llama_tok_dir):
 
 
 @pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """batch.run installs SIGINT / SIGTERM handlers: put pytest's back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+def _signal_handlers_kept(keep_signal_handlers):
+    """Every test here runs batch.run."""
 
 
 def test_a_line_that_cannot_be_printed_is_that_lines_problem(config, tmp_path, monkeypatch, capfd):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import signal
 import threading
 import types
 
@@ -277,15 +276,6 @@ def test_compiling_constraints_hold_none_of_the_request_threads(server_url, monk
 def config(tiny_llama_tok_dir):
     return dict(model=tiny_llama_tok_dir, load_format="hf", max_model_len=64, num_blocks=12, max_num_seqs=2,
                 attention_impl="reference", max_tokens=3, compilation_cache=False)
-
-
-@pytest.fixture
-def keep_signal_handlers():
-    """batch.run installs SIGINT / SIGTERM handlers: put pytest's back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
 
 
 def test_a_batch_line_whose_constraint_crashes_is_that_lines_error(config, tmp_path, lifted, monkeypatch,

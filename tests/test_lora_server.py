@@ -10,7 +10,6 @@ import asyncio
 import json
 import pathlib
 import shutil
-import signal
 import threading
 import urllib.error
 import urllib.request
@@ -309,15 +308,6 @@ def test_adapter_routes_need_the_api_key():
         asyncio.run(app(scope, receive, send))
         assert sent[0]["status"] == 401, path
     assert b"vllm:lora_requests_info" not in app.state.jpaged.metrics.render()  # adapters off: as vLLM
-
-
-@pytest.fixture
-def keep_signal_handlers():
-    """batch.run installs SIGINT / SIGTERM handlers: put pytest's back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
 
 
 def test_batch_lines_name_their_adapter(engine_config, served, tmp_path, keep_signal_handlers):

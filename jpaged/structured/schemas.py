@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jsonschema
 import referencing
@@ -80,11 +80,10 @@ class SchemaValidator:
             return False   # nothing here (jsonschema wraps those in private types): not shown to validate
 
 
-def close_objects(schema: Any) -> Any:
-    """`schema` (not changed) with `additionalProperties: false` on every object
-    schema that has `properties` or `patternProperties` and no `additionalProperties`
-    (vLLM's disable_additional_properties).  Data (`const`, `enum`, ...) is left
-    as it is, and a property named like a keyword is a name, not a keyword."""
+def map_schemas(schema: Any, rewrite: Callable[[dict], dict]) -> Any:
+    """`schema` (not changed) with `rewrite` applied to every schema object in it,
+    innermost first.  Data (`const`, `enum`, ...) is left as it is, and a property
+    named like a keyword is a name, not a keyword."""
     def subschema(node: Any) -> Any:
         if isinstance(node, list):  # allOf / anyOf / oneOf / prefixItems
             return [subschema(x) for x in node]
@@ -98,10 +97,19 @@ def close_objects(schema: Any) -> Any:
                 out[key] = {name: subschema(v) for name, v in value.items()}
             else:
                 out[key] = subschema(value)
-        if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
-            out["additionalProperties"] = False
-        return out
+        return rewrite(out)
     return subschema(schema)
+
+
+def close_objects(schema: Any) -> Any:
+    """`schema` (not changed) with `additionalProperties: false` on every object
+    schema that has `properties` or `patternProperties` and no `additionalProperties`
+    (vLLM's disable_additional_properties)."""
+    def close(node: dict) -> dict:
+        if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        return node
+    return map_schemas(schema, close)
 
 
 # ------------------------------------------------------- bounded regexes

@@ -34,7 +34,7 @@ import json
 import re
 from typing import Any
 
-from jpaged.structured.schemas import DATA_KEYWORDS, NAMED_SCHEMAS, check_schema, close_objects
+from jpaged.structured.schemas import check_schema, close_objects, map_schemas
 from jpaged.structured.spec import StructuredOutputs
 from jpaged.structured.tool_parser import (CLOSE, OPEN, DeclaredTools, ToolCall,  # noqa: F401 - re-exported
                                            ToolCallStreamParser, parse_tool_calls)
@@ -130,25 +130,14 @@ def _rebased(schema: Any, base: str) -> Any:
     """`schema` moved to the JSON pointer `base`: its local references ("#" and
     "#/...") made relative to `base`, and its root's "$id" / "$schema" dropped (an
     "$id" would re-root the rewritten references)."""
-    def subschema(node: Any) -> Any:
-        if isinstance(node, list):  # allOf / anyOf / oneOf / prefixItems
-            return [subschema(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-                out[key] = base + value[1:]
-            elif key in DATA_KEYWORDS:
-                out[key] = value
-            elif key in NAMED_SCHEMAS and isinstance(value, dict):
-                out[key] = {name: subschema(v) for name, v in value.items()}
-            else:
-                out[key] = subschema(value)
-        return out
+    def rebase(node: dict) -> dict:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+        return node
     if not isinstance(schema, dict):
         return schema
-    return subschema({k: v for k, v in schema.items() if k not in ("$id", "$schema")})
+    return map_schemas({k: v for k, v in schema.items() if k not in ("$id", "$schema")}, rebase)
 
 
 def tool_system_prompt(functions: list[dict[str, Any]]) -> str:
