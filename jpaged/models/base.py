@@ -110,6 +110,9 @@ def paged_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, 
                     ) -> tuple[jax.Array, jax.Array]:
     """Writes this step's k, v [T, kv_heads, head_dim] into the pool, then attends
     q [T, heads, head_dim] over each sequence's cached keys: (out [T, heads * head_dim], pool).
+    Write first, then read: every query, the step's own tokens included, sees K/V as
+    the pool stores them (rounded, in a bf16 or quantized pool), so how a sequence's
+    tokens were grouped into steps (drafts, prefill chunks) never changes what they read.
     With a hybrid KV layout (meta.group_block_tables set) the layer reads and
     writes its group's blocks, at its slot within the group's pages."""
     if meta.group_block_tables is not None:
