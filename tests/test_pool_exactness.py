@@ -71,7 +71,7 @@ def run_in_steps(llm, dtype, groups: list[int]) -> tuple[np.ndarray, np.ndarray]
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "bfloat16"])
 def test_stored_kv_and_logits_do_not_depend_on_the_steps(invariant_llm, dtype):
     want_rows, want_logits = run_in_steps(invariant_llm, dtype, GROUPINGS["one step"])
-    for name, groups in GROUPINGS.items():
+    for name, groups in list(GROUPINGS.items())[1:]:
         rows, logits = run_in_steps(invariant_llm, dtype, groups)
         np.testing.assert_array_equal(rows, want_rows, err_msg=name)
         np.testing.assert_array_equal(logits, want_logits, err_msg=name)
