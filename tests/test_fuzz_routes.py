@@ -44,16 +44,24 @@ FUZZ = settings(derandomize=True, deadline=None, max_examples=40, database=None,
 # ------------------------------------------------------------------ http
 def http(url: str, path: str, body: object = None, method: str = "POST",
          query: dict | None = None) -> tuple[int, dict]:
-    """(status, JSON body); a body that is bytes is sent as it is."""
+    """(status, JSON body, or {"text": ...} for a text one: the adapter routes answer
+    a success in text, as vLLM's do); a body that is bytes is sent as it is."""
     if query:
         path += "?" + urllib.parse.urlencode(query, doseq=True)
     data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=SECONDS) as r:
-            return r.status, json.loads(r.read() or b"{}")
+            return r.status, _json_or_text(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, _json_or_text(e.read())
+
+
+def _json_or_text(body: bytes) -> dict:
+    try:
+        return json.loads(body or b"{}")
+    except ValueError:
+        return {"text": body.decode(errors="replace")}
 
 
 def answered(status: int, body: dict, what: str) -> None:
