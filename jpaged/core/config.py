@@ -93,6 +93,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
     # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
     c.layer_loop = "auto"
+    # One GEMM for q|k|v and one for gate|up (wqkv, w_gate_up, merged when the model
+    # is built; jpaged.models.merged): 4 weight GEMMs per layer instead of 7.
+    c.merge_projections = False
     # Parallelism (jax.sharding): tensor_parallel_size devices split each layer's
     # heads and the KV pool's heads; data_parallel_size replicas, each on its own
     # tensor_parallel_size devices with its own pool, take requests from a router.
@@ -233,6 +236,7 @@ FIELDS: dict[str, FieldSpec] = {
     "seed": _ints(0, INT32_MAX),
     "attention_impl": _choice(*ATTENTION_IMPLS),
     "layer_loop": _choice(*LAYER_LOOPS),
+    "merge_projections": _BOOL,
     "tensor_parallel_size": _ints(1, 4096),
     "data_parallel_size": _ints(1, 4096),
     "max_queued_requests": _ints(1, INT32_MAX),
