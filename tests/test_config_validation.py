@@ -115,6 +115,8 @@ def near(field: str) -> st.SearchStrategy:
         return st.sampled_from(["", config_module.EMBEDDED_MODEL, "/no/such/model"])
     if field == "lora_modules":
         return st.sampled_from(["", "a=/no/such/dir", "a=", "=x", "a=/tmp,a=/tmp", "a=/tmp"])
+    if field == "xla_step_options":
+        return st.sampled_from(["", "command_buffer dynamic_slice_fusion", "graphs", "xla_a=1", "xla_a=", "a=1"])
     return NEAR[spec.kind]
 
 

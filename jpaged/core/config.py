@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping
 
 import ml_collections
 
+from jpaged.core import xla_options
+
 
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -93,6 +95,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Layer loop of the compiled step: "scan" (lax.scan over stacked weights: one
     # layer traced and compiled), "unroll" (one copy per layer), or "auto" (by backend).
     c.layer_loop = "auto"
+    # XLA options for the step's programs (jpaged.core.xla_options): presets command_buffer
+    # (the whole step as one CUDA graph) and dynamic_slice_fusion (scan reads stacked weights
+    # in place), and/or name=value words; checked by XLA on every backend, used on the GPU.
+    c.xla_step_options = ""
     # One GEMM for q|k|v and one for gate|up (wqkv, w_gate_up, merged when the model
     # is built; jpaged.models.merged): 4 weight GEMMs per layer instead of 7.
     c.merge_projections = False
@@ -200,6 +206,15 @@ def _choice(*options: str) -> FieldSpec:
 
 _BOOL = FieldSpec("bool", "true or false")
 
+
+def _xla_options_parse(text: str) -> bool:
+    try:
+        xla_options.parse_xla_options(text)
+    except ValueError:
+        return False
+    return True
+
+
 FIELDS: dict[str, FieldSpec] = {
     "model": FieldSpec("str", f"{EMBEDDED_MODEL!r}, a .gguf file or a HF checkpoint directory", bool),
     "load_format": _choice(*LOAD_FORMATS),
@@ -236,6 +251,7 @@ FIELDS: dict[str, FieldSpec] = {
     "seed": _ints(0, INT32_MAX),
     "attention_impl": _choice(*ATTENTION_IMPLS),
     "layer_loop": _choice(*LAYER_LOOPS),
+    "xla_step_options": FieldSpec("str", xla_options.ALLOWED, _xla_options_parse),
     "merge_projections": _BOOL,
     "tensor_parallel_size": _ints(1, 4096),
     "data_parallel_size": _ints(1, 4096),
