@@ -18,7 +18,8 @@ is the sha256 of its key, a canonical text of everything that changes the
 program (`ProgramKey`: the source of the jpaged and pallas_kernels packages,
 the model, the weights' and the pool's shapes, dtypes and shardings, the
 step's static arguments, the bucket, the backend and its devices, the jax
-versions, flags and XLA_FLAGS); the file holds that text and a sha256 of its
+versions, flags and XLA_FLAGS, and the XLA compiler options the programs are
+built with: config.xla_step_options); the file holds that text and a sha256 of its
 payload, both checked on load.  A damaged, truncated or foreign entry is
 logged, rebuilt and atomically rewritten, never trusted.  Loading unpickles:
 the directory must be as trusted as the code.
@@ -50,6 +51,7 @@ import jax
 import pallas_kernels
 from jax.experimental import serialize_executable
 
+from jpaged.core.xla_options import OptionValue, options_text
 from jpaged.runtime.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -143,12 +145,16 @@ class StepPrograms:
     once, here; the runner may replace both later with arrays of the same specs
     (update_params, restore_pool).  `static` names the step's static arguments
     and whatever else the program depends on that the arrays do not show; it is
-    part of every key, with the model config and the mesh."""
+    part of every key, with the model config and the mesh.  `compiler_options`
+    (jpaged.core.xla_options) go to XLA with every program built here, and into
+    every key: an entry built with other options is never loaded."""
 
     def __init__(self, step: Any, params: Any, kv_pool: jax.Array, *, static: dict[str, Any],
                  model_config: Any, mesh: Any, cache_dir: pathlib.Path | None,
-                 mesh_context: Callable[[], contextlib.AbstractContextManager]):
+                 mesh_context: Callable[[], contextlib.AbstractContextManager],
+                 compiler_options: dict[str, OptionValue] | None = None):
         self._step = step
+        self.compiler_options = dict(compiler_options or {})
         self._params_spec, self._pool_spec = shape_specs(params), shape_specs(kv_pool)
         self._devices = (list(mesh.devices.flat) if mesh is not None
                          else sorted(kv_pool.sharding.device_set, key=lambda d: d.id))
@@ -157,6 +163,7 @@ class StepPrograms:
         self._base_key = json.dumps({
             "code": code_fingerprint(), "model_config": repr(model_config), "mesh": repr(mesh),
             "static": {k: repr(v) for k, v in static.items()}, "environment": environment(),
+            "compiler_options": options_text(self.compiler_options),
             "params": describe_tree(self._params_spec), "kv_pool": describe_tree(self._pool_spec),
         }, sort_keys=True, indent=0)
         self._ready: dict[tuple, jax.stages.Compiled] = {}
@@ -283,7 +290,7 @@ class StepPrograms:
         t1 = time.perf_counter()
         _watch_xla_cache()
         _thread.xla_cache_hit = False
-        exe = lowered.compile()
+        exe = lowered.compile(self.compiler_options or None)
         self._count(compiled=1, trace_lower_seconds=t1 - t0, compile_seconds=time.perf_counter() - t1)
         return exe, _thread.xla_cache_hit
 

@@ -49,6 +49,7 @@ from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.runtime.sharding import Mesh, pool_sharding, put, replicated
 from jpaged.runtime.step_inputs import StepInputs, StepResult, build_step_inputs, padding_step_inputs
 from jpaged.core.swap_space import HostSwapSpace
+from jpaged.core.xla_options import OptionValue
 
 # StepResult lives with StepInputs (the step's pytrees in and out); importable from here too.
 __all__ = ["ModelRunner", "PendingStep", "StepResult", "StepTiming", "token_buckets"]
@@ -121,7 +122,9 @@ class PendingStep:
 class ModelRunner:
     """`mesh` (a (1, tp) jax.sharding.Mesh, or None for one device): params must
     already be sharded on it (jpaged.runtime.sharding.shard_params); the pool is split on
-    its kv-head axis and every step's inputs and outputs have fixed shardings."""
+    its kv-head axis and every step's inputs and outputs have fixed shardings.
+    `compiler_options`: XLA options every step program is compiled with
+    (config.xla_step_options, parsed by jpaged.core.xla_options)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
                  num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
@@ -130,7 +133,8 @@ class ModelRunner:
                  buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
                  mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
                  chained: bool = False, num_speculative_tokens: int = 0, lora_slots: int = 0,
-                 max_lora_rank: int = 16, scan_layers: bool = False):
+                 max_lora_rank: int = 16, scan_layers: bool = False,
+                 compiler_options: dict[str, OptionValue] | None = None):
         self.params = params
         # LoRA adapters' device slots (jpaged.runtime.lora); None: adapters off.
         dtype = jax.tree.leaves(params)[0].dtype
@@ -160,7 +164,7 @@ class ModelRunner:
         self._step = self._jit(functools.partial(_weighted_step, graphdef, **static))
         self._programs = StepPrograms(
             self._step, self.weights, self.kv_pool, model_config=model_cfg, mesh=mesh, cache_dir=program_cache_dir,
-            mesh_context=self._mesh_context,
+            mesh_context=self._mesh_context, compiler_options=compiler_options,
             static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
                     "graphdef": graphdef, "num_speculative_tokens": num_speculative_tokens})
         self._programs.preload()  # a warm start: every program this engine built before, before any step
