@@ -66,7 +66,8 @@ def _top_key(path: tuple) -> str:
 class StepRecorder:
     """While active, notes the exact StepInputs of every step the runner launches and
     hands them out as the steps are collected (`take`).  It wraps the runner
-    instance's `_run` and `collect` (its class is untouched) and unwraps on exit."""
+    instance's `_run` and `collect` (the runner offers no hook for the inputs it builds; its
+    class is untouched) and unwraps on exit."""
 
     def __init__(self, runner: Any):
         self.runner = runner
@@ -216,6 +217,11 @@ def measure_decode(llm: Any, batch: int, steps: int, prompt_len: int, *, nominal
     return row
 
 
+def significant(x: float, digits: int = 4) -> float:
+    """x rounded to `digits` significant digits (a tiny model's floors are microseconds)."""
+    return float(f"{x:.{digits}g}")
+
+
 def timing_row(llm: Any, batch: int, timed: list[TimedStep], nominal_gbps: float | None,
                copy_gbps: float | None) -> dict[str, Any]:
     """The wall-time fields of a row, its buckets and its floors."""
@@ -230,11 +236,11 @@ def timing_row(llm: Any, batch: int, timed: list[TimedStep], nominal_gbps: float
         "bucket_ok": buckets == [own], "decode_steps_timed": len(timed),
         "median_step_ms": round(1000 * step_s, 3),
         "decode_tok_per_s": round(batch * len(walls) / sum(walls), 1),
-        "step_GB": round(read / 1e9, 6)}
-    for key, gbps in (("floor_ms", nominal_gbps), ("floor_ms@copy", copy_gbps)):
-        row[key] = round(1000 * read / (gbps * 1e9), 4) if gbps else None
-    row["step / floor"] = round(step_s * 1000 / row["floor_ms"], 2) if row["floor_ms"] else None
-    row["step / floor@copy"] = round(step_s * 1000 / row["floor_ms@copy"], 2) if row["floor_ms@copy"] else None
+        "step_GB": significant(read / 1e9)}
+    floors = {suffix: read / (gbps * 1e9) if gbps else None for suffix, gbps in (("", nominal_gbps),
+                                                                                  ("@copy", copy_gbps))}
+    row.update({f"floor_ms{suffix}": significant(1000 * s) if s else None for suffix, s in floors.items()})
+    row.update({f"step / floor{suffix}": round(step_s / s, 2) if s else None for suffix, s in floors.items()})
     if not row["bucket_ok"]:
         row["invalid"] = f"ran padded into bucket(s) {[b for b in buckets if b != own]} (own bucket {own})"
     return row

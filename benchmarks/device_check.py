@@ -28,9 +28,13 @@ part failed):
                    anyway).
   5. dummy_decode  a Llama-3-8B-shaped model with random weights (load_format=dummy)
                    in bfloat16 through jpaged.LLM: decode tok/s and median step
-                   time at batch 1, 32, 128 against the time to read the weights
-                   once at the device's bandwidth.  On a CPU: a tiny Llama shape at
-                   batch 1 and 4 (labelled as such), so CI runs the code path.
+                   time at batch 1, 32, 128, each timed in its own bucket's program
+                   (benchmarks/decode_timing.py: a row that ran padded is marked
+                   invalid), against the time to read what a step reads (weights
+                   but the embedding table, and the K/V) at the device's bandwidth,
+                   and split into the program's device time and the host's share.
+                   On a CPU: a tiny Llama shape at batch 1 and 4 (labelled as
+                   such), so CI runs the code path.
 
 The quantized-pool runs of parts 3 and 4 are extras: each starts only if it can
 finish without eating into what later parts need (--dummy_decode_reserve_s for
@@ -544,49 +548,6 @@ def write_llama_config(directory: pathlib.Path, shape: dict[str, Any]) -> pathli
     return directory
 
 
-def decode_pass(llm: Any, batch: int, prompt_len: int, max_tokens: int, seed: int) -> dict[str, Any]:
-    """Runs `batch` random prompts to max_tokens with llm.step(); times the steps in
-    which exactly `batch` sequences decode (no prompt token, nothing compiled)."""
-    import numpy as np
-    from jpaged import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rng = np.random.default_rng(seed)
-    vocab = llm.model_config.vocab_size
-    for ids in rng.integers(3, vocab, (batch, prompt_len)):
-        llm.add_request(ids.tolist(), params)
-    walls, compiled = [], 0
-    while llm.has_unfinished_requests():
-        before, compile0 = llm.totals.snapshot(), llm.compile_seconds
-        t0 = time.perf_counter()
-        llm.step()
-        wall, after = time.perf_counter() - t0, llm.totals
-        compiled += llm.compile_seconds > compile0
-        if (after.prefill_steps == before.prefill_steps and llm.compile_seconds == compile0
-                and after.tokens_scheduled - before.tokens_scheduled == batch):
-            walls.append(wall)
-    return {"walls": walls, "compiled_steps": compiled}
-
-
-def decode_row(llm: Any, batch: int, steps: int, ctx: Context, weight_bytes: int) -> dict[str, Any]:
-    """A warm-up pass (compiles the batch's step sizes), then the timed pass."""
-    decode_pass(llm, batch, _DUMMY_PROMPT.value, 3, seed=batch)
-    p = decode_pass(llm, batch, _DUMMY_PROMPT.value, steps + 1, seed=10_000 + batch)
-    if not p["walls"]:
-        raise RuntimeError(f"batch {batch}: no decode step ran without prefill or compilation")
-    step_s = statistics.median(p["walls"])
-    row = {"batch": batch, "decode_steps_timed": len(p["walls"]),
-           "decode_tok_per_s": round(batch * len(p["walls"]) / sum(p["walls"]), 1),
-           "median_step_ms": round(1000 * step_s, 3)}
-    if p["compiled_steps"]:  # the warm-up should have compiled every step size
-        row["steps_that_compiled"] = p["compiled_steps"]
-    for label, gbps in (("nominal", ctx.nominal_gbps), ("copy", ctx.copy_gbps)):
-        if gbps:
-            read_s = weight_bytes / (gbps * 1e9)
-            row[f"weights_read_ms@{label}"] = round(1000 * read_s, 3)
-            row[f"step / read@{label}"] = round(step_s / read_s, 2)
-    return row
-
-
 def make_dummy_llm(directory: pathlib.Path, batches: list[int], steps: int) -> Any:
     """jpaged.LLM on random weights, a pool just big enough for the largest batch."""
     from jpaged import LLM
@@ -603,6 +564,7 @@ def make_dummy_llm(directory: pathlib.Path, batches: list[int], steps: int) -> A
 
 
 def part_dummy_decode(ctx: Context, part: Part) -> None:
+    from decode_timing import measure_decode, step_bytes
     shape_name = dummy_shape(ctx.on_gpu)
     batches = [int(b) for b in _DUMMY_BATCHES.value] or ([1, 32, 128] if shape_name == "8b" else [1, 4])
     steps = _DUMMY_STEPS.value or (32 if shape_name == "8b" else 8)
@@ -617,6 +579,7 @@ def part_dummy_decode(ctx: Context, part: Part) -> None:
                       "shape": json.dumps(LLAMA3_8B if shape_name == "8b" else LLAMA_TINY),
                       "dtype": "bfloat16", "attention": llm.attention_impl, "layer_loop": _DUMMY_LOOP.value,
                       "weights (GB)": round(weight_bytes / 1e9, 3),
+                      "weights a step reads (GB)": round(step_bytes(llm, 0, 0) / 1e9, 3),
                       "random weights drawn (s)": round(llm.loaded.load_seconds, 2),
                       "engine ready (s)": round(ready, 1), "prompt tokens": _DUMMY_PROMPT.value,
                       "decode steps per batch": steps})
@@ -624,14 +587,26 @@ def part_dummy_decode(ctx: Context, part: Part) -> None:
         if ctx.remaining() <= 5:
             part.rows.append({"batch": batch, "note": "skipped: time budget spent"})
             continue
-        part.rows.append(decode_row(llm, batch, steps, ctx, weight_bytes))
+        part.rows.append(measure_decode(llm, batch, steps, _DUMMY_PROMPT.value, nominal_gbps=ctx.nominal_gbps,
+                                        copy_gbps=ctx.copy_gbps))
         print(f"   {part.rows[-1]}", flush=True)
     part.info["compilations"] = llm.num_compilations
     part.info["compile (s)"] = round(llm.compile_seconds, 1)
-    part.notes.append("decode tok/s = batch x timed steps / their wall time; a timed step has every "
-                      "sequence decoding, no prompt token and no compilation. weights_read_ms = weight "
-                      "bytes / bandwidth: the least a decode step can take (the K/V of these short "
-                      "contexts, read too, is left out); step / read: how far above.")
+    part.notes += [
+        "Each batch: a warm-up pass, the programs built in the background awaited, a second warm-up, then the "
+        "timed pass. decode tok/s = batch x timed steps / their wall time; a timed step has every sequence "
+        "decoding, no prompt token and no program built during it. context: the mean K/V length of the timed "
+        "steps.",
+        "bucket: the batch's own step bucket (token slots); buckets_run: those its timed steps ran in. "
+        "bucket_ok is false, and `invalid` says so, when any timed step ran padded into a larger bucket (its "
+        "own was not built yet): such a row times another program, not this batch's.",
+        "floor_ms = step_GB / the nominal bandwidth (floor_ms@copy: / the measured copy bandwidth): step_GB is "
+        "what a decode step must read, every weight but the embedding table (gathered, not read; kept when "
+        "tied, as the LM head) plus the K/V of `batch` sequences at `context` tokens. step / floor: how far "
+        "above it the median step is.",
+        "device_ms: the step's program alone, called back to back with one timed step's exact inputs (the "
+        "donated pool fed back, one block at the end), per call; host_ms = median_step_ms - device_ms, what "
+        "the engine adds around it; dispatch_us: how long one call takes to return, before blocking."]
     del llm
 
 
