@@ -13,13 +13,13 @@ of at most 4 rows (decode with G <= 4) take Q K^T as dot products over the head
 dim instead.  Items, largest first, are spread over XLA's intra-op thread
 pool; each is computed by one thread (results do not depend on the thread
 count).  q and the output may be float32 or bfloat16; the K/V pool float32,
-bfloat16 (converted on load), or quantized: int8 or float8_e4m3fn rows of
-head_dim values and a one-byte scale code (`reference.quantize_rows`),
+bfloat16 (converted on load), or quantized: int8 or float8_e4m3fn pages of
+head_dim-byte rows and a row of one-byte scale codes (`reference.quantize_pages`),
 dequantized exactly while a chunk of keys is staged (int8: sign-extend and
 convert; fp8: its bits shifted into a binary16 that vcvtph2ps converts, no
 table lookup per value), so every micro-kernel runs unchanged on them.  Decode
-reads 65 bytes per int8 / fp8 row of head_dim 64 where fp32 reads 256: it takes
-about half fp32's time.  Timings: benchmarks/bench_cpu_attention.py,
+reads 64 bytes per int8 / fp8 row of head_dim 64, and a code byte per row from
+the page's code row, where fp32 reads 256: it takes about half fp32's time.  Timings: benchmarks/bench_cpu_attention.py,
 benchmarks/results/cpu_attention.md.
 
 Gemma's options are FFI attributes (0 = none): `window` starts an item's key
@@ -73,8 +73,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import (attention_dims, attention_options, is_quantized,
-                                      paged_attention_reference, pool_head_dim, quantize_rows,
+from pallas_kernels.reference import (attention_dims, attention_options, check_page_layout,
+                                      is_quantized, paged_attention_reference, pool_block_size,
+                                      pool_head_dim, quantize_rows,
                                       write_kv_reference)
 
 log = logging.getLogger(__name__)
@@ -341,17 +342,25 @@ def write_kv_cpu(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: ja
             or offsets.shape != k.shape[:1]:
         raise ValueError(f"write_kv_cpu: k/v {k.shape}, blocks {blocks.shape}, offsets "
                          f"{offsets.shape} do not fit pool {kv_pool.shape}")
+    check_page_layout(pool_block_size(kv_pool), pool_head_dim(kv_pool), kv_pool.dtype)
     if not available():
         raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
     if is_quantized(kv_pool.dtype):
         # Quantized here, by the reference's own quantizer (one small fusion over the new
-        # rows), so that the pool is bit-identical to write_kv_reference's; the kernel
-        # copies the D + 1 bytes of each row.  XLA's scatter would be the slow part:
-        # into an fp8 pool it converts the whole pool to f32 and back.
-        k, v = quantize_rows(k, kv_pool.dtype), quantize_rows(v, kv_pool.dtype)
+        # rows), so that the pool is bit-identical to write_kv_reference's; each row goes
+        # to the kernel as D values then its code, which it copies to the row and to the
+        # page's code row.  XLA's scatter would be the slow part: into an fp8 pool it
+        # converts the whole pool to f32 and back.
+        k, v = (_with_code(*quantize_rows(x, kv_pool.dtype)) for x in (k, v))
     call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(kv_pool, k, v, jnp.asarray(layer, jnp.int32).reshape(()), blocks, offsets)
+
+
+def _with_code(values: jax.Array, codes: jax.Array) -> jax.Array:
+    """Quantized rows [T, KVH, D] and their codes [T, KVH] as [T, KVH, D + 1], the code
+    last: what `write_kv_cpu`'s kernel takes for a quantized pool."""
+    return jnp.concatenate([values, codes[..., None]], axis=-1)
 
 
 def write_kv_or_reference(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,

@@ -10,14 +10,18 @@ that the gathered K/V stay bounded: tile x kv_heads x W*block_size x head_dim.
 `attention_dims` checks the shapes and the static options (`sliding_window`,
 `soft_cap`) for every implementation.
 
-Quantized pools (int8, float8_e4m3fn): each row (one token of one KV head, K
-or V) holds head_dim values and one more column, the code c of the row's
-scale, so the pool's last axis is head_dim + 1 and the row stands for
-values * scale(c).  The code is stored as a number in the pool's own dtype (an
-integer, exact in both), so a quantized pool is still one array: block moves,
-swap and head sharding carry the scales with the values.  The scale costs
-one byte per row, where an fp32 scale would cost four: int8 rows of head_dim
-64 take 65 bytes, 3.94x fewer than fp32's 256.
+Quantized pools (int8, float8_e4m3fn): a page of one (layer, K/V, KV head)
+is [block_size + 1, head_dim]: rows 0 .. block_size - 1 hold the tokens'
+head_dim values, and row block_size holds each of those rows' scale code c in
+its first block_size elements (the rest zero), so a row stands for
+values * scale(c).  Value rows are exactly head_dim bytes (16-byte aligned for
+head_dim a multiple of 16), so kernels load them with full-width vector loads,
+and the codes of a page are one contiguous vector.  The code is stored as a
+number in the pool's own dtype (an integer, exact in both), so a quantized
+pool is still one array: block moves, swap and head sharding carry the
+scales with the values.  Needs block_size <= head_dim (`check_page_layout`).
+The codes cost head_dim bytes per page, 1/block_size of the values (6.25 % at
+block_size 16), where an fp32 scale per row would cost 4 bytes a row.
 
 * int8: scale(c) = 2**(c / 4), c in [-64, 64]: a quarter-power of two, so
   the row's largest value lands in (127 / 2**0.25, 127] and keeps most of an
@@ -28,9 +32,10 @@ one byte per row, where an fp32 scale would cost four: int8 rows of head_dim
   and has no more than 3 mantissa bits to keep: its relative precision does
   not depend on the scale, which only brings the row into range).
 
-`quantize_rows` is the one quantizer (the K/V write of every backend) and
-`dequantize_rows` the one definition of what a row means; `row_scale` maps
-codes to scales, exactly in fp32.
+`quantize_rows` is the one quantizer (the K/V write of every backend),
+`quantize_pages` lays whole pages out from it, and `dequantize_rows` /
+`read_pages` are the one definition of what a row / page means; `row_scale`
+maps codes to scales, exactly in fp32.
 """
 
 from __future__ import annotations
@@ -54,20 +59,39 @@ QUARTER_POWERS = (1.0, 1.18920707702636718750, 1.41421353816986083984, 1.6817928
 
 
 def is_quantized(dtype) -> bool:
-    """True for the pool dtypes whose rows carry a scale column (int8, float8_e4m3fn)."""
+    """True for the pool dtypes whose pages carry a row of scale codes (int8, float8_e4m3fn)."""
     return jnp.dtype(dtype) in QUANT_MAX
 
 
+def page_rows(block_size: int, dtype) -> int:
+    """Rows of one page (one layer, K or V, one KV head): block_size, + 1 (the codes)
+    when quantized."""
+    return block_size + int(is_quantized(dtype))
+
+
+def check_page_layout(block_size: int, head_dim: int, dtype) -> None:
+    """ValueError unless a page of `dtype` fits: a quantized page's code row holds
+    block_size codes in head_dim elements."""
+    if is_quantized(dtype) and block_size > head_dim:
+        raise ValueError(f"a {jnp.dtype(dtype).name} KV pool keeps a page's {block_size} scale codes "
+                         f"in one extra row of head_dim {head_dim} elements: block_size must be "
+                         f"<= head_dim, got block_size {block_size}")
+
+
 def pool_head_dim(kv_pool: jax.Array) -> int:
-    """head_dim of the K/V rows a pool holds (its last axis, less the scale column
-    when quantized)."""
-    return kv_pool.shape[-1] - int(is_quantized(kv_pool.dtype))
+    """head_dim of the K/V rows a pool holds (its last axis)."""
+    return kv_pool.shape[-1]
 
 
-def quantize_rows(x: jax.Array, dtype) -> jax.Array:
-    """x [..., D] (any float dtype) as rows [..., D + 1] of the quantized `dtype`:
-    the row's values divided by scale(c), then the code c, the smallest that
-    brings max |x| within the dtype's range (QUANT_MAX), clamped to
+def pool_block_size(kv_pool: jax.Array) -> int:
+    """Tokens per page of a pool (its rows axis, less the code row when quantized)."""
+    return kv_pool.shape[-2] - int(is_quantized(kv_pool.dtype))
+
+
+def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] (any float dtype) as (values [..., D], codes [...]) of the quantized
+    `dtype`: the row's values divided by scale(c), and the code c, the smallest
+    that brings max |x| within the dtype's range (QUANT_MAX), clamped to
     [-SCALE_CODE_MAX, SCALE_CODE_MAX].  int8 rounds to nearest (ties to even);
     float8_e4m3fn rounds on the cast.  Values past the range (only with the
     code clamped at its largest) saturate."""
@@ -79,14 +103,34 @@ def quantize_rows(x: jax.Array, dtype) -> jax.Array:
     scaled = jnp.clip(x / row_scale(code, dtype), -qmax, qmax)  # log2's rounding may overshoot
     if dtype == jnp.int8:
         scaled = jnp.round(scaled)
-    return jnp.concatenate([scaled, code], axis=-1).astype(dtype)
+    return scaled.astype(dtype), code[..., 0].astype(dtype)
 
 
-def dequantize_rows(rows: jax.Array) -> jax.Array:
-    """rows [..., D + 1] of a quantized pool as fp32 [..., D]: values * scale(code)."""
-    dtype = rows.dtype
-    rows = rows.astype(jnp.float32)
-    return rows[..., :-1] * row_scale(rows[..., -1:], dtype)
+def quantize_pages(x: jax.Array, dtype) -> jax.Array:
+    """Pages x [..., BS, D] (any float dtype) laid out quantized: [..., BS + 1, D],
+    `quantize_rows`' values in rows 0 .. BS - 1 and their codes in the first BS
+    elements of row BS (the rest zero)."""
+    *lead, BS, D = x.shape
+    check_page_layout(BS, D, dtype)
+    values, codes = quantize_rows(x, dtype)
+    code_row = jnp.zeros((*lead, 1, D), values.dtype).at[..., 0, :BS].set(codes)
+    return jnp.concatenate([values, code_row], axis=-2)
+
+
+def dequantize_rows(values: jax.Array, codes: jax.Array) -> jax.Array:
+    """Quantized values [..., D] with their rows' codes [...] as fp32 [..., D]:
+    values * scale(code)."""
+    scale = row_scale(codes.astype(jnp.float32), values.dtype)
+    return values.astype(jnp.float32) * scale[..., None]
+
+
+def read_pages(pages: jax.Array) -> jax.Array:
+    """Pages of a pool [..., page rows, D] as fp32 [..., BS, D], dequantized when
+    the pool is quantized (row BS holds the codes)."""
+    if not is_quantized(pages.dtype):
+        return pages.astype(jnp.float32)
+    BS = pages.shape[-2] - 1
+    return dequantize_rows(pages[..., :BS, :], pages[..., BS, :BS])
 
 
 def row_scale(code: jax.Array, dtype) -> jax.Array:
@@ -104,11 +148,6 @@ def pow2(exp: jax.Array) -> jax.Array:
     """2 ** exp, exactly, for integer-valued fp32 exp in [-126, 127] (built from the
     float's bits: XLA:CPU's exp2 is off by an ulp at some integers)."""
     return jax.lax.bitcast_convert_type((exp.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
-def read_rows(rows: jax.Array) -> jax.Array:
-    """K or V rows of a pool as fp32 [..., head_dim], dequantized when the pool is quantized."""
-    return dequantize_rows(rows) if is_quantized(rows.dtype) else rows.astype(jnp.float32)
 
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int
@@ -142,8 +181,8 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer: jax.Array
     def attend(args):
         q_t, s, p, ok = args                                   # [H, D], scalars
         blocks = block_tables[s][None, :]                      # [1, W]
-        k = read_rows(kv_pool[blocks, layer, 0, heads]).reshape(KVH, W * BS, D)
-        v = read_rows(kv_pool[blocks, layer, 1, heads]).reshape(KVH, W * BS, D)
+        k = read_pages(kv_pool[blocks, layer, 0, heads]).reshape(KVH, W * BS, D)
+        v = read_pages(kv_pool[blocks, layer, 1, heads]).reshape(KVH, W * BS, D)
         owned = key_pos < kv_lens[s]
         if sliding_window is not None:  # keys before the window may hold anything too
             owned &= key_pos > p - sliding_window
@@ -199,8 +238,9 @@ def attention_dims(q: jax.Array, kv_pool: jax.Array, block_tables: jax.Array, kv
     if kv_pool.ndim != 6 or kv_pool.shape[2] != 2:
         raise ValueError(f"kv_pool must be [num_blocks, num_layers, 2, kv_heads, block_size, "
                          f"head_dim], got {kv_pool.shape}")
-    KVH, BS = kv_pool.shape[3:5]
+    KVH, BS = kv_pool.shape[3], pool_block_size(kv_pool)
     Dk = pool_head_dim(kv_pool)
+    check_page_layout(BS, Dk, kv_pool.dtype)
     if Dk != D or H % KVH:
         raise ValueError(f"q {q.shape} does not fit pool {kv_pool.shape}: head_dim must match "
                          "and num_heads must be a multiple of num_kv_heads")
@@ -218,11 +258,20 @@ def write_kv_reference(kv_pool: jax.Array, layer: jax.Array | int, k: jax.Array,
 
     One XLA scatter; with the pool donated it updates in place.  Padding tokens
     point at the null block 0, which no sequence reads unmasked.  A quantized
-    pool gets `quantize_rows` of each token's K and V rows.
+    pool gets `quantize_rows` of each token's K and V rows: the values in row
+    offsets[t] of the page, the code in element offsets[t] of its code row
+    (a second scatter).
     """
     kv = jnp.stack([k, v], axis=1)  # [T, 2, KVH, D]
-    kv = quantize_rows(kv, kv_pool.dtype) if is_quantized(kv_pool.dtype) else kv.astype(kv_pool.dtype)
-    return kv_pool.at[blocks, layer, :, :, offsets].set(kv, mode="drop", unique_indices=False)
+    if not is_quantized(kv_pool.dtype):
+        return kv_pool.at[blocks, layer, :, :, offsets].set(kv.astype(kv_pool.dtype), mode="drop",
+                                                             unique_indices=False)
+    values, codes = quantize_rows(kv, kv_pool.dtype)   # [T, 2, KVH, D], [T, 2, KVH]
+    BS = pool_block_size(kv_pool)
+    inside = offsets < BS    # an offset past the page is dropped: it never reaches the code row
+    rows, cols = jnp.where(inside, offsets, kv_pool.shape[-2]), jnp.where(inside, offsets, kv_pool.shape[-1])
+    kv_pool = kv_pool.at[blocks, layer, :, :, rows].set(values, mode="drop", unique_indices=False)
+    return kv_pool.at[blocks, layer, :, :, BS, cols].set(codes, mode="drop", unique_indices=False)
 
 
 def row_tile_span(t, block_m: int, group: int, q_len, kv_len):

@@ -16,9 +16,12 @@ from helpers import assert_all_blocks_free, random_prompts
 from jpaged.core.sequence import SamplingParams
 from jpaged.models.base import kv_rotation
 from jpaged.runtime import kv_pool as kv_pool_mod
-from jpaged.runtime.kv_pool import bytes_per_block, gather_blocks, num_blocks_for, scatter_blocks
-from pallas_kernels.reference import (SCALE_CODE_MAX, dequantize_rows, is_quantized, pool_head_dim,
-                                      quantize_rows, row_scale)
+from jpaged.core.config import ConfigError
+from jpaged.runtime.kv_pool import (bytes_per_block, copy_blocks, gather_blocks, num_blocks_for,
+                                    scatter_blocks)
+from pallas_kernels.reference import (SCALE_CODE_MAX, check_page_layout, dequantize_rows, is_quantized,
+                                      pool_block_size, pool_head_dim, quantize_pages, quantize_rows,
+                                      read_pages, row_scale, write_kv_reference)
 
 INT8, FP8 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)
 PROMPTS = random_prompts([5, 16, 21, 40], seed=23)
@@ -31,10 +34,10 @@ def test_rows_round_trip_within_the_dtype_precision(dtype, qmax, steps, rel):
     """int8 scales are quarter-powers of two (codes c, scale 2**(c/4)), fp8's powers of two."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((200, 64)) * np.exp(rng.uniform(-8, 8, (200, 1)))   # magnitudes 1e-4..3e3
-    rows = np.asarray(quantize_rows(jnp.asarray(x, jnp.float32), dtype), np.float32)
-    values, code = rows[:, :-1], rows[:, -1]
+    q_values, q_codes = quantize_rows(jnp.asarray(x, jnp.float32), dtype)
+    values, code = np.asarray(q_values, np.float32), np.asarray(q_codes, np.float32)
     cmax = SCALE_CODE_MAX[dtype]
-    assert rows.shape == (200, 65) and (code == np.round(code)).all()
+    assert values.shape == (200, 64) and code.shape == (200,) and (code == np.round(code)).all()
     # The code is the smallest that fits the row's largest value in the dtype's range.
     amax = np.abs(x).max(-1)
     np.testing.assert_array_equal(code, np.clip(np.ceil(steps * np.log2(amax / qmax)), -cmax, cmax))
@@ -42,7 +45,7 @@ def test_rows_round_trip_within_the_dtype_precision(dtype, qmax, steps, rel):
     assert unclamped.sum() > 150 and (np.abs(values).max(-1) <= qmax).all()
     # A row's largest value lands in the top step of the range (int8: (127 / 2**0.25, 127]).
     assert (np.abs(values).max(-1)[unclamped] > qmax * 2.0 ** (-1 / steps) - 1).all()
-    back = np.asarray(dequantize_rows(jnp.asarray(rows, dtype)))
+    back = np.asarray(dequantize_rows(q_values, q_codes))
     scale = np.asarray(row_scale(jnp.asarray(code), dtype), np.float64)[:, None]
     np.testing.assert_allclose(scale[:, 0], 2.0 ** (code / steps), rtol=1e-7)
     # int8: half a step of the row's scale; fp8: half an ulp of each value (3 mantissa
@@ -58,21 +61,74 @@ def test_rows_edge_cases():
     x = np.zeros((3, 4), np.float32)
     x[1] = [1e9, -1e9, 3.0, 0.0]
     x[2] = [127.0, 0.5, 1.5, -2.5]
-    rows = np.asarray(quantize_rows(jnp.asarray(x), INT8))
-    assert (rows[0] == [0, 0, 0, 0, -64]).all()
-    assert rows[1, 4] == 64 and rows[1, 0] == 127 and rows[1, 1] == -127
-    assert (rows[2] == [127, 0, 2, -2, 0]).all()
+    rows, codes = map(np.asarray, quantize_rows(jnp.asarray(x), INT8))
+    assert (rows[0] == [0, 0, 0, 0]).all() and codes[0] == -64
+    assert codes[1] == 64 and rows[1, 0] == 127 and rows[1, 1] == -127
+    assert (rows[2] == [127, 0, 2, -2]).all() and codes[2] == 0
     fp8 = quantize_rows(jnp.asarray(x), FP8)
-    assert np.asarray(fp8.astype(jnp.float32))[0, 4] == -16
-    assert np.isfinite(np.asarray(dequantize_rows(fp8))).all()   # saturates, never NaN
+    assert np.asarray(fp8[1].astype(jnp.float32))[0] == -16
+    assert np.isfinite(np.asarray(dequantize_rows(*fp8))).all()   # saturates, never NaN
     # Negative int8 codes: floor division and a non-negative remainder (2**(-5/4) = 2**-2 * 2**0.75).
     assert float(row_scale(jnp.float32(-5), INT8)) == np.float32(0.25) * np.float32(2 ** 0.75)
 
 
 def test_layout_helpers():
-    pool = jnp.zeros((2, 1, 2, 1, 4, 17), jnp.int8)
+    pool = jnp.zeros((2, 1, 2, 1, 5, 16), jnp.int8)
     assert is_quantized(INT8) and is_quantized(FP8) and not is_quantized(jnp.bfloat16)
-    assert pool_head_dim(pool) == 16 and pool_head_dim(pool.astype(jnp.float32)) == 17
+    assert pool_head_dim(pool) == 16 and pool_head_dim(pool.astype(jnp.float32)) == 16
+    assert pool_block_size(pool) == 4 and pool_block_size(pool.astype(jnp.float32)) == 5
+
+
+# ------------------------------------------------------------- the page layout
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_pages_hold_values_then_one_row_of_codes(dtype):
+    """A quantized page [BS + 1, D]: rows 0..BS-1 are the values, bit for bit those of
+    quantize_rows, and row BS the BS rows' codes, then zeros; read_pages dequantizes."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 2, 8, 16)) * np.exp(rng.uniform(-4, 4, (3, 2, 8, 1))),
+                    jnp.float32)
+    pages = np.asarray(quantize_pages(x, dtype).astype(jnp.float32))
+    values, codes = (np.asarray(a.astype(jnp.float32)) for a in quantize_rows(x, dtype))
+    assert pages.shape == (3, 2, 9, 16)
+    np.testing.assert_array_equal(pages[..., :8, :], values)
+    np.testing.assert_array_equal(pages[..., 8, :8], codes)
+    assert (pages[..., 8, 8:] == 0).all()
+    np.testing.assert_array_equal(np.asarray(read_pages(quantize_pages(x, dtype))),
+                                  np.asarray(dequantize_rows(*quantize_rows(x, dtype))))
+
+
+def test_pages_need_block_size_at_most_head_dim(tiny_llm):
+    check_page_layout(16, 16, INT8)
+    check_page_layout(32, 16, jnp.bfloat16)          # unquantized pages have no code row
+    with pytest.raises(ValueError, match="block_size must be <= head_dim"):
+        check_page_layout(32, 16, FP8)
+    with pytest.raises(ValueError, match="block_size must be <= head_dim"):
+        quantize_pages(jnp.zeros((32, 16)), INT8)
+    cfg = tiny_llm.model_config
+    with pytest.raises(ConfigError, match="^block_size: "):
+        num_blocks_for(cfg, block_size=2 * cfg.head_dim, dtype=INT8, num_blocks=4,
+                       kv_memory_fraction=0.5, weight_bytes=0, max_num_seqs=1, max_model_len=64)
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_write_puts_the_code_in_the_code_row(dtype):
+    """write_kv_reference: token t's values go to row offsets[t] of its page, its code to
+    element offsets[t] of row BS; nothing else of the pool changes, and an offset
+    past the page is dropped (it never reaches the code row)."""
+    NB, L, KVH, BS, D = 4, 2, 2, 8, 16
+    rng = np.random.default_rng(4)
+    pool = jnp.asarray(rng.integers(-3, 4, (NB, L, 2, KVH, BS + 1, D)), jnp.float32).astype(dtype)
+    k = jnp.asarray(rng.standard_normal((3, KVH, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, KVH, D)) * 100, jnp.float32)
+    blocks, offsets = jnp.asarray([2, 3, 1], jnp.int32), jnp.asarray([5, 0, BS], jnp.int32)
+    out = np.asarray(write_kv_reference(pool, 1, k, v, blocks, offsets).astype(jnp.float32))
+    want = np.asarray(pool.astype(jnp.float32)).copy()
+    for t in range(2):                               # token 2's offset is out of range
+        for kv, x in enumerate((k, v)):
+            values, codes = (np.asarray(a.astype(jnp.float32)) for a in quantize_rows(x[t], dtype))
+            want[blocks[t], 1, kv, :, offsets[t]] = values
+            want[blocks[t], 1, kv, :, BS, offsets[t]] = codes
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("d", [16, 64, 20])
@@ -86,17 +142,18 @@ def test_rotation_is_orthonormal_and_spreads_outliers(d):
 
 # ------------------------------------------------------------- capacity
 def test_bytes_and_blocks_for_the_same_budget(tiny_llm, monkeypatch):
-    """A block of a quantized pool costs (head_dim + 1) bytes per row, so the same
-    budget holds 4 * head_dim / (head_dim + 1) times the fp32 blocks (SmolLM2's 64: 3.94x)."""
+    """A block of a quantized pool costs head_dim bytes per row and one more row of
+    codes per page, so the same budget holds 4 * BS / (BS + 1) times the fp32 blocks
+    (block_size 16: 3.76x)."""
     cfg = tiny_llm.model_config
-    d = cfg.head_dim
-    assert bytes_per_block(cfg, 16, INT8) * 4 * d == bytes_per_block(cfg, 16, jnp.float32) * (d + 1)
+    assert bytes_per_block(cfg, 16, INT8) * 4 * 16 == bytes_per_block(cfg, 16, jnp.float32) * (16 + 1)
+    assert bytes_per_block(cfg, 8, INT8) * 4 * 8 == bytes_per_block(cfg, 8, jnp.float32) * (8 + 1)
     assert bytes_per_block(cfg, 16, FP8) == bytes_per_block(cfg, 16, INT8)
     monkeypatch.setattr(kv_pool_mod, "free_device_memory", lambda *a, **k: 64 * 2**20)
     blocks = {dt: num_blocks_for(cfg, block_size=16, dtype=dt, num_blocks=0, kv_memory_fraction=0.5,
                                  weight_bytes=0, max_num_seqs=10**6, max_model_len=2048)
               for dt in (jnp.float32, jnp.bfloat16, INT8)}
-    assert blocks[INT8] / blocks[jnp.float32] == pytest.approx(4 * d / (d + 1), rel=1e-3)
+    assert blocks[INT8] / blocks[jnp.float32] == pytest.approx(4 * 16 / (16 + 1), rel=1e-3)
     assert blocks[jnp.bfloat16] == 2 * blocks[jnp.float32]
 
 
@@ -114,8 +171,9 @@ def int8_tokens(int8_llm):
 def test_engine_pool_is_quantized(int8_llm, tiny_llm):
     pool = int8_llm.runner.kv_pool
     cfg = int8_llm.model_config
-    assert pool.dtype == INT8 and pool.shape[-1] == cfg.head_dim + 1
-    assert int8_llm.kv_pool_bytes * 4 * cfg.head_dim == tiny_llm.kv_pool_bytes * (cfg.head_dim + 1)
+    bs = int8_llm.config.block_size
+    assert pool.dtype == INT8 and pool.shape[-2:] == (bs + 1, cfg.head_dim)
+    assert int8_llm.kv_pool_bytes * 4 * bs == tiny_llm.kv_pool_bytes * (bs + 1)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +223,20 @@ def test_swap_moves_quantized_blocks_bit_for_bit(int8_llm):
     int8_llm.runner.kv_pool = pool
 
 
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_copy_on_write_copies_a_quantized_block_with_its_codes(dtype):
+    """copy_blocks moves whole pages, code rows included: the copy reads back as the
+    source's dequantized K/V, and the source and the other blocks are unchanged."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((5, 2, 2, 2, 8, 16)) * 30, jnp.float32)
+    pool = quantize_pages(x, dtype)
+    before = np.asarray(read_pages(pool))
+    after = np.asarray(read_pages(copy_blocks(pool, [(3, 1), (2, 4)])))
+    np.testing.assert_array_equal(after[[1, 4]], before[[3, 2]])
+    np.testing.assert_array_equal(after[[0, 2, 3]], before[[0, 2, 3]])
+    assert not np.array_equal(before[1], before[3])   # the copy really changed block 1
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_and_prefix_cache_on_an_int8_pool(make_tiny_llm, mode):
     """An oversubscribed int8 pool with shared prefixes: every request completes with
@@ -188,4 +260,4 @@ def test_tensor_parallel_splits_the_scales_with_the_heads(make_tiny_llm, int8_to
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == int8_tokens
     shards = llm.runner.kv_pool.addressable_shards
     assert len(shards) == 2 and shards[0].data.shape[3] == llm.model_config.num_kv_heads // 2
-    assert shards[0].data.shape[-1] == llm.model_config.head_dim + 1
+    assert shards[0].data.shape[-2:] == (llm.config.block_size + 1, llm.model_config.head_dim)

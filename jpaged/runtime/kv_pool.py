@@ -5,7 +5,19 @@ in jpaged.core.block_manager.
 Pool layout, chosen block-major so that one block (all layers, K and V) is one
 contiguous slab: copy-on-write and swap move a block with one slice.
 
-    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim (+ 1 quantized)]
+    kv_pool[num_blocks, num_layers, 2, num_kv_heads, block_size (+ 1 quantized), head_dim]
+
+Quantized pools (int8, float8_e4m3fn; pallas_kernels.reference) keep one
+array ("option A" of the GPU plan): each page of one (layer, K/V, KV head) is
+[block_size + 1, head_dim], the tokens' value rows, then one row whose first
+block_size elements are those rows' scale codes.  Chosen over a separate
+scale array because every block move (copy-on-write, swap gather/scatter,
+the host swap space, tensor-parallel head splits) keeps moving one array with
+one slice, unchanged, while the value rows are exactly head_dim bytes and
+aligned (the GPU kernel loads them 16 bytes at a time; rows of head_dim + 1
+with the code inline were byte loads).  The codes cost 1/block_size of the
+values (head_dim bytes a page) instead of 1/(head_dim + 1), and need
+block_size <= head_dim (ValueError otherwise).
 
 (num_layers: the layers of one page, fewer than the model's in a hybrid layout,
 jpaged.core.kv_layout.)
@@ -26,22 +38,34 @@ import numpy as np
 from jpaged.core.config import ConfigError
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
-from pallas_kernels.reference import is_quantized
+from pallas_kernels.reference import check_page_layout, page_rows
 
 
 def block_shape(cfg: ModelConfig, block_size: int, dtype: jnp.dtype,
                 layers_per_page: int | None = None) -> tuple[int, ...]:
     """One block of the pool (K and V of every layer, or of `layers_per_page` layers
     in a hybrid layout: jpaged.core.kv_layout): also the host swap space's unit.
-    Rows of a quantized pool (int8, fp8) carry their scale in one more column."""
-    return (layers_per_page or cfg.num_layers, 2, cfg.num_kv_heads, block_size,
-            cfg.head_dim + int(is_quantized(dtype)))
+    Pages of a quantized pool (int8, fp8) carry their rows' scale codes in one more
+    row (ValueError when block_size > head_dim: the codes would not fit it)."""
+    check_page_layout(block_size, cfg.head_dim, dtype)
+    return (layers_per_page or cfg.num_layers, 2, cfg.num_kv_heads, page_rows(block_size, dtype),
+            cfg.head_dim)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype,
                     layers_per_page: int | None = None) -> int:
     """What one block really holds: values and, quantized, their scales."""
     return math.prod(block_shape(cfg, block_size, dtype, layers_per_page)) * jnp.dtype(dtype).itemsize
+
+
+def check_block_size(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> None:
+    """ConfigError when a page of a quantized pool cannot hold its block_size codes
+    in its one code row of head_dim elements."""
+    try:
+        check_page_layout(block_size, cfg.head_dim, dtype)
+    except ValueError as e:
+        raise ConfigError("block_size", str(e), f"at most {cfg.head_dim} (the model's head_dim) "
+                          "with an int8 / fp8_e4m3 kv_cache_dtype") from None
 
 
 def free_device_memory(weight_bytes: int, *, weights_loaded: bool = True) -> int:
@@ -70,6 +94,7 @@ def num_blocks_for(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype, num_b
     With the pool split over num_shards devices, each holds 1/num_shards of a
     block (weight_bytes: one device's share).  A hybrid layout's blocks hold
     layers_per_page layers, and a sequence holds at most pages_per_seq of them."""
+    check_block_size(cfg, block_size, dtype)
     block_bytes = bytes_per_block(cfg, block_size, dtype, layers_per_page)
     platform = jax.local_devices()[0].platform
     free = free_device_memory(weight_bytes, weights_loaded=weights_loaded)

@@ -133,9 +133,11 @@ inline vf vload8(const uint16_t* p) {
 }
 
 // ---------------------------------------------------------------------------
-// Quantized rows (pallas_kernels.reference: quantize_rows / dequantize_rows):
-// head_dim values of one byte then the row's scale code c, an integer stored
-// as a number of the pool's dtype; the row means values * scale(c), with
+// Quantized pages (pallas_kernels.reference: quantize_pages / read_pages): a
+// page of one (layer, K/V, kv head) is [BS + 1, D], BS rows of head_dim values
+// of one byte, then one row whose first BS elements are those rows' scale
+// codes c, integers stored as numbers of the pool's dtype; a row means
+// values * scale(c), with
 // scale(c) = 2^c for fp8 (c in [-16, 16]) and 2^(c/4) for int8 (c in [-64, 64]),
 // the latter as 2^floor(c/4) * kQuarterPowers[c mod 4] (reference.row_scale).
 // The element types: int8_t (int8), Fp8 (float8_e4m3fn bits).  Rows are
@@ -186,19 +188,19 @@ const Fp8Table kFp8;
 inline float elem_f(int8_t x) { return x; }
 inline float elem_f(Fp8 x) { return kFp8.v[x.bits]; }
 
-// The scale code of a row (its element D).  Rows of the contract hold an
+// A row's scale exponent from its code (element `off` of its page's code row).  Codes of the contract hold an
 // integer in [-64, 64] (int8) or [-16, 16] (fp8); only the poisoned rows a sequence does not own hold
 // anything else (int8 127, fp8 NaN), and the kernel never loads those.  The
 // clamp to [-100, 100] keeps every power of two built from it (below) a
 // normal float.
 constexpr int32_t kExpClamp = 100;
 template <typename KT>
-inline int32_t row_exponent(const KT* row, int64_t D) {
-  const float e = elem_f(row[D]);
+inline int32_t row_exponent(KT code) {
+  const float e = elem_f(code);
   return e >= -kExpClamp && e <= kExpClamp ? static_cast<int32_t>(e) : kExpClamp;  // NaN too
 }
 
-// Quantized row (D values + exponent) -> D fp32 values, dequantized: value * 2^e.
+// Quantized row (D values, its code apart) -> D fp32 values, dequantized: value * 2^e.
 //
 // int8: sign-extend to int32, convert, scale (vpmovsxbd + vcvtdq2ps + vmulps).
 // GCC 12 builds __builtin_convertvector from 8-byte vectors one element at a
@@ -218,8 +220,8 @@ inline int32_t row_exponent(const KT* row, int64_t D) {
 // mant = M + 8 for normals and M for subnormals, with the row's exponent in
 // the same power of two.
 template <typename KT>
-inline void dequant_row(const KT* src, int64_t D, float* dst) {
-  const int32_t e = row_exponent(src, D);
+inline void dequant_row(const KT* src, KT code, int64_t D, float* dst) {
+  const int32_t e = row_exponent(code);
   float scale;
   if constexpr (std::is_same_v<KT, int8_t>) {
     scale = int8_scale(e);
@@ -410,7 +412,7 @@ struct Params {
   const int32_t* kv_lens;
   void* out;
   int64_t T, H, D, Dp, NB, L, KVH, BS, W, G, S;
-  int64_t Dr;  // elements per pool row: D, + 1 (the scale code) when quantized
+  int64_t Pr;  // rows per page: BS, + 1 (the scale codes) when quantized
   int64_t layer;
   int64_t tile_tokens, max_rows_p;
   float scale;  // sm_scale * log2(e): scores are kept in base-2 units
@@ -461,8 +463,8 @@ void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int
                 Scratch& sc) {
   constexpr bool f32 = std::is_same_v<KT, float>;
   const KT* pool = static_cast<const KT*>(p.pool);
-  const int64_t D = p.D, Dp = p.Dp, Dr = p.Dr;
-  const int64_t head_stride = p.BS * Dr;
+  const int64_t D = p.D, Dp = p.Dp;
+  const int64_t head_stride = p.Pr * D;
   const int64_t kv_stride = p.KVH * head_stride;
   const int64_t block_stride = p.L * 2 * kv_stride;
   const int64_t base = p.layer * 2 * kv_stride + kvh * head_stride;
@@ -471,26 +473,28 @@ void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int
     const int64_t j = k / p.BS, off = k % p.BS;
     const int64_t n = std::min(p.BS - off, k0 + nk - k);
     const int64_t phys = std::min<int64_t>(std::max<int64_t>(bt[j], 0), p.NB - 1);
-    const KT* ksrc = pool + phys * block_stride + base + off * Dr;
+    const KT* ksrc = pool + phys * block_stride + base + off * D;
     const KT* vsrc = ksrc + kv_stride;
+    const KT* kcode = ksrc + (p.BS - off) * D + off;  // the page's code row, from element off
+    const KT* vcode = kcode + kv_stride;
     for (int64_t t = 0; t < n; ++t) {
       const int64_t idx = k - k0 + t;
       if constexpr (f32) {
-        sc.krow[idx] = reinterpret_cast<const float*>(ksrc + t * Dr);
+        sc.krow[idx] = reinterpret_cast<const float*>(ksrc + t * D);
       } else if constexpr (kQuantized<KT>) {
-        dequant_row(ksrc + t * Dr, D, sc.kb + idx * D);
+        dequant_row(ksrc + t * D, kcode[t], D, sc.kb + idx * D);
         sc.krow[idx] = sc.kb + idx * D;
       } else {
-        to_f32(ksrc + t * Dr, D, sc.kb + idx * D);
+        to_f32(ksrc + t * D, D, sc.kb + idx * D);
         sc.krow[idx] = sc.kb + idx * D;
       }
       if (v_direct) {
-        sc.vrow[idx] = reinterpret_cast<const float*>(vsrc + t * Dr);
+        sc.vrow[idx] = reinterpret_cast<const float*>(vsrc + t * D);
       } else {
         if constexpr (kQuantized<KT>)
-          dequant_row(vsrc + t * Dr, D, sc.vb + idx * Dp);
+          dequant_row(vsrc + t * D, vcode[t], D, sc.vb + idx * Dp);
         else
-          to_f32(vsrc + t * Dr, D, sc.vb + idx * Dp);
+          to_f32(vsrc + t * D, D, sc.vb + idx * Dp);
         sc.vrow[idx] = sc.vb + idx * Dp;
       }
     }
@@ -505,8 +509,8 @@ void chunk_rows(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int
 template <typename KT>
 void prefetch_chunk(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0, int64_t nk) {
   const char* pool = static_cast<const char*>(p.pool);
-  const int64_t row = p.Dr * static_cast<int64_t>(sizeof(KT));
-  const int64_t head_stride = p.BS * row;
+  const int64_t row = p.D * static_cast<int64_t>(sizeof(KT));
+  const int64_t head_stride = p.Pr * row;
   const int64_t kv_stride = p.KVH * head_stride;
   const int64_t block_stride = p.L * 2 * kv_stride;
   const int64_t base = p.layer * 2 * kv_stride + kvh * head_stride;
@@ -518,6 +522,11 @@ void prefetch_chunk(const Params& p, const int32_t* bt, int64_t kvh, int64_t k0,
     for (int64_t b = 0; b < n * row; b += 64) {
       __builtin_prefetch(ksrc + b, 0, 1);
       __builtin_prefetch(ksrc + kv_stride + b, 0, 1);
+    }
+    if constexpr (kQuantized<KT>) {  // the codes of these rows: one line of the code row
+      const char* codes = ksrc + (p.BS - off) * row + off * static_cast<int64_t>(sizeof(KT));
+      __builtin_prefetch(codes, 0, 1);
+      __builtin_prefetch(codes + kv_stride, 0, 1);
     }
     k += n;
   }
@@ -882,7 +891,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   p.NB = pd[0];
   p.L = pd[1];
   p.KVH = pd[3];
-  p.BS = pd[4];
+  p.Pr = pd[4];
   p.S = bd[0];
   p.W = bd[1];
   const auto qt = q.element_type(), kt = kv_pool.element_type();
@@ -893,10 +902,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer q,
   if (!quant && kt != ffi::DataType::F32 && kt != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(
         "paged_attention_cpu: kv_pool must be f32, bf16, int8 or float8_e4m3fn");
-  p.Dr = p.D + (quant ? 1 : 0);  // a quantized row ends with its scale code
-  if (pd[5] != p.Dr)
+  p.BS = p.Pr - (quant ? 1 : 0);  // a quantized page ends with its row of scale codes
+  if (pd[5] != p.D)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: head_dim mismatch");
+  if (quant && (p.BS < 1 || p.BS > p.D))
     return ffi::Error::InvalidArgument(
-        "paged_attention_cpu: head_dim mismatch (a quantized pool's rows are head_dim + 1)");
+        "paged_attention_cpu: a quantized pool's pages are [block_size + 1, head_dim] with "
+        "1 <= block_size <= head_dim");
   if (p.KVH <= 0 || p.H % p.KVH != 0)
     return ffi::Error::InvalidArgument("paged_attention_cpu: num_heads % num_kv_heads != 0");
   p.G = p.H / p.KVH;
@@ -1195,24 +1207,28 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
 // ---------------------------------------------------------------------------
 // K/V write, in place.  XLA:CPU lowers a scatter into a bf16 (or fp8) buffer
 // by converting the whole buffer to f32 and back; this touches only the rows
-// written.  Rows of a quantized pool arrive quantized (D + 1 bytes) and are
-// copied as they are.
+// written.  Rows of a quantized pool arrive quantized (D values, then the
+// code: D + 1 bytes): the values go to the token's row of its page, the code
+// to element `off` of the page's code row (row BS).
 
 template <typename PT, typename KT>
 void write_rows(void* pool, const void* k, const void* v, const int32_t* blocks,
                 const int32_t* offsets, int64_t T, int64_t NB, int64_t L, int64_t KVH, int64_t BS,
-                int64_t D, int64_t layer) {
+                int64_t D, int64_t layer, bool quant) {
   PT* dst_pool = static_cast<PT*>(pool);
   const KT* src[2] = {static_cast<const KT*>(k), static_cast<const KT*>(v)};
+  const int64_t Pr = BS + (quant ? 1 : 0), Dk = D + (quant ? 1 : 0);  // page rows, k/v row length
   for (int64_t t = 0; t < T; ++t) {
     const int64_t blk = blocks[t], off = offsets[t];
     if (blk < 0 || blk >= NB || off < 0 || off >= BS) continue;
     for (int64_t kv = 0; kv < 2; ++kv) {
       for (int64_t h = 0; h < KVH; ++h) {
-        PT* dst = dst_pool + ((((blk * L + layer) * 2 + kv) * KVH + h) * BS + off) * D;
-        const KT* row = src[kv] + (t * KVH + h) * D;
+        PT* page = dst_pool + (((blk * L + layer) * 2 + kv) * KVH + h) * Pr * D;
+        PT* dst = page + off * D;
+        const KT* row = src[kv] + (t * KVH + h) * Dk;
         if constexpr (sizeof(PT) == sizeof(KT)) {
           std::memcpy(dst, row, D * sizeof(PT));
+          if (quant) std::memcpy(page + BS * D + off, row + D, sizeof(PT));
         } else {
           for (int64_t i = 0; i < D; ++i) store_f(dst + i, load_f(row[i]));
         }
@@ -1229,10 +1245,17 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
   auto vd = v.dimensions();
   if (pd.size() != 6 || pd[2] != 2)
     return ffi::Error::InvalidArgument("write_kv_cpu: kv_pool must be [NB, L, 2, KVH, BS, D]");
-  if (kd.size() != 3 || kd[1] != pd[3] || kd[2] != pd[5] || vd.size() != 3 || vd[0] != kd[0] ||
-      vd[1] != kd[1] || vd[2] != kd[2])
+  const bool quant = pool.element_type() == ffi::DataType::S8 ||
+                     pool.element_type() == ffi::DataType::F8E4M3FN;
+  if (kd.size() != 3 || kd[1] != pd[3] || kd[2] != pd[5] + (quant ? 1 : 0) || vd.size() != 3 ||
+      vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
     return ffi::Error::InvalidArgument(
-        "write_kv_cpu: k and v must be [T, KVH, D] matching the pool");
+        "write_kv_cpu: k and v must be [T, KVH, D] matching the pool ([T, KVH, D + 1] quantized "
+        "rows, the code last, for an int8 / float8_e4m3fn pool)");
+  if (quant && (pd[4] < 2 || pd[4] - 1 > pd[5]))
+    return ffi::Error::InvalidArgument(
+        "write_kv_cpu: a quantized pool's pages are [block_size + 1, head_dim] with "
+        "1 <= block_size <= head_dim");
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("write_kv_cpu: k and v dtypes differ");
   if (blocks.element_count() != static_cast<size_t>(kd[0]) ||
@@ -1245,8 +1268,7 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const auto pt = pool.element_type(), kt = k.element_type();
   const bool p32 = pt == ffi::DataType::F32, k32 = kt == ffi::DataType::F32;
   // A quantized pool takes rows quantized already (by quantize_rows, the one
-  // quantizer), of its own dtype and row length: they are copied as bytes.
-  const bool quant = pt == ffi::DataType::S8 || pt == ffi::DataType::F8E4M3FN;
+  // quantizer), of its own dtype, the code last: they are copied as bytes.
   if (quant ? kt != pt
             : (!p32 && pt != ffi::DataType::BF16) || (!k32 && kt != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument(
@@ -1260,7 +1282,7 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
            : p32  ? (k32 ? write_rows<float, float> : write_rows<float, uint16_t>)
                   : (k32 ? write_rows<uint16_t, float> : write_rows<uint16_t, uint16_t>);
   fn(out->untyped_data(), k.untyped_data(), v.untyped_data(), blocks.typed_data(),
-     offsets.typed_data(), kd[0], pd[0], pd[1], pd[3], pd[4], pd[5], lay);
+     offsets.typed_data(), kd[0], pd[0], pd[1], pd[3], pd[4] - (quant ? 1 : 0), pd[5], lay, quant);
   return ffi::Error::Success();
 }
 
@@ -1285,8 +1307,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionCpu, PagedAttentionImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedWriteKvCpu, WriteKvImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()         // kv_pool (aliased to the result)
-                                  .Arg<ffi::AnyBuffer>()         // k [T, KVH, D (+ 1: quantized)]
-                                  .Arg<ffi::AnyBuffer>()         // v [T, KVH, D (+ 1: quantized)]
+                                  .Arg<ffi::AnyBuffer>()         // k [T, KVH, D (+ 1: the code, quantized)]
+                                  .Arg<ffi::AnyBuffer>()         // v [T, KVH, D (+ 1: the code, quantized)]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // blocks [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // offsets [T]

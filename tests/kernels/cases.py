@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import is_quantized, paged_attention_reference, quantize_rows
+from pallas_kernels.reference import is_quantized, paged_attention_reference, quantize_pages
 
 F32 = np.float32
 BF16 = jnp.bfloat16
@@ -63,9 +63,10 @@ def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int
     that window are replaced by the null block 0 in the table.
 
     `kv_dtype` (default `dtype`) is the pool's; a quantized one (int8,
-    float8_e4m3fn) holds `quantize_rows` of the random K/V.  int8 has no NaN:
-    its poisoned rows hold random bytes with scale code 127 (values up to
-    ~6e11 once dequantized, where a valid row's scale is at most 2**16).
+    float8_e4m3fn) holds `quantize_pages` of the random K/V (pages [BS + 1, D],
+    the last row the codes).  int8 has no NaN: its poisoned rows hold random
+    bytes with scale code 127 (values up to ~6e11 once dequantized, where a
+    valid row's scale is at most 2**16); fp8's poisoned rows and codes are NaN.
     """
     rng = np.random.default_rng(seed)
     kv_lens = np.array([kv for kv, _ in seqs] + [0] * pad_seqs, np.int32)
@@ -92,14 +93,16 @@ def make_ragged_case(seed: int, seqs: list[tuple[int, int]], *, G: int, KVH: int
             poison[blk, layer, :, :, max(0, lo - j * BS):min(BS, kv_lens[s] - j * BS)] = False
     kv_dtype = np.dtype(dtype if kv_dtype is None else kv_dtype)
     if is_quantized(kv_dtype):
-        pool = np.array(quantize_rows(jnp.asarray(pool), kv_dtype))
+        pool = np.array(quantize_pages(jnp.asarray(pool), kv_dtype))
         if nan:
             rows = poison[..., 0]                              # [NB, L, 2, KVH, BS]
+            values, codes = pool[..., :BS, :], pool[..., BS, :BS]   # views of the pool
             if kv_dtype == np.int8:
-                pool[rows] = rng.integers(-128, 128, (int(rows.sum()), D + 1)).astype(np.int8)
-                pool[rows, D] = 127
+                values[rows] = rng.integers(-128, 128, (int(rows.sum()), D)).astype(np.int8)
+                codes[rows] = 127
             else:
-                pool[rows] = np.nan
+                values[rows] = np.nan
+                codes[rows] = np.nan
     elif nan:
         pool[poison] = np.nan
     T = int(q_lens.sum()) + pad_tokens

@@ -6,7 +6,8 @@ the cases listing "cpu"):
 * head_dim {64, 128} (and 20, the scalar paths for a head_dim that is not a
   multiple of 8) x GQA {1, 3, 4, 8} x block size {1, 8, 16, 32} x dtype
   {fp32, bf16} for queries and {fp32, bf16, int8, fp8 e4m3} for the pool
-  (quantized rows: head_dim values + a scale code: 2**(c/4) for int8, 2**c for fp8), every
+  (quantized pages [BS + 1, D]: value rows, then a row of scale codes c: 2**(c/4) for int8,
+  2**c for fp8), every
   q / pool pairing included.  Every int8 / fp8 byte value under every scale
   code reads exactly (value * the reference's fp32 scale).
 * decode-only batches (contexts up to ~1100 with exact block boundaries,
@@ -53,7 +54,7 @@ from kernels.cases import (FP8, INT8, NUM_LAYERS, OPTIONS, TOL, cases_for, check
 
 import pallas_kernels
 from pallas_kernels import cpu
-from pallas_kernels.reference import (SCALE_CODE_MAX, is_quantized, quantize_rows, row_scale,
+from pallas_kernels.reference import (SCALE_CODE_MAX, is_quantized, quantize_pages, row_scale,
                                       write_kv_reference)
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
@@ -65,12 +66,21 @@ kernel = jax.jit(cpu.paged_attention_cpu, static_argnames=OPTIONS + ("max_thread
 
 
 def assert_poisoned(rows):
-    """Pool rows a sequence may not read hold NaN, or (int8: no NaN) random bytes with
-    scale code 127, which dequantize to up to ~6e11."""
-    if rows.dtype == jnp.int8:
-        assert (np.asarray(rows)[..., -1] == 127).all()
+    """Pool pages a sequence may not read hold NaN, or (int8: no NaN) random bytes with
+    scale code 127, which dequantize to up to ~6e11 (a quantized page's codes: the
+    first BS elements of its last row)."""
+    quantized = is_quantized(rows.dtype)
+    int8 = rows.dtype == jnp.int8
+    rows = np.asarray(rows.astype(jnp.float32))
+    if not quantized:
+        assert np.isnan(rows).all()
+        return
+    BS = rows.shape[-2] - 1
+    codes = rows[..., BS, :BS]
+    if int8:
+        assert (codes == 127).all()
     else:
-        assert np.isnan(np.asarray(rows, np.float32)).all()
+        assert np.isnan(rows[..., :BS, :]).all() and np.isnan(codes).all()
 
 
 def run(args, seed, what, **kw):
@@ -97,7 +107,7 @@ def test_mixed_dtypes(q_dtype, pool_dtype):
     args = make_ragged_case(seed, seqs, G=3, KVH=2, D=64, BS=16, dtype=q_dtype,
                             kv_dtype=pool_dtype)
     assert args[1].dtype == jnp.dtype(pool_dtype)
-    assert args[1].shape[-1] == 64 + is_quantized(pool_dtype)    # + the scale code
+    assert args[1].shape[-2:] == (16 + is_quantized(pool_dtype), 64)    # + the row of codes
     out = kernel(*args)
     assert out.dtype == jnp.dtype(q_dtype)
     ref = np.asarray(reference(*args), np.float32)
@@ -117,11 +127,11 @@ def test_quantized_values_exact(pool_dtype, D):
     cmax = SCALE_CODE_MAX[jnp.dtype(pool_dtype)]
     rows = [(v, e) for e in range(-cmax, cmax + 1) for v in values]    # one sequence each
     S, KVH, BS = len(rows), 1, 4
-    pool = np.zeros((S + 1, NUM_LAYERS, 2, KVH, BS, D + 1), np.dtype(pool_dtype))
+    pool = np.zeros((S + 1, NUM_LAYERS, 2, KVH, BS + 1, D), np.dtype(pool_dtype))
     for s, (v, e) in enumerate(rows):
-        pool[s + 1, 1, 0, 0, 0, :D] = np.ones(D, np.float32).astype(pool_dtype)  # K: finite
-        pool[s + 1, 1, 1, 0, 0, :D] = v
-        pool[s + 1, 1, :, 0, 0, D] = np.float32(e).astype(pool_dtype)
+        pool[s + 1, 1, 0, 0, 0] = np.ones(D, np.float32).astype(pool_dtype)  # K: finite
+        pool[s + 1, 1, 1, 0, 0] = v
+        pool[s + 1, 1, :, 0, BS, 0] = np.float32(e).astype(pool_dtype)   # row 0's code
     q = jnp.asarray(np.random.default_rng(fresh_seed()).standard_normal((S, 2, D)), F32)
     bt = jnp.arange(1, S + 1, dtype=jnp.int32)[:, None]
     out = np.asarray(kernel(q, jnp.asarray(pool), 1, bt, jnp.ones(S, jnp.int32),
@@ -228,7 +238,7 @@ def test_random_ragged_batches(data):
 def _write_case(rng, *, pool_dtype, kv_dtype, T=21, NB=9, KVH=2, BS=8, D=64):
     pool = rng.standard_normal((NB, NUM_LAYERS, 2, KVH, BS, D))
     if is_quantized(pool_dtype):
-        pool = quantize_rows(jnp.asarray(pool), pool_dtype)
+        pool = quantize_pages(jnp.asarray(pool), pool_dtype)
     pool = jnp.asarray(pool, pool_dtype)
     # Rows of magnitudes 2**-30 .. 2**30 (scale codes clamped at both ends: fp8 at +-16,
     # int8 at +-64, where values saturate), one all-zero row.
@@ -267,7 +277,7 @@ def test_write_kv_quantized_bit_identical_in_place(pool_dtype, kv_dtype):
     rng = np.random.default_rng(fresh_seed())
     pool, k, v, blocks, offsets = _write_case(rng, pool_dtype=pool_dtype, kv_dtype=kv_dtype)
     want = np.asarray(write_kv_reference(pool, 1, k, v, blocks, offsets)).view(np.uint8)
-    exps = np.asarray(want[1:, 1, ..., -1].view(pool_dtype), np.float32)
+    exps = np.asarray(want[1:, 1, ..., -1, :8].view(pool_dtype), np.float32)   # the code rows
     cmax = SCALE_CODE_MAX[jnp.dtype(pool_dtype)]
     assert exps.min() == -cmax and exps.max() == cmax               # both clamps reached
     write = jax.jit(cpu.write_kv_or_reference, donate_argnums=0)

@@ -28,10 +28,11 @@ def dense_attention(q, pool, layer, block_tables, kv_lens, cu_q_lens, *, sm_scal
                     sliding_window=None, soft_cap=None):
     """The contract in numpy, float64, one sequence at a time: token i of sequence s
     at position p = kv_len - q_len + i sees keys k with p - sliding_window < k <= p."""
-    if is_quantized(pool.dtype):  # rows: head_dim values, then the scale's code
+    if is_quantized(pool.dtype):  # pages: BS rows of head_dim values, then a row of their codes
         steps = CODES_PER_OCTAVE[jnp.dtype(pool.dtype)]
         pool = np.asarray(pool, np.float64)
-        pool = pool[..., :-1] * np.exp2(pool[..., -1:] / steps)
+        BS = pool.shape[-2] - 1
+        pool = pool[..., :BS, :] * np.exp2(pool[..., BS, :BS, None] / steps)
     q, pool, bt, kv_lens, cu = map(np.asarray, (q, pool, block_tables, kv_lens, cu_q_lens))
     q, pool = q.astype(np.float64), pool.astype(np.float64)
     T, H, D = q.shape
