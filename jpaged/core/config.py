@@ -99,6 +99,9 @@ def default_config() -> ml_collections.ConfigDict:
     # (the whole step as one CUDA graph) and dynamic_slice_fusion (scan reads stacked weights
     # in place), and/or name=value words; checked by XLA on every backend, used on the GPU.
     c.xla_step_options = ""
+    # A step hands its program the weights as one flat list of arrays, their tree
+    # structure fixed in the program (false: the weights' pytree, flattened every step).
+    c.flat_weights = True
     # One GEMM for q|k|v and one for gate|up (wqkv, w_gate_up, merged when the model
     # is built; jpaged.models.merged): 4 weight GEMMs per layer instead of 7.
     c.merge_projections = False
@@ -252,6 +255,7 @@ FIELDS: dict[str, FieldSpec] = {
     "attention_impl": _choice(*ATTENTION_IMPLS),
     "layer_loop": _choice(*LAYER_LOOPS),
     "xla_step_options": FieldSpec("str", xla_options.ALLOWED, _xla_options_parse),
+    "flat_weights": _BOOL,
     "merge_projections": _BOOL,
     "tensor_parallel_size": _ints(1, 4096),
     "data_parallel_size": _ints(1, 4096),
