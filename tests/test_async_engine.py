@@ -125,13 +125,13 @@ def test_a_stop_string_ends_the_sample_in_the_engine(llm, expected, monkeypatch)
 
 def test_a_failure_pinned_to_one_request_fails_it_alone(llm, expected, monkeypatch):
     bad = [3, 4, 5]
-    real = llm._resolve
+    real = llm.scheduler._apply_row
 
-    def resolve(s, *args):
+    def apply_row(s, *args):
         if s.seq.prompt_token_ids == bad:
             raise RuntimeError("injected per-request failure")
         return real(s, *args)
-    monkeypatch.setattr(llm, "_resolve", resolve)
+    monkeypatch.setattr(llm.scheduler, "_apply_row", apply_row)
 
     async def scenario(engine):
         return await collect(engine.submit([(bad, GREEDY, None)] + [(p, GREEDY, None) for p in PROMPTS]))

@@ -61,14 +61,14 @@ def test_failed_step_fails_its_requests_and_engine_recovers(llm, expected, monke
 
 
 def test_failure_after_the_step_is_pinned_to_one_request(llm, expected, monkeypatch):
-    real = llm._resolve
+    real = llm.scheduler._apply_row
 
-    def resolve(s, *args):
+    def apply_row(s, *args):
         if s.seq.seq_id == target[0] and s.output_index == 2:  # its third token
             raise KeyError("bad stop rule")
         return real(s, *args)
     target = [llm._next_id + 2]  # the third request of the next generate()
-    monkeypatch.setattr(llm, "_resolve", resolve)
+    monkeypatch.setattr(llm.scheduler, "_apply_row", apply_row)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.finish_reason for o in outs] == ["length", "length", "error", "length"]
     assert "bad stop rule" in outs[2].error

@@ -96,7 +96,7 @@ def test_update_params_refuses_nan_weights_and_nan_logits_warn(make_tiny_llm, ca
     nan_all = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                            llm.params)
     llm.update_params(nan_all, check_finite=False)
-    with caplog.at_level(logging.WARNING, logger="jpaged.engine.llm"):
+    with caplog.at_level(logging.WARNING, logger="jpaged.engine.core"):
         out = llm.generate([[1, 2, 3]], GREEDY)[0]
     assert len(out.token_ids) == 2
     assert any("NaN logits" in r.getMessage() for r in caplog.records), caplog.text

@@ -35,72 +35,26 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
+import logging
 import time
 
 from jpaged.core.block_manager import BlockManager, PrefixHit
-from jpaged.core.sequence import Sequence, Status
+from jpaged.core.scheduler_output import ScheduledSeq, SchedulerOutput, SwapIn, SwapOut
+from jpaged.core.sequence import PLACEHOLDER, Sequence, Status
 from jpaged.core.stats import EngineStats
+from jpaged.core.step_output import StepOutput, StopConditions
 from jpaged.core.swap_space import HostSwapSpace
 
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    """num_new tokens of seq from position `start` (its num_computed_tokens when
-    scheduled): a prefill chunk, or 1 to decode, plus `drafts` (speculative
-    decoding: draft tokens after the decode token, verified by the step; num_new
-    counts them).  `output_index`: where the token this row samples goes in
-    seq's output (set when the step is launched; None for a prefill chunk that
-    does not reach the end of the sequence)."""
-    seq: Sequence
-    num_new: int
-    start: int = -1
-    output_index: int | None = None
-    drafts: list[int] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self):
-        if self.start < 0:
-            self.start = self.seq.num_computed_tokens
-
-
-@dataclasses.dataclass
-class SwapOut:
-    """Device blocks of a preempted sequence to copy into host slots."""
-    seq: Sequence
-    block_ids: list[int]
-    slots: list[int]
-
-
-@dataclasses.dataclass
-class SwapIn:
-    """Host slots of a resumed sequence to copy into its new device blocks."""
-    seq: Sequence
-    slots: list[int]
-    block_ids: list[int]
-    status: Status
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's work, in the order the runner applies it: swap-outs (device ->
-    host), swap-ins (host -> device), block copies (copy-on-write), then one
-    forward over the scheduled tokens."""
-
-    scheduled: list[ScheduledSeq]
-    block_copies: list[tuple[int, int]]
-    swap_out: list[SwapOut]
-    swap_in: list[SwapIn]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.scheduled)
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, policy: str, max_num_seqs: int,
                  max_num_batched_tokens: int, preemption_mode: str = "recompute",
                  swap_space: HostSwapSpace | None = None, token_buckets: tuple[int, ...] = (),
-                 stats: EngineStats | None = None):
+                 stats: EngineStats | None = None, stops: StopConditions | None = None):
+        """`stops`: when a sample ends (the engine's output processor); needed only
+        to apply steps' outputs (on_launched, update_from_output)."""
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {policy!r}")
         if preemption_mode not in ("recompute", "swap"):
@@ -116,6 +70,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
         self.stats = stats if stats is not None else EngineStats()  # shared with the engine
+        self.stops = stops
         self._swap_out: list[SwapOut] = []
         self._swap_in: list[SwapIn] = []
         self._preempted_now = False
@@ -166,6 +121,104 @@ class Scheduler:
         self._fit_bucket(scheduled)
         swap_out, swap_in = self._take_swaps()
         return SchedulerOutput(scheduled, self.block_manager.take_copies(), swap_out, swap_in)
+
+    # ------------------------------------------------- a step's output applied
+    def on_launched(self, out: SchedulerOutput) -> None:
+        """A dispatched step's effect on its sequences, known before its tokens are:
+        its tokens count as computed, and each sequence it completes gets a
+        PLACEHOLDER for the token it samples (the next schedule() sees the state
+        after this step before its tokens are known)."""
+        for row, s in enumerate(out.scheduled):
+            seq = s.seq
+            # (a draft's K/V counts once it is accepted: _apply_row)
+            seq.num_computed_tokens = s.start + s.num_new - len(s.drafts)
+            if seq.num_computed_tokens >= seq.num_tokens:  # else a prefill chunk: its sample is not a token
+                s.output_index = len(seq.output_token_ids)
+                seq.output_token_ids.append(PLACEHOLDER)
+                seq.sample_row = row
+                seq.status = Status.DECODING
+                seq.awaits_last_token = self.stops.reached_length(seq, len(seq.output_token_ids))
+            self.block_manager.cache_full_blocks(seq)  # blocks whose tokens are all known
+
+    def update_from_output(self, out: SchedulerOutput, output: StepOutput) -> list[Sequence]:
+        """Puts a completed step's tokens (and logprobs) into its sequences, applies
+        the stop conditions they trigger and frees what ended; returns the
+        sequences that ended here.  A row that fails fails only its sequence."""
+        finished, offset = [], 0  # offset: the row's first token in the step's flat batch
+        for row, s in enumerate(out.scheduled[:len(output.tokens)]):
+            try:
+                tokens = output.row_tokens(row, bool(s.drafts))
+                if s.drafts:  # vLLM's counters
+                    self.stats.spec_decode_num_drafts += 1
+                    self.stats.spec_decode_num_draft_tokens += len(s.drafts)
+                    self.stats.spec_decode_num_accepted_tokens += len(tokens) - 1
+                if self._apply_row(s, tokens, output, row, offset):
+                    finished.append(s.seq)
+            except Exception as e:  # noqa: BLE001 - pinned to this sequence
+                log.exception("request %d failed after its step", s.seq.seq_id)
+                self.drop_unknown(s)
+                self.fail(s.seq, f"internal error: {type(e).__name__}: {e}")
+            offset += s.num_new
+        return finished
+
+    @staticmethod
+    def drop_unknown(s: ScheduledSeq) -> None:
+        """A failed row's sequence keeps only the tokens the host knows."""
+        if s.output_index is not None:
+            del s.seq.output_token_ids[s.output_index:]
+
+    def _apply_row(self, s: ScheduledSeq, tokens: list[int], output: StepOutput, row: int, offset: int) -> bool:
+        """One row: prompt logprobs, the sampled tokens in their places (one, or
+        accepted drafts and one) and the stop conditions; True when seq ended here."""
+        seq = s.seq
+        if s.output_index is not None and s.output_index >= len(seq.output_token_ids):
+            return False  # the sequence stopped at an earlier token: this row ran past its end
+        output.record_logprobs(s, tokens[0], row, offset)
+        if s.output_index is None:
+            return False  # a prefill chunk
+        seq.output_token_ids[s.output_index] = tokens[0]
+        if seq.is_done:
+            return False  # aborted while the step ran: the token is kept, nothing else changes
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        for i, token in enumerate(tokens):
+            if i:  # an accepted draft came before this token: its K/V is in the pool
+                seq.output_token_ids.insert(s.output_index + i, token)
+                seq.num_computed_tokens += 1
+            if self._stops(seq, token, s.output_index + i) or seq.is_done:
+                return True
+        if s.drafts:  # the rejected drafts' blocks
+            self.block_manager.truncate(seq, seq.num_tokens)
+        self.block_manager.cache_full_blocks(seq)
+        return False
+
+    def _stops(self, seq: Sequence, token: int, index: int) -> bool:
+        """Applies the stop conditions to seq's output token `index`; True when seq ends there."""
+        reason = self.stops.finish_reason(seq, token, num_output=index + 1)
+        if seq.grammar is not None and reason in (None, "length"):  # a structure complete at the limit: "stop"
+            reason = self._advance_grammar(seq, token) or reason
+            if seq.is_done:
+                return True
+        if reason is None:
+            return False
+        del seq.output_token_ids[index + 1:]  # a later step's placeholder
+        self.block_manager.cache_full_blocks(seq)
+        seq.finish(reason)
+        if seq in self.running:
+            self.finish(seq)
+        else:  # preempted while its last step ran
+            self.fail(seq, None, reason=reason)
+        return True
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> str | None:
+        """Moves a constrained sample's matcher past its new token: "stop" when the
+        constraint is complete.  A token the constraint refuses (only a NaN row
+        can sample one) fails the sample with an error."""
+        if seq.grammar.accept(token):
+            return "stop" if seq.grammar.is_finished else None
+        self.fail(seq, f"token {token} broke the {seq.grammar.spec.kind} constraint: "
+                       f"{seq.grammar.error or 'not allowed'}")
+        return None
 
     def _draft_row(self, seq: Sequence, drafts, budget: int) -> ScheduledSeq | None:
         """A decode row with as many of `drafts` as the budget and the free blocks

@@ -1,5 +1,5 @@
 """Speculative decoding, the engine's side: draft tokens for the running
-sequences before each schedule, and the counts of what the step accepted.
+sequences before each schedule (the scheduler counts what the step accepted).
 
 A decoding sequence with drafts runs them after its decode token in one row
 (`ScheduledSeq.drafts`); the step verifies them on the device
@@ -32,9 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jpaged.core.scheduler import ScheduledSeq
 from jpaged.core.sequence import Sequence, Status
-from jpaged.core.stats import EngineStats
 from jpaged.speculative import ngram
 
 
@@ -125,9 +123,14 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.release(seq.seq_id)
 
-    @staticmethod
-    def count(stats: EngineStats, s: ScheduledSeq, num_accepted: int) -> None:
-        """vLLM's counters: rows with drafts, draft tokens, accepted ones."""
-        stats.spec_decode_num_drafts += 1
-        stats.spec_decode_num_draft_tokens += len(s.drafts)
-        stats.spec_decode_num_accepted_tokens += num_accepted
+
+def build_speculator(cfg: Any, model_config: Any, tokenizer: Any, num_blocks: int) -> Speculator:
+    """The engine's speculator from its config (`draft`: the draft model loads here)."""
+    draft_model = None
+    if cfg.speculative_method == "draft":
+        from jpaged.runtime.draft_model import load_draft_proposer
+        draft_model = load_draft_proposer(cfg, model_config, tokenizer, num_blocks=num_blocks)
+    return Speculator(cfg.speculative_method, num_speculative_tokens=cfg.num_speculative_tokens,
+                      prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max,
+                      disable_by_batch_size=cfg.speculative_disable_by_batch_size,
+                      max_model_len=cfg.max_model_len, draft_model=draft_model)
