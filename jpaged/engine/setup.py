@@ -119,7 +119,8 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     check_heads(loaded.config, tp)
     model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
     graphdef, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype),
-                                               scan_layers=scan_layers, batch_invariant=cfg.batch_invariant))
+                                               scan_layers=scan_layers, batch_invariant=cfg.batch_invariant,
+                                               merge_projections=cfg.merge_projections, tensor_parallel_size=tp))
     if mesh is not None:
         params = shard_params(params, model_config, mesh)
     weight_bytes = sum(a.nbytes for a in arrays.values()) // tp
@@ -142,8 +143,10 @@ def params_from_path(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, b
     loaded = load_weights(str(path), dtype=cfg.dtype, cache_dir=cfg.cache_dir or None, use_cache=False)
     if loaded.config != base:
         raise ValueError(f"{path}: its config differs from the served model's ({_config_diff(loaded.config, base)})")
-    model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tensor_parallel_size(mesh))
-    _, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype), scan_layers=scan_layers))
+    tp = tensor_parallel_size(mesh)
+    model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
+    _, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype), scan_layers=scan_layers,
+                                        merge_projections=cfg.merge_projections, tensor_parallel_size=tp))
     return params if mesh is None else shard_params(params, model_config, mesh)
 
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.core.kv_layout import kv_layout
 from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
+from jpaged.models.merged import MERGED, merge_arrays, part_sizes, split_columns
 from jpaged.runtime import batch_invariant as batch_invariant_ops
 from jpaged.runtime.lora import LoraBatch, LoraLayer, one_hot_slots
 from jpaged.runtime.sharding import POOL_SPEC
@@ -184,15 +185,21 @@ class Decoder(nnx.Module):
     `batch_invariant=True` takes every matmul, RMSNorm sum and attention from
     jpaged.runtime.batch_invariant, so that a token's logits do not depend on
     the rest of its batch; families write their projections and norms with
-    `linear` and `norm`, which follow it.
+    `linear` and `norm`, which follow it.  `merge_projections=True` holds
+    wq|wk|wv and w_gate|w_up as one matrix each (jpaged.models.merged), their
+    columns laid out for `tensor_parallel_size` column shards; families project
+    with `linears` / `project_qkv`, which take either form.
     """
 
     norm_offset = 0.0  # RMSNorm scales by (norm_offset + weight)
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
-                 scan_layers: bool = False, batch_invariant: bool = False):
+                 scan_layers: bool = False, batch_invariant: bool = False,
+                 merge_projections: bool = False, tensor_parallel_size: int = 1):
         expected = weight_shapes(cfg)
         check_weights(arrays, expected)
+        if merge_projections:
+            arrays, expected = merge_arrays(cfg, arrays, expected, tensor_parallel_size)
         windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
         if scan_layers and len(windows) > 1:
             raise ValueError(f"layer_loop='scan' needs every layer to attend alike; {cfg.architecture} "
@@ -202,6 +209,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.batch_invariant = batch_invariant
+        self.merged_shards = tensor_parallel_size if merge_projections else 0  # 0: separate weights
         as_param = lambda name: nnx.Param(jnp.asarray(arrays[name], dtype=dtype))  # noqa: E731
         self.embed = as_param("embed")
         self.final_norm = as_param("final_norm")
@@ -238,6 +246,27 @@ class Decoder(nnx.Module):
         y = self.matmul(x, w[name])
         lora = w.get("lora")
         return y if lora is None else y + lora.delta(x, name, self.matmul)
+
+    def linears(self, x: jax.Array, w: dict[str, Any], merged: str) -> list[jax.Array]:
+        """`linear` of x by each part of `merged` (a jpaged.models.merged.MERGED key:
+        "wqkv", "w_gate_up"): one GEMM over the merged matrix, split back into its
+        parts, where the model holds it merged.  Each part adds its own LoRA target's update."""
+        parts = MERGED[merged]
+        if merged not in w:
+            return [self.linear(x, w, name) for name in parts]
+        ys = split_columns(self.matmul(x, w[merged]), part_sizes(self.cfg, merged), self.merged_shards)
+        lora = w.get("lora")
+        return ys if lora is None else [y + lora.delta(x, name, self.matmul) for y, name in zip(ys, parts)]
+
+    def project_qkv(self, x: jax.Array, w: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [T, heads * hd], k and v [T, kv_heads * hd] of x [T, d], biases added
+        (cfg.attention_bias): the projections before the heads are split out."""
+        q, k, v = self.linears(x, w, "wqkv")
+        if self.cfg.attention_bias:
+            biases = (split_columns(w["bqkv"], part_sizes(self.cfg, "bqkv"), self.merged_shards)
+                      if "bqkv" in w else (w["bq"], w["bk"], w["bv"]))
+            q, k, v = (y + b for y, b in zip((q, k, v), biases))
+        return q, k, v
 
     def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """The family's RMSNorm of x over its last axis."""

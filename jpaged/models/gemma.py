@@ -142,9 +142,7 @@ class Gemma(Decoder):
         cfg, T = self.cfg, h.shape[0]
         norm = lambda x, name: self.norm(x, w[name])  # noqa: E731
         x = norm(h, "attn_norm")
-        q, k, v = self.linear(x, w, "wq"), self.linear(x, w, "wk"), self.linear(x, w, "wv")
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        q, k, v = self.project_qkv(x, w)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -154,8 +152,8 @@ class Gemma(Decoder):
         attn, kv_pool = paged_attention(cfg, q, k, v, layer, self.window(layer), kv_pool, meta, backend)
         h = h + norm(self.linear(attn.astype(h.dtype), w, "wo"), "post_attn_norm")
         x = norm(h, "mlp_norm")
-        gate = jax.nn.gelu(self.linear(x, w, "w_gate"), approximate=True)
-        mlp = self.linear(gate * self.linear(x, w, "w_up"), w, "w_down")
+        gate, up = self.linears(x, w, "w_gate_up")
+        mlp = self.linear(jax.nn.gelu(gate, approximate=True) * up, w, "w_down")
         return h + norm(mlp, "post_mlp_norm"), kv_pool
 
 

@@ -133,9 +133,7 @@ class Llama(Decoder):
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Projects x [T, d] to q [T, heads, hd] and k, v [T, kv_heads, hd], RoPE applied."""
         cfg, T = self.cfg, x.shape[0]
-        q, k, v = self.linear(x, w, "wq"), self.linear(x, w, "wk"), self.linear(x, w, "wv")
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        q, k, v = self.project_qkv(x, w)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.norm_heads(q, k, w)
@@ -151,7 +149,8 @@ class Llama(Decoder):
         attn, kv_pool = paged_attention(self.cfg, q, k, v, layer, self.window(layer), kv_pool, meta, backend)
         h = h + self.linear(attn.astype(h.dtype), w, "wo")
         x = self.norm(h, w["mlp_norm"])
-        h = h + self.linear(jax.nn.silu(self.linear(x, w, "w_gate")) * self.linear(x, w, "w_up"), w, "w_down")
+        gate, up = self.linears(x, w, "w_gate_up")
+        h = h + self.linear(jax.nn.silu(gate) * up, w, "w_down")
         return h, kv_pool
 
 

@@ -8,7 +8,9 @@ Weights are sharded Megatron-style by one rule table, keyed by the weight's
 name (the last part of its `nnx.State` path):
 
     wq wk wv w_gate w_up   [d, out]  split by column (heads / MLP units)
-    bq bk bv               [out]     split with their columns
+    wqkv w_gate_up         [d, out]  the same, merged (merge_projections): laid
+                                     out per shard (jpaged.models.merged)
+    bq bk bv bqkv          [out]     split with their columns
     wo w_down              [in, d]   split by row: XLA adds one all-reduce
     embed                  [V, d]    split on vocab (a masked gather + all-reduce)
     lm_head                [d, V]    split on vocab (logits stay vocab-sharded)
@@ -42,6 +44,7 @@ COLUMN, ROW, VOCAB_ROWS = P(None, "model"), P("model", None), P("model", None)
 WEIGHT_RULES: dict[str, P] = {
     "wq": COLUMN, "wk": COLUMN, "wv": COLUMN, "w_gate": COLUMN, "w_up": COLUMN,
     "bq": P("model"), "bk": P("model"), "bv": P("model"),
+    "wqkv": COLUMN, "w_gate_up": COLUMN, "bqkv": P("model"),  # merged: columns laid out per shard
     "wo": ROW, "w_down": ROW,
     "embed": VOCAB_ROWS, "lm_head": COLUMN,
 }
