@@ -4,7 +4,7 @@ llguidance compiles natively: a constraint beyond what `limits` can foresee
 could still overflow its stack (SIGSEGV) or run for minutes.  So the first
 compile of a constraint this process has not seen (its grammar text, llguidance's
 validation, a matcher and its first mask: `grammar.compile_check`) runs in
-a worker: a fresh interpreter (`python -m jpaged.structured.sandbox`: no fork
+a worker: a fresh interpreter (`python -m jpaged.structured.sandbox_worker`: no fork
 of the parent's jax state, no import of it) that loads the tokenizer once and
 then compiles one constraint after another.  A worker that dies makes that
 constraint's error ("crashed the grammar compiler") and is started again for
@@ -31,7 +31,6 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -114,7 +113,7 @@ class _Worker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [_package_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "jpaged.structured.sandbox"], env=env,
+            self._proc = subprocess.Popen([sys.executable, "-m", "jpaged.structured.sandbox_worker"], env=env,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         except OSError as e:
             raise Busy(f"the grammar compiler is unavailable (it did not start: {e})") from None
@@ -198,49 +197,3 @@ def _read(pipe: Any, size: int, deadline: float | None) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-# ------------------------------------------------------------------- worker
-def _serve(stdin: Any, stdout: Any, setup: tuple[Any, ...]) -> None:
-    """The worker's loop: the tokenizer (`setup`), then one constraint per message,
-    each answered None (it compiles) or its error, until the parent closes the pipe."""
-    import llguidance
-    from jpaged.structured.grammar import compile_check
-    from jpaged.structured.spec import StructuredOutputs
-    tokenizer_json, vocab_size, eos, _ = setup
-    tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
-    _send(stdout, "ready")
-    while True:
-        try:
-            fields, parent_limits = _receive(stdin, None)
-        except EOFError:
-            return
-        limits.LIMITS = limits.Limits(**parent_limits)  # llguidance's limits as the parent sets them
-        spec = StructuredOutputs(**fields)
-        try:
-            compile_check(tokenizer, spec, vocab_size)
-            reply = None
-        except ValueError as e:
-            reply = str(e)
-        _send(stdout, reply)
-
-
-def main() -> None:
-    # The protocol keeps its own copy of stdout; fd 1 becomes stderr, so that nothing
-    # native prints can corrupt a message.
-    stdin, stdout = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's to handle
-    try:
-        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
-    except (ValueError, OSError):
-        pass
-    setup = _receive(stdin, None)
-    threading.stack_size(setup[3])  # see the module docstring
-    worker = threading.Thread(target=_serve, args=(stdin, stdout, setup), name="jpaged-grammar-sandbox")
-    worker.start()
-    worker.join()
-
-
-if __name__ == "__main__":
-    main()
