@@ -1,0 +1,935 @@
+"""`make gpu-probe`: the one prepared script a session runs FIRST on a lent H100/H200.
+
+Issue 38's experiments (../shared/gpu-plan.md, sections 4 and 7.2) in one command,
+fitting ~7 minutes of a 15-minute loan so a failed part can be rerun with
+`--parts=` in the same window.  Each part is timed and guarded (a failing part is
+reported with its error, the others still run; exit status 1 if any failed), and
+every variant runs in its own subprocess: XLA_FLAGS differ per variant and must be
+set before jax initialises.  A subprocess writes its rows as it goes, so one killed
+at its time cap still reports what it measured.
+
+  1. environment      device_check's part 1 (versions, device, nominal and measured
+                      copy bandwidth) plus the device's target config (GPU only).
+  2. gemm_chain       the Llama-3-8B's 32 layers x 7 weight GEMMs + the LM head at
+                      M = 8/32/128, weights drawn on the device (bf16): per-layer
+                      arrays unrolled; lax.scan over stacked arrays; scan with
+                      dynamic-slice fusion; unrolled with Triton GEMMs off; merged
+                      wqkv / w_gate_up (4 GEMMs a layer).  ms of 20 back-to-back calls,
+                      GB/s of the weight bytes, % of copy bandwidth, XLA temp bytes.
+  3. anatomy          jpaged.LLM (load_format=dummy, bf16) per variant (scan; unroll;
+                      scan + dynamic-slice fusion) at batch 1/32/128, short context,
+                      through benchmarks/decode_timing.py's measure_decode (bucket, step
+                      ms, device ms, host ms, dispatch µs, floor), plus compile s and
+                      the decode executable's memory_analysis(); then one batch-1 point
+                      of the best variant on a pool sized by the default
+                      kv_memory_fraction (the donated pool is never copied: step ms as
+                      on the small pool, alias bytes >= pool bytes).
+  4. trace            a jax.profiler trace of 5 steps and the optimized HLO of the best
+                      variant's decode program at batch 1 and 128 (gzipped), summed by
+                      kernel class with benchmarks/summarize_gpu_trace.py.
+  5. command_buffers  the best variant with --xla_gpu_enable_command_buffer=+WHILE,
+                      +CONDITIONAL (scan) or --xla_gpu_graph_min_graph_size=1
+                      (unrolled), batch 1, device ms against part 3's.
+  6. attention_sweep  pallas_kernels.gpu.paged_attention_gpu at context 4k in one
+                      process: batch 1 over partitions x stages x warps x block_k,
+                      batch 32 over partitions; µs, GB/s, % of copy bandwidth.
+  7. quantized_pools  int8 and float8_e4m3fn pools against bf16 at batch 32/128,
+                      context 4k, the kernel's default tuning.
+
+On a CPU (CI) everything runs with a tiny Llama shape and tiny kernel points, in
+interpret mode for the kernels: the numbers are code-path only and the report says
+so.  The best variant of parts 4-5 is part 3's (lowest batch-1 device ms); when
+part 3 is not run, --best_variant.
+
+Writes benchmarks/results/device/gpu_probe_<device>_<YYYYmmdd-HHMM>.md and .json,
+the traces, HLO texts, target config and a tarball of the subprocess logs and XLA
+autotune results beside them (at most 8 files), and copies those to $OUT when that
+variable is set (the device tool brings back 8 files of <= 16 MiB).
+
+    python benchmarks/gpu_probe.py                          # ~7 min on an H100/H200
+    python benchmarks/gpu_probe.py --parts=trace,command_buffers --best_variant=unroll
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gzip
+import json
+import math
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
+
+from absl import flags as absl_flags  # noqa: E402
+
+import device_check as dc  # noqa: E402
+
+# device_check's helpers read its (absl) flags' defaults; this script has its own
+# argparse options, so the absl flags are never parsed from the command line.
+absl_flags.FLAGS.mark_as_parsed()
+
+PARTS = ("environment", "gemm_chain", "anatomy", "trace", "command_buffers", "attention_sweep",
+         "quantized_pools")
+TITLES = {"environment": "1. Environment", "gemm_chain": "2. GEMM chain (8B weight GEMMs + LM head)",
+          "anatomy": "3. Engine anatomy (decode per layer-loop variant)",
+          "trace": "4. Profiler trace and optimized HLO", "command_buffers": "5. XLA command buffers",
+          "attention_sweep": "6. Attention sweep (context 4k)",
+          "quantized_pools": "7. Quantized pools vs bf16"}
+
+DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"
+# Engine variants: layer_loop and the XLA flags of their process.
+VARIANTS = {"scan": ("scan", []), "unroll": ("unroll", []), "scan_dsf": ("scan", [DSF])}
+# What turns the whole step into command buffers (CUDA graphs), by layer loop.
+COMMAND_BUFFER_FLAGS = {"scan": ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"],
+                        "unroll": ["--xla_gpu_graph_min_graph_size=1"]}
+# GEMM-chain variants: weight layout and XLA flags.
+GEMM_VARIANTS = {"unrolled": ("unrolled", []), "scan": ("stacked", []), "scan_dsf": ("stacked", [DSF]),
+                 "unrolled_no_triton": ("unrolled", ["--xla_gpu_enable_triton_gemm=false"]),
+                 "merged": ("merged", [])}
+
+CPU_NOTE = "CPU: tiny shapes, code path only; these times say nothing about a GPU."
+
+
+@dataclasses.dataclass
+class Plan:
+    """Sizes of one run: the 8B shape on a GPU, tiny ones on a CPU."""
+
+    shape_name: str
+    shape: dict[str, Any]
+    gemm_ms: tuple[int, ...] = (8, 32, 128)
+    gemm_calls: int = 20
+    batches: tuple[int, ...] = (1, 32, 128)
+    trace_batches: tuple[int, ...] = (1, 128)
+    decode_steps: int = 32
+    prompt_len: int = 16
+    trace_steps: int = 5
+    context: int = 4096
+    sweep_b1: tuple[dict[str, int], ...] = ()
+    sweep_b32: tuple[dict[str, int], ...] = ()
+    quant_batches: tuple[int, ...] = (32, 128)
+    quant_dtypes: tuple[str, ...] = ("int8", "float8_e4m3fn")
+    kernel_iters: int = 16
+    kernel_reps: int = 5
+    kernel_dims: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"num_kv_heads": 8, "gqa": 4, "head_dim": 128, "block_size": 16})
+    caps: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def gpu_plan() -> Plan:
+    sweep_b1 = tuple({"batch": 1, "num_partitions": p, "num_stages": s, "num_warps": w, "block_k": k}
+                     for p in (16, 32, 64, 128) for s in (2, 3, 4) for w in (4, 8) for k in (32, 64))
+    sweep_b32 = tuple({"batch": 32, "num_partitions": p} for p in (1, 2, 4))
+    # Time caps (s) per subprocess; they sum to ~7 minutes with the starts.
+    caps = {"gemm": 45, "anatomy": 75, "large_pool": 50, "trace": 60, "command_buffers": 55,
+            "attention_sweep": 80, "quantized_pools": 50}
+    return Plan("8b", dc.LLAMA3_8B, sweep_b1=sweep_b1, sweep_b32=sweep_b32, caps=caps)
+
+
+def cpu_plan() -> Plan:
+    caps = {"gemm": 60, "anatomy": 90, "large_pool": 60, "trace": 90, "command_buffers": 60,
+            "attention_sweep": 90, "quantized_pools": 90}
+    one = {"batch": 1, "num_partitions": 2, "num_stages": 2, "num_warps": 4, "block_k": 32}
+    return Plan("tiny", dc.LLAMA_TINY, gemm_ms=(8,), gemm_calls=2, batches=(1,), trace_batches=(1,),
+                decode_steps=3, prompt_len=4, trace_steps=2, context=64, sweep_b1=(one,), sweep_b32=(),
+                quant_batches=(2,), quant_dtypes=("int8",), kernel_iters=1, kernel_reps=1,
+                kernel_dims={"num_kv_heads": 2, "gqa": 4, "head_dim": 64, "block_size": 16}, caps=caps)
+
+
+# ------------------------------------------------------------------ context
+@dataclasses.dataclass
+class Probe(dc.Context):
+    """device_check's Context plus what this script's parts share."""
+
+    plan: Plan | None = None
+    work: pathlib.Path | None = None      # subprocess specs, results, logs
+    best_variant: str = "unroll"
+    best_source: str = "--best_variant"
+    anatomy_rows: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    artifacts: list[pathlib.Path] = dataclasses.field(default_factory=list)
+
+
+def run_part(name: str, fn: Callable[[Probe, dc.Part], None], ctx: Probe) -> dc.Part:
+    """Runs one part, timed; a Skip or any exception is recorded, never raised."""
+    part = dc.Part(name)
+    t0 = time.perf_counter()
+    print(f"== {TITLES[name]}", flush=True)
+    try:
+        if ctx.remaining() <= 5:
+            raise dc.Skip("time budget (--budget_s) spent by the parts before it")
+        fn(ctx, part)
+        part.status = "ok"
+    except dc.Skip as e:
+        part.status, part.reason = "skipped", str(e)
+    except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
+        part.status, part.reason = "failed", f"{type(e).__name__}: {e}".strip()
+        part.notes.append("traceback (last lines): " + " | ".join(traceback.format_exc().splitlines()[-6:]))
+    part.seconds = time.perf_counter() - t0
+    print(f"   {part.status} in {part.seconds:.1f} s{': ' + part.reason if part.reason else ''}", flush=True)
+    return part
+
+
+def xla_flags(ctx: Probe, extra: list[str], label: str) -> str:
+    """XLA_FLAGS of one subprocess: the caller's, the variant's, and on a GPU the dump
+    of its autotune results (bundled with the logs)."""
+    out = [os.environ.get("XLA_FLAGS", "").strip(), *extra]
+    if ctx.on_gpu:
+        out.append(f"--xla_gpu_dump_autotune_results_to={ctx.work / f'autotune_{label}.txt'}")
+    return " ".join(f for f in out if f)
+
+
+def run_worker(ctx: Probe, task: str, label: str, spec: dict[str, Any], flags_: list[str],
+               cap: float) -> dict[str, Any]:
+    """One subprocess `gpu_probe.py --worker=task`: its result (rows, info, notes),
+    partial if it died or hit its cap (then `error` says how)."""
+    spec_path, result_path = ctx.work / f"{label}_spec.json", ctx.work / f"{label}_result.json"
+    spec = {**spec, "deadline_s": min(cap, ctx.remaining()) - 3, "plan": dataclasses.asdict(ctx.plan),
+            "nominal_gbps": ctx.nominal_gbps, "copy_gbps": ctx.copy_gbps, "work": str(ctx.work),
+            "on_gpu": ctx.on_gpu}
+    spec_path.write_text(json.dumps(spec, indent=1))
+    result_path.unlink(missing_ok=True)
+    env = {**ctx.child_env, "XLA_FLAGS": xla_flags(ctx, flags_, label), "PYTHONUNBUFFERED": "1"}
+    child = dataclasses.replace(ctx, child_env=env)
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), f"--worker={task}", f"--spec={spec_path}",
+           f"--result={result_path}"]
+    error = None
+    try:
+        rc, _, last = dc.run_logged(cmd, ctx.work / f"{label}.log", cap, child)
+        if rc != 0:
+            error = f"{label} exited {rc}: {last}"
+    except TimeoutError as e:
+        error = str(e)
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": [], "info": {}}
+    if error or result.get("error"):
+        result["error"] = "; ".join(x for x in (result.get("error"), error) if x)
+    return result
+
+
+def take(part: dc.Part, result: dict[str, Any], label: str, errors: list[str]) -> list[dict[str, Any]]:
+    """A worker's rows into the part (each labelled), its notes and error kept."""
+    rows = [{"variant": label, **r} for r in result.get("rows", [])]
+    part.rows += rows
+    part.notes += [n for n in result.get("notes", []) if n not in part.notes]
+    for k, v in result.get("info", {}).items():
+        part.info[f"{label}: {k}"] = v
+    if str(result.get("error", "")).startswith("skipped: "):
+        raise dc.Skip(f"{label}: {result['error'][len('skipped: '):]}")
+    if result.get("error"):
+        errors.append(f"{label}: {result['error']}")
+        part.rows.append({"variant": label, "note": "failed or cut short (see the part's error)"})
+    return rows
+
+
+# ------------------------------------------------------------ 1. environment
+def target_config() -> bytes | None:
+    """The device's target config (serialized proto), which later CPU runs can compile
+    against (deviceless AOT); None where this jax/jaxlib has no such attribute."""
+    import jax
+    try:
+        from jax._src.lib import xla_client as xc
+        topo = xc.get_topology_for_devices(jax.devices())
+    except Exception:  # noqa: BLE001 - private API, differs between versions
+        return None
+    cfg = getattr(topo, "target_config", None)
+    if cfg is None:
+        return None
+    return cfg if isinstance(cfg, bytes) else getattr(cfg, "SerializeToString", lambda: str(cfg).encode())()
+
+
+def part_environment(ctx: Probe, part: dc.Part) -> None:
+    dc.part_environment(ctx, part)
+    cfg = target_config() if ctx.on_gpu else None
+    if cfg:
+        path = ctx.path("_target_config.pb")
+        path.write_bytes(cfg)
+        ctx.artifacts.append(path)
+        part.info["target config"] = f"{path.name} ({len(cfg)} bytes)"
+    else:
+        part.info["target config"] = ("not available on a CPU" if not ctx.on_gpu
+                                      else "not exposed by this jaxlib (get_topology_for_devices)")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE)
+
+
+def pct(gbps: float | None, of: float | None) -> float | None:
+    return round(100 * gbps / of, 1) if gbps and of else None
+
+
+# ------------------------------------------------------------ 2. GEMM chain
+def part_gemm_chain(ctx: Probe, part: dc.Part) -> None:
+    errors: list[str] = []
+    for label, (layout, flags_) in GEMM_VARIANTS.items():
+        result = run_worker(ctx, "gemm", f"gemm_{label}", {"layout": layout}, flags_, ctx.plan.caps["gemm"])
+        for r in take(part, result, label, errors):
+            r["flags"] = " ".join(flags_) or "default"
+            r["pct_copy"] = pct(r.get("GB_s"), ctx.copy_gbps)
+            r["pct_nominal"] = pct(r.get("GB_s"), ctx.nominal_gbps)
+    by = {(r["variant"], r.get("M")): r for r in part.rows if "ms" in r}
+    for m in ctx.plan.gemm_ms:
+        base = by.get(("unrolled", m))
+        for label in GEMM_VARIANTS:
+            if base and label != "unrolled" and (label, m) in by:
+                part.info[f"M={m}: {label} ms / unrolled ms"] = round(by[(label, m)]["ms"] / base["ms"], 2)
+    part.notes.append("One call = the model's weight GEMMs (7 a layer, 4 merged) + the LM head at M tokens, "
+                      "a residual RMS-norm between them; ms = wall of 20 back-to-back calls / 20 (block at "
+                      "the end); GB/s = weight bytes read / ms; temp_bytes = XLA's temp buffer (scan's "
+                      "per-layer weight copies show up here).")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE)
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def gemm_dims(shape: dict[str, Any]) -> dict[str, int]:
+    d, heads, kvh = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = d // heads
+    return {"d": d, "q": heads * head_dim, "kv": kvh * head_dim, "f": shape["intermediate_size"],
+            "vocab": shape["vocab_size"], "layers": shape["num_hidden_layers"]}
+
+
+def layer_shapes(dims: dict[str, int], merged: bool) -> dict[str, tuple[int, int]]:
+    d, q, kv, f = dims["d"], dims["q"], dims["kv"], dims["f"]
+    if merged:
+        return {"wqkv": (d, q + 2 * kv), "wo": (q, d), "w_gate_up": (d, 2 * f), "w_down": (f, d)}
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, f), "w_up": (d, f),
+            "w_down": (f, d)}
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, Any]:
+    """bf16 arrays drawn on the device (nothing on the host), one program per shape."""
+    import jax.numpy as jnp
+    return {name: uniform_draw(shape)(jnp.uint32(seed * 1000 + i)) for i, (name, shape) in enumerate(shapes.items())}
+
+
+@functools.lru_cache(maxsize=None)
+def uniform_draw(shape: tuple[int, ...]) -> Callable:
+    """jit of a bf16 draw of `shape`, uniform in +-1/sqrt(fan_in): a multiplicative hash
+    of the element index and the seed (one elementwise kernel; threefry's program
+    takes seconds to compile per shape, and the values only need to be varied)."""
+    import jax
+    import jax.numpy as jnp
+    scale = 1.0 / math.sqrt(shape[-2])
+
+    def draw(seed):
+        i = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+        h = (i ^ seed) * jnp.uint32(2654435761)
+        h = (h ^ (h >> 15)) * jnp.uint32(2246822519)
+        u = (h >> 8).astype(jnp.float32) * (1.0 / 2**24)
+        return ((2 * u - 1) * scale).astype(jnp.bfloat16)
+    return jax.jit(draw)
+
+
+def gemm_layer(h, w: dict[str, Any], dims: dict[str, int]):
+    """One layer's weight GEMMs with a residual stream and an RMS norm; the attention
+    is a stand-in (q + the tiled k + v) that keeps every GEMM's output used."""
+    import jax
+    import jax.numpy as jnp
+    q_dim, kv, f = dims["q"], dims["kv"], dims["f"]
+    x = h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-5).astype(h.dtype)
+    if "wqkv" in w:
+        qkv = x @ w["wqkv"]
+        q, k, v = qkv[:, :q_dim], qkv[:, q_dim:q_dim + kv], qkv[:, q_dim + kv:]
+    else:
+        q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+    h = h + (q + jnp.tile(k + v, (1, q_dim // kv))) @ w["wo"]
+    x = h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-5).astype(h.dtype)
+    if "w_gate_up" in w:
+        gu = x @ w["w_gate_up"]
+        g, u = gu[:, :f], gu[:, f:]
+    else:
+        g, u = x @ w["w_gate"], x @ w["w_up"]
+    return h + (jax.nn.silu(g) * u) @ w["w_down"]
+
+
+def gemm_program(layout: str, dims: dict[str, int]) -> Callable:
+    import jax
+
+    def unrolled(x, layers, lm_head):
+        for w in layers:
+            x = gemm_layer(x, w, dims)
+        return x @ lm_head
+
+    def stacked(x, layers, lm_head):
+        x, _ = jax.lax.scan(lambda h, w: (gemm_layer(h, w, dims), None), x, layers)
+        return x @ lm_head
+
+    return stacked if layout == "stacked" else unrolled
+
+
+def gemm_weights(layout: str, dims: dict[str, int]) -> tuple[Any, Any]:
+    shapes = layer_shapes(dims, merged=layout == "merged")
+    L = dims["layers"]
+    if layout == "stacked":
+        layers = random_weights({k: (L, *s) for k, s in shapes.items()}, seed=1)
+    else:
+        layers = [random_weights(shapes, seed=1 + i) for i in range(L)]
+    lm_head = random_weights({"lm_head": (dims["d"], dims["vocab"])}, seed=999)["lm_head"]
+    return layers, lm_head
+
+
+def worker_gemm(spec: dict[str, Any], out: "Results") -> None:
+    import jax
+    import jax.numpy as jnp
+    plan = spec["plan"]
+    dims, layout = gemm_dims(plan["shape"]), spec["layout"]
+    t0 = time.perf_counter()
+    layers, lm_head = gemm_weights(layout, dims)
+    jax.block_until_ready((layers, lm_head))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves((layers, lm_head)))
+    out.info.update({"weights drawn on the device (s)": round(time.perf_counter() - t0, 2),
+                     "weight GB": round(weight_bytes / 1e9, 3), "layout": layout,
+                     "GEMMs per layer": len(layer_shapes(dims, layout == "merged"))})
+    fn = gemm_program(layout, dims)
+    for m in plan["gemm_ms"]:
+        if out.remaining() < 5:
+            out.rows.append({"M": m, "note": "skipped: time cap"})
+            continue
+        x = jax.random.normal(jax.random.PRNGKey(m), (m, dims["d"]), jnp.bfloat16)
+        t0 = time.perf_counter()
+        exe = jax.jit(fn).lower(x, layers, lm_head).compile()
+        compile_s = time.perf_counter() - t0
+        jax.block_until_ready(exe(x, layers, lm_head))
+        n = plan["gemm_calls"]
+        t0 = time.perf_counter()
+        outs = [exe(x, layers, lm_head) for _ in range(n)]
+        jax.block_until_ready(outs)
+        ms = 1000 * (time.perf_counter() - t0) / n
+        row = {"M": m, "ms": round(ms, 3), "GB_s": round(weight_bytes / (ms / 1000) / 1e9, 1),
+               "compile_s": round(compile_s, 2), **memory_bytes(exe)}
+        out.add(row)
+
+
+def memory_bytes(exe: Any) -> dict[str, Any]:
+    """memory_analysis() of a compiled executable: temp / alias / argument bytes."""
+    try:
+        m = exe.memory_analysis()
+    except Exception as e:  # noqa: BLE001 - not every backend implements it
+        return {"memory_analysis": f"unavailable: {type(e).__name__}"}
+    if m is None:
+        return {"memory_analysis": "unavailable"}
+    return {"temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
+            "argument_bytes": m.argument_size_in_bytes}
+
+
+# ------------------------------------------------------------ 3. anatomy
+def part_anatomy(ctx: Probe, part: dc.Part) -> None:
+    errors: list[str] = []
+    for label, (loop, flags_) in VARIANTS.items():
+        result = run_worker(ctx, "engine", f"anatomy_{label}", {"layer_loop": loop, "pool": "small",
+                            "batches": list(ctx.plan.batches)}, flags_, ctx.plan.caps["anatomy"])
+        for r in take(part, result, label, errors):
+            if r.get("batch") == 1 and "device_ms" in r:
+                ctx.anatomy_rows[label] = r
+    if ctx.anatomy_rows:
+        ctx.best_variant = min(ctx.anatomy_rows, key=lambda v: ctx.anatomy_rows[v]["device_ms"])
+        ctx.best_source = "part 3 (lowest batch-1 device ms)"
+        part.info["best variant (batch-1 device ms)"] = ctx.best_variant
+        large_pool_point(ctx, part, errors)
+    part.notes.append("Rows: benchmarks/decode_timing.measure_decode (bucket = the step program the timed "
+                      "steps ran in, bucket_ok false = some ran padded; device_ms = chained executable "
+                      "calls, no host; host_ms = step - device; floor = bytes a step reads / nominal "
+                      "bandwidth), plus the decode executable's memory_analysis() and the seconds this "
+                      "batch's programs took to compile.")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE)
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def large_pool_point(ctx: Probe, part: dc.Part, errors: list[str]) -> None:
+    """Batch 1 of the best variant on a pool sized by the default kv_memory_fraction:
+    a donated pool is updated in place, so the step costs what it costs on a small pool."""
+    loop, flags_ = VARIANTS[ctx.best_variant]
+    result = run_worker(ctx, "engine", "anatomy_large_pool", {"layer_loop": loop, "pool": "large",
+                        "batches": [1]}, flags_, ctx.plan.caps["large_pool"])
+    rows = take(part, result, f"{ctx.best_variant} (large pool)", errors)
+    small = ctx.anatomy_rows.get(ctx.best_variant, {})
+    if rows and "device_ms" in rows[0] and small.get("device_ms"):
+        big = rows[0]
+        part.info["large pool: device ms / small pool's"] = round(big["device_ms"] / small["device_ms"], 3)
+        if big.get("alias_bytes") is not None and big.get("pool_bytes"):
+            part.info["large pool: alias bytes >= pool bytes"] = big["alias_bytes"] >= big["pool_bytes"]
+
+
+def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """jpaged.LLM arguments: a pool just big enough for the largest batch ("small"), or
+    sized by the default kv_memory_fraction ("large": a max_num_seqs and max_model_len
+    whose useful blocks exceed the fraction's, so the fraction decides)."""
+    plan = spec["plan"]
+    batches, prompt = spec["batches"], plan["prompt_len"]
+    block_size = 16
+    max_len = prompt + plan["decode_steps"] + plan["trace_steps"] + 64
+    largest = max(max(batches), max(plan["trace_batches"]) if spec.get("trace") else 0)
+    cfg = dict(load_format="dummy", dtype="bfloat16", attention_impl="auto", layer_loop=spec["layer_loop"],
+               max_num_seqs=largest, max_num_batched_tokens=largest * prompt, max_model_len=max_len,
+               block_size=block_size, enable_prefix_caching=False)
+    if spec["pool"] == "large":
+        # Up to 64 sequences of the model's whole context: more blocks than the fraction holds.
+        cfg.update(max_num_seqs=64, max_num_batched_tokens=max(64, cfg["max_num_batched_tokens"]),
+                   max_model_len=plan["shape"]["max_position_embeddings"], num_blocks=0)
+    else:
+        cfg["num_blocks"] = 1 + largest * -(-max_len // block_size) + 8
+    return cfg
+
+
+def decode_program(llm: Any, bucket: Any) -> Any:
+    """The compiled step program the timed decode steps ran in (key (T, S, structure))."""
+    llm.runner.wait_for_programs()
+    programs = llm.runner.programs
+    match = [exe for key, exe in programs.items() if key[0] == bucket]
+    return match[0] if match else None
+
+
+def worker_engine(spec: dict[str, Any], out: "Results") -> None:
+    try:
+        import decode_timing
+    except ImportError as e:
+        raise dc.Skip(f"benchmarks/decode_timing.py (measure_decode) is not importable: {e}") from None
+    from jpaged import LLM
+    plan = spec["plan"]
+    with tempfile.TemporaryDirectory(prefix="jpaged_probe_") as tmp:
+        dc.write_llama_config(pathlib.Path(tmp), plan["shape"])
+        t0 = time.perf_counter()
+        llm = LLM(model=tmp, **engine_config(spec))
+        ready = time.perf_counter() - t0
+    weights, pool = (sum(x) for x in zip(*llm.memory_per_device().values()))
+    out.info.update({"layer_loop": spec["layer_loop"], "attention": llm.attention_impl,
+                     "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "engine ready (s)": round(ready, 1),
+                     "weights GB": round(weights / 1e9, 3), "pool GB": round(pool / 1e9, 3)})
+    for batch in spec["batches"]:
+        if out.remaining() < 10:
+            out.rows.append({"batch": batch, "note": "skipped: time cap"})
+            continue
+        compile0, programs0 = llm.compile_seconds, llm.num_compilations
+        row = decode_timing.measure_decode(llm, batch, plan["decode_steps"], plan["prompt_len"],
+                                           nominal_gbps=spec["nominal_gbps"], copy_gbps=spec["copy_gbps"])
+        exe = decode_program(llm, row.get("bucket"))
+        row.update(memory_bytes(exe) if exe is not None else {"memory_analysis": "program not found"})
+        row.update({"compile_s": round(llm.compile_seconds - compile0, 2),
+                    "programs_built": llm.num_compilations - programs0, "pool_bytes": pool})
+        out.add(row)
+        if spec.get("trace"):
+            trace_batch(llm, batch, plan, exe, out)
+
+
+# ------------------------------------------------------------ 4. trace
+def trace_batch(llm: Any, batch: int, plan: dict[str, Any], exe: Any, out: "Results") -> None:
+    """A jax.profiler trace of `trace_steps` decode steps of `batch` sequences, and the
+    decode program's optimized HLO, both gzipped into the work folder."""
+    import jax
+    import numpy as np
+    from jpaged import SamplingParams
+    work = pathlib.Path(out.spec["work"])
+    params = SamplingParams(max_tokens=plan["trace_steps"] + 4, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(batch)
+    for ids in rng.integers(3, llm.model_config.vocab_size, (batch, plan["prompt_len"])):
+        llm.add_request(ids.tolist(), params)
+    llm.step()   # the prefill
+    llm.step()   # one decode step outside the trace
+    trace_dir = work / f"trace_b{batch}"
+    options = {}
+    if hasattr(jax.profiler, "ProfileOptions"):  # no Python function tracing: kernels and XLA ops only
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        options["profiler_options"] = opts
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, **options):
+        for _ in range(plan["trace_steps"]):
+            llm.step()
+    while llm.has_unfinished_requests():
+        llm.step()
+    found = sorted(trace_dir.rglob("perfetto_trace.json.gz")) or sorted(trace_dir.rglob("*.trace.json.gz"))
+    files = {}
+    if found:
+        shutil.copy(found[-1], work / f"trace_b{batch}.json.gz")
+        files["trace"] = f"trace_b{batch}.json.gz"
+    if exe is not None:
+        with gzip.open(work / f"hlo_b{batch}.txt.gz", "wt") as f:
+            f.write(exe.as_text())
+        files["hlo"] = f"hlo_b{batch}.txt.gz"
+    out.info[f"batch {batch} trace files"] = files
+    out.save()
+
+
+def part_trace(ctx: Probe, part: dc.Part) -> None:
+    import summarize_gpu_trace as sgt
+    loop, flags_ = VARIANTS[ctx.best_variant]
+    part.info["variant"] = f"{ctx.best_variant} (from {ctx.best_source})"
+    errors: list[str] = []
+    batches = list(ctx.plan.trace_batches)
+    result = run_worker(ctx, "engine", "trace", {"layer_loop": loop, "pool": "small", "batches": batches,
+                        "trace": True}, flags_, ctx.plan.caps["trace"])
+    take(part, result, ctx.best_variant, errors)
+    for batch in batches:
+        files = result.get("info", {}).get(f"batch {batch} trace files", {})
+        for kind in ("trace", "hlo"):
+            src = ctx.work / files[kind] if kind in files else None
+            if src is None or not src.exists():
+                errors.append(f"batch {batch}: no {kind} file")
+                continue
+            dst = ctx.path(f"_{src.name}")
+            if src.stat().st_size > 16 * 2**20:
+                part.notes.append(f"{src.name}: {src.stat().st_size / 2**20:.1f} MiB, over the 16 MiB a file "
+                                  "may take back; kept in the logs folder only")
+                continue
+            shutil.copy(src, dst)
+            ctx.artifacts.append(dst)
+            try:
+                summary = sgt.summarize_file(dst, ctx.plan.trace_steps)
+            except sgt.NoKernels as e:
+                if ctx.on_gpu:
+                    raise
+                summary = {"kernels": f"none: {e}"}
+            for k, v in summary.items():
+                part.info[f"b{batch} {kind}: {k}"] = v
+    part.notes.append(f"Summaries by benchmarks/summarize_gpu_trace.py (rerun it on the files: "
+                      f"python benchmarks/summarize_gpu_trace.py --steps={ctx.plan.trace_steps} FILE...). "
+                      "A profiler trace runs without command buffers (XLA disables them while "
+                      "profiling): per-kernel times hold, launch gaps are those of a graph-less step.")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE + " A CPU trace has no device kernels: only the HLO summary counts.")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+# ------------------------------------------------------------ 5. command buffers
+def part_command_buffers(ctx: Probe, part: dc.Part) -> None:
+    loop, flags_ = VARIANTS[ctx.best_variant]
+    cb = COMMAND_BUFFER_FLAGS[loop]
+    part.info.update({"variant": f"{ctx.best_variant} (from {ctx.best_source})", "flags": " ".join(flags_ + cb)})
+    errors: list[str] = []
+    result = run_worker(ctx, "engine", "command_buffers", {"layer_loop": loop, "pool": "small",
+                        "batches": [1]}, flags_ + cb, ctx.plan.caps["command_buffers"])
+    rows = take(part, result, f"{ctx.best_variant} + command buffers", errors)
+    base = ctx.anatomy_rows.get(ctx.best_variant)
+    if base:
+        part.rows.append({"variant": f"{ctx.best_variant} (part 3)", **base})
+        if rows and rows[0].get("device_ms"):
+            part.info["device ms: command buffers / part 3"] = round(rows[0]["device_ms"] / base["device_ms"], 3)
+    else:
+        part.notes.append("part 3 did not run in this call: compare with its batch-1 row by hand")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE + " (XLA:CPU ignores the GPU flags.)")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+# ------------------------------------------------------------ 6-7. kernels
+def part_attention_sweep(ctx: Probe, part: dc.Part) -> None:
+    points = [*ctx.plan.sweep_b32, *ctx.plan.sweep_b1]  # batch 32 first: 3 points, always in the time cap
+    errors: list[str] = []
+    result = run_worker(ctx, "kernel", "attention_sweep", {"points": points}, [],
+                        ctx.plan.caps["attention_sweep"])
+    take(part, result, "paged_attention_gpu", errors)
+    finish_kernel_rows(ctx, part)
+    for batch in sorted({p["batch"] for p in points}):
+        timed = [r for r in part.rows if r.get("batch") == batch and r.get("us")]
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            part.info[f"best at batch {batch}"] = ", ".join(f"{k}={best[k]}" for k in (
+                "num_partitions", "num_stages", "num_warps", "block_k", "us", "GB_s") if k in best)
+    part.notes.append(f"Context {ctx.plan.context}, bf16 pool and q; us = one program of "
+                      f"{ctx.plan.kernel_iters} chained calls over rotating input sets / calls (median of "
+                      f"{ctx.plan.kernel_reps}; includes 1/{ctx.plan.kernel_iters} of one dispatch); GB/s = "
+                      "K/V bytes of the pool blocks read / time; unset tuning = the kernel's default.")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE + " One point, in interpret mode.")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def part_quantized_pools(ctx: Probe, part: dc.Part) -> None:
+    points = [{"batch": b, "kv_dtype": kv} for b in ctx.plan.quant_batches
+              for kv in ("bfloat16", *ctx.plan.quant_dtypes)]
+    errors: list[str] = []
+    result = run_worker(ctx, "kernel", "quantized_pools", {"points": points}, [],
+                        ctx.plan.caps["quantized_pools"])
+    take(part, result, "paged_attention_gpu", errors)
+    finish_kernel_rows(ctx, part)
+    bf16 = {r["batch"]: r["us"] for r in part.rows if r.get("kv_dtype") == "bfloat16" and r.get("us")}
+    for r in part.rows:
+        if r.get("us") and bf16.get(r.get("batch")):
+            r["bf16_us / us"] = round(bf16[r["batch"]] / r["us"], 2)
+    part.notes.append(f"Context {ctx.plan.context}, bf16 q, the kernel's default tuning; pools made by the "
+                      "pallas_kernels pool helpers (their row layout, whatever it is); bf16_us / us > 1: "
+                      "faster than the bf16 pool at that batch. GB/s counts the bytes of the pool blocks "
+                      "read (scales included).")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE + " int8 only, in interpret mode.")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def finish_kernel_rows(ctx: Probe, part: dc.Part) -> None:
+    for r in part.rows:
+        if r.get("GB_s"):
+            r["pct_copy"] = pct(r["GB_s"], ctx.copy_gbps)
+            r["pct_nominal"] = pct(r["GB_s"], ctx.nominal_gbps)
+
+
+def kernel_pool(key: Any, batch: int, context: int, n_sets: int, dims: dict[str, int], kv_dtype: str):
+    """(pool, block tables [n_sets, B, W], q [n_sets, B, H, D]) drawn on the device;
+    quantized pools through the pool helper that owns the page layout
+    (pallas_kernels.reference.quantize_pages; quantize_rows before it existed)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import reference
+    quantize = getattr(reference, "quantize_pages", None) or reference.quantize_rows
+    KVH, D, BS = dims["num_kv_heads"], dims["head_dim"], dims["block_size"]
+    H, W = KVH * dims["gqa"], -(-context // BS)
+    nb = 1 + n_sets * batch * W
+    kp, kb, kq = jax.random.split(key, 3)
+
+    @jax.jit
+    def make_pool(k):
+        x = jax.random.normal(k, (nb, 1, 2, KVH, BS, D), jnp.float32)
+        return quantize(x, kv_dtype) if reference.is_quantized(kv_dtype) else x.astype(kv_dtype)
+
+    pool = make_pool(kp)
+    tables = (1 + jax.random.permutation(kb, nb - 1)).reshape(n_sets, batch, W).astype(jnp.int32)
+    qs = jax.random.normal(kq, (n_sets, batch, H, D), jnp.bfloat16)
+    return pool, tables, qs
+
+
+def kernel_seconds(fn: Callable, args: tuple, reps: int) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def chained_calls(tuning: dict[str, int], iters: int, n_sets: int) -> Callable:
+    """jit of `iters` attention calls over rotating input sets, each depending on the
+    last (an int 0 XLA cannot prove is 0), so none is hoisted or CSE'd."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.gpu import paged_attention_gpu
+
+    def run(qs, pool, tables, kv_lens, cu):
+        acc = jnp.zeros((), jnp.float32)
+        for i in range(iters):
+            s = i % n_sets
+            dep = jnp.where(acc == 1.2345e-30, 1, 0).astype(jnp.int32)
+            out = paged_attention_gpu(qs[s] + dep.astype(qs.dtype), pool, 0, tables[s] + dep, kv_lens, cu,
+                                      **tuning)
+            acc = acc + out.reshape(-1)[0].astype(jnp.float32)
+        return acc
+    return jax.jit(run)
+
+
+def worker_kernel(spec: dict[str, Any], out: "Results") -> None:
+    import jax
+    import jax.numpy as jnp
+    plan = spec["plan"]
+    dims, context, iters = plan["kernel_dims"], plan["context"], plan["kernel_iters"]
+    made: dict[tuple, tuple] = {}
+    for point in spec["points"]:
+        if out.remaining() < 5:
+            out.rows.append({**point, "note": "skipped: time cap"})
+            continue
+        batch, kv_dtype = point["batch"], point.get("kv_dtype", "bfloat16")
+        if (batch, kv_dtype) not in made:
+            made.clear()  # one pool on the device at a time
+            kv_bytes_one_set = batch * context * dims["num_kv_heads"] * dims["head_dim"] * 2 * 2
+            n_sets = max(1, min(8, math.ceil(256 * 2**20 / kv_bytes_one_set))) if spec["on_gpu"] else 1
+            n_sets = min(n_sets, iters)
+            pool, tables, qs = kernel_pool(jax.random.PRNGKey(batch), batch, context, n_sets, dims, kv_dtype)
+            made[(batch, kv_dtype)] = (pool, tables, qs, n_sets)
+        pool, tables, qs, n_sets = made[(batch, kv_dtype)]
+        tuning = {k: point[k] for k in ("num_partitions", "num_stages", "num_warps", "block_k") if k in point}
+        kv_lens = jnp.full((batch,), context, jnp.int32)
+        cu = jnp.arange(batch + 1, dtype=jnp.int32)
+        row = {**point, "context": context}
+        try:
+            secs = kernel_seconds(chained_calls(tuning, iters, n_sets), (qs, pool, tables, kv_lens, cu),
+                                  plan["kernel_reps"]) / iters
+        except Exception as e:  # noqa: BLE001 - a tuning the kernel rejects is a row, not the end
+            row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            out.add(row)
+            continue
+        read = pool.nbytes * tables.shape[1] * tables.shape[2] / pool.shape[0]  # the blocks one call reads
+        row.update({"kv_MB": round(read / 1e6, 2), "us": round(1e6 * secs, 2),
+                    "GB_s": round(read / secs / 1e9, 1)})
+        out.add(row)
+
+
+# ------------------------------------------------------------------ workers
+@dataclasses.dataclass
+class Results:
+    """A worker's output, saved to its result file after every row."""
+
+    spec: dict[str, Any]
+    path: pathlib.Path
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    def remaining(self) -> float:
+        return self.spec["deadline_s"] - (time.perf_counter() - self.t0)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        print(f"   {row}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        data = {"rows": self.rows, "info": self.info, "notes": self.notes, "error": self.error}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+WORKERS = {"gemm": worker_gemm, "engine": worker_engine, "kernel": worker_kernel}
+
+
+def run_worker_main(task: str, spec_path: str, result_path: str) -> int:
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    out = Results(spec, pathlib.Path(result_path))
+    import jax
+    out.info["device"] = jax.devices()[0].device_kind
+    try:
+        WORKERS[task](spec, out)
+    except dc.Skip as e:
+        out.error = f"skipped: {e}"
+    except Exception as e:  # noqa: BLE001 - reported to the parent through the result file
+        out.error = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    out.save()
+    return 1 if out.error and not out.error.startswith("skipped") else 0
+
+
+# ------------------------------------------------------------------ report
+PART_FNS = {"environment": part_environment, "gemm_chain": part_gemm_chain, "anatomy": part_anatomy,
+            "trace": part_trace, "command_buffers": part_command_buffers,
+            "attention_sweep": part_attention_sweep, "quantized_pools": part_quantized_pools}
+
+COLUMNS = ["variant", "M", "batch", "kv_dtype", "context", "bucket", "bucket_ok", "ms", "median_step_ms",
+           "device_ms", "host_ms", "dispatch_us", "floor_ms", "decode_tok_per_s", "us", "GB_s", "pct_copy",
+           "pct_nominal", "bf16_us / us", "temp_bytes", "alias_bytes", "argument_bytes", "pool_bytes",
+           "compile_s", "note"]
+
+
+def report_lines(parts: list[dc.Part], header: dict[str, Any]) -> list[str]:
+    lines = [f"# GPU probe: {header['device']} ({header['date']})", ""]
+    lines += [f"- **{k}**: {dc.fmt(v)}" for k, v in header.items() if k not in ("device", "date")]
+    lines += ["", "| part | status | seconds | reason / error |", "|---|---|---|---|"]
+    lines += [f"| {TITLES[p.name]} | {p.status} | {p.seconds:.1f} | {dc.fmt(p.reason)} |" for p in parts]
+    for p in parts:
+        lines += ["", f"## {TITLES[p.name]}: {p.status}", ""]
+        if p.reason:
+            lines += [f"{p.status}: {p.reason}", ""]
+        if p.info:
+            lines += dc.md_table([{"what": k, "value": v} for k, v in p.info.items()]) + [""]
+        if p.rows:
+            lines += dc.md_table(p.rows, COLUMNS) + [""]
+        lines += [f"_{n}_" if not n.startswith("traceback") else f"`{n}`" for n in p.notes]
+    return lines
+
+
+def bundle_logs(ctx: Probe) -> pathlib.Path:
+    """The subprocess logs, specs, results and autotune dumps in one tarball."""
+    path = ctx.path("_logs.tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        for f in sorted(ctx.work.iterdir()):
+            if f.is_file() and f.suffix in (".log", ".json", ".txt"):
+                tar.add(f, arcname=f.name)
+    return path
+
+
+def write_outputs(ctx: Probe, parts: list[dc.Part], header: dict[str, Any]) -> pathlib.Path:
+    md = ctx.path(".md")
+    md.write_text("\n".join(report_lines(parts, header)) + "\n")
+    data = {"header": header, "parts": [dataclasses.asdict(p) for p in parts]}
+    ctx.path(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    files = [md, ctx.path(".json"), *ctx.artifacts, bundle_logs(ctx)]
+    out = os.environ.get("OUT")
+    if out:  # the device tool brings back at most 8 files
+        for f in files[:8]:
+            shutil.copy(f, pathlib.Path(out) / f.name)
+    return md
+
+
+# -------------------------------------------------------------------- main
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results" / "device"))
+    p.add_argument("--budget_s", type=float, default=420.0, help="whole run's deadline (s)")
+    p.add_argument("--shape", choices=("auto", "8b", "tiny"), default="auto",
+                   help="auto: 8b on a GPU, tiny on a CPU")
+    p.add_argument("--best_variant", choices=tuple(VARIANTS), default="unroll",
+                   help="variant of parts 4-5 when part 3 does not run")
+    p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.parts = [x for x in args.parts.split(",") if x]
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; of {', '.join(PARTS)}")
+    if args.budget_s <= 0:
+        p.error(f"--budget_s must be > 0, got {args.budget_s:g}")
+    return args
+
+
+def make_probe(args: argparse.Namespace, t_start: float) -> Probe:
+    child_env = dict(os.environ)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers get the GPU's memory
+    import jax
+    on_gpu = jax.default_backend() == "gpu"
+    kind = jax.devices()[0].device_kind if jax.default_backend() != "cpu" else "cpu"
+    plan = gpu_plan() if on_gpu else cpu_plan()
+    if args.shape != "auto":
+        plan.shape_name, plan.shape = args.shape, dc.LLAMA3_8B if args.shape == "8b" else dc.LLAMA_TINY
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu_probe_{dc.slug(kind)}_{datetime.datetime.now().strftime('%Y%m%d-%H%M')}"
+    work = out_dir / f"{stem}_work"
+    work.mkdir(exist_ok=True)
+    return Probe(out_dir, stem, t_start + args.budget_s, on_gpu, kind, child_env, plan=plan, work=work,
+                 best_variant=args.best_variant)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker_main(args.worker, args.spec, args.result)
+    t_start = time.perf_counter()
+    ctx = make_probe(args, t_start)
+    print(f"gpu probe on {ctx.device_kind} ({ctx.plan.shape_name} shape): report {ctx.path('.md')}", flush=True)
+    parts = [run_part(name, PART_FNS[name], ctx) if name in args.parts
+             else dc.Part(name, "skipped", "not in --parts") for name in PARTS]
+    import harness
+    import jax
+    header = {"device": ctx.device_kind, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+              "command": " ".join(sys.argv), "shape": ctx.plan.shape_name,
+              "total seconds": round(time.perf_counter() - t_start, 1),
+              "failed parts": ", ".join(p.name for p in parts if p.status == "failed") or "none",
+              "machine": harness.machine(), "backend": jax.default_backend(), **dc.versions()}
+    if not ctx.on_gpu:
+        header["note"] = CPU_NOTE
+    md = write_outputs(ctx, parts, header)
+    shutil.rmtree(ctx.work, ignore_errors=True)  # its files are in the logs tarball
+    print(f"report: {md}", flush=True)
+    return 1 if any(p.status == "failed" for p in parts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
