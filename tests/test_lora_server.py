@@ -326,3 +326,16 @@ def test_batch_lines_name_their_adapter(engine_config, served, tmp_path, keep_si
     assert records[1]["finish_reason"] == "error" and records[1]["token_ids"] == []
     assert records[1]["error"].startswith("line 2: model 'nope' does not exist"), records[1]["error"]
     assert records[2]["text"] == records[3]["text"] == expected["chat", None]
+
+
+def test_docs_lora_example(served, capsys):
+    """docs/lora.md's openai example against this server ("sql" is its adapter a1 here, and
+    the base is "tiny"): the adapter's and the base's answers, and the model list."""
+    from doc_examples import marked_blocks
+    url, _ = served
+    [code] = marked_blocks("docs/lora.md", "test_docs_lora_example")
+    code = code.replace("http://localhost:8000/v1", url + "/v1").replace('"sql"', '"a1"').replace(
+        '"smollm2-135m"', '"tiny"')
+    exec(compile(code, "docs/lora.md", "exec"), {})
+    assert capsys.readouterr().out == "['tiny', 'a1']\n"
+

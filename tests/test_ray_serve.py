@@ -132,3 +132,68 @@ def test_two_replicas_greedy_and_metrics(proxy, expected):
         assert "vllm:num_requests_waiting" in r.read().decode()
     with urllib.request.urlopen(proxy + "/health", timeout=SECONDS) as r:
         assert r.status == 200
+
+
+# ------------------------------------------------- the docs' Ray Serve examples (docs/parallelism.md)
+class RayCalls:
+    """ray.init / serve.start / serve.run / serve.shutdown as the examples call them, recorded
+    instead of run: a cluster and GPUs that this machine does not have (the calls themselves
+    run for real in test_two_replicas_greedy_and_metrics above)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: dict[str, tuple] = {}
+        for owner, name in ((ray, "init"), (serve, "start"), (serve, "run"), (serve, "shutdown")):
+            monkeypatch.setattr(owner, name, self.recorder(name))
+
+    def recorder(self, name):
+        return lambda *args, **kwargs: self.calls.setdefault(name, (args, kwargs))
+
+
+def test_docs_ray_serve_example(monkeypatch, tiny_llama_tok_dir):
+    """The Python example builds the application it describes: 4 replicas of 2 GPUs each,
+    the config's fields (its model path swapped for a checkpoint this machine has)."""
+    from doc_examples import marked_blocks
+    [code] = marked_blocks("docs/parallelism.md", "test_docs_ray_serve_example")
+    assert '"/models/llama-3-8b"' in code
+    calls = RayCalls(monkeypatch)
+    exec(compile(code.replace('"/models/llama-3-8b"', repr(tiny_llama_tok_dir)), "docs/parallelism.md", "exec"), {})
+    assert calls.calls["init"] == ((), {})
+    assert calls.calls["start"] == ((), {"http_options": {"host": "0.0.0.0", "port": 8000}})
+    (app,), kwargs = calls.calls["run"]
+    assert kwargs == {"route_prefix": "/"}
+    bound = app._bound_deployment
+    assert (bound.num_replicas, bound.ray_actor_options["num_gpus"]) == (4, 2)
+    assert bound.init_args[0]["tensor_parallel_size"] == 2 and bound.init_args[0]["model"] == tiny_llama_tok_dir
+
+
+def test_docs_ray_serve_command(monkeypatch):
+    """The documented `python -m jpaged.entrypoints.ray_serve ...` line, through the command's
+    main(): the application it hands to Ray, served until interrupted, then shut down."""
+    import shlex
+    import signal as signal_module
+
+    from doc_examples import ROOT, marked_blocks
+    from jpaged.entrypoints import ray_serve
+    [code] = marked_blocks("docs/parallelism.md", "test_docs_ray_serve_command", language="bash")
+    line = code.replace("\\\n", " ").replace("[", "").replace("]", "")
+    argv = shlex.split(line)
+    assert argv[:3] == ["python", "-m", "jpaged.entrypoints.ray_serve"]
+    calls = RayCalls(monkeypatch)
+    sleep = ray_serve.time.sleep
+
+    def interrupted_wait(seconds):  # main() serves until interrupted: interrupt its first wait
+        if seconds == 3600:
+            raise KeyboardInterrupt
+        sleep(seconds)
+    monkeypatch.setattr(ray_serve.time, "sleep", interrupted_wait)
+    monkeypatch.chdir(ROOT)  # the command's --config path is the repository's
+    monkeypatch.setattr(ray_serve.signal, "signal", lambda *a: None)  # the test process keeps its handlers
+    assert ray_serve.main(argv[3:]) == 0
+    assert calls.calls["init"] == ((), {"address": "auto"})
+    assert calls.calls["start"] == ((), {"http_options": {"host": "0.0.0.0", "port": 8000}})
+    (app,), kwargs = calls.calls["run"]
+    assert kwargs == {"name": "jpaged", "route_prefix": "/"} and "shutdown" in calls.calls
+    bound = app._bound_deployment
+    assert (bound.num_replicas, bound.ray_actor_options) == (2, {"num_cpus": 1, "num_gpus": 1})
+    assert bound.init_args[0]["max_num_seqs"] == 16
+    assert signal_module.getsignal(signal_module.SIGTERM) is not signal_module.default_int_handler

@@ -1,26 +1,24 @@
-"""The README's jpaged.decode example runs, and its tokens are right."""
-
-import pathlib
-import re
+"""The Python examples of the README and the docs/ pages that run in-process: each
+runs, and its answer is right (the blocks are marked with the test that runs
+them; see tests/doc_examples.py and tests/test_docs.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from doc_examples import marked_blocks
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+
+def run(code: str, page: str) -> dict:
+    scope: dict = {"__name__": "doc_example"}
+    exec(compile(code, f"{page} (example)", "exec"), scope)
+    return scope
 
 
-def readme_decode_example() -> str:
-    section = README.read_text().split("## Using jpaged.decode", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def test_readme_decode_example_matches_full_recompute():
-    scope: dict = {}
-    exec(compile(readme_decode_example(), "README.md", "exec"), scope)
-    graphdef, params, cfg, generated = (scope[k] for k in ("graphdef", "params", "cfg", "generated"))
+def test_docs_decode_example_matches_full_recompute():
+    [code] = marked_blocks("docs/rl.md", "test_docs_decode_example_matches_full_recompute")
+    graphdef, params, cfg, generated = (run(code, "docs/rl.md")[k] for k in ("graphdef", "params", "cfg", "generated"))
     # Oracle: no cache reuse; every step recomputes the whole sequence in a fresh pool.
     recompute = jax.jit(lambda pool, tokens, n: forward_step(
         graphdef, params, pool, tokens,
@@ -35,22 +33,30 @@ def test_readme_decode_example_matches_full_recompute():
     assert generated == expected
 
 
-def readme_blocks(heading: str) -> list[str]:
-    """The ```python blocks of the README section under `heading`."""
-    section = README.read_text().split(heading + "\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
-
-
-def test_readme_structured_outputs_python_example(smollm_llm, monkeypatch, capsys):
+def test_docs_structured_outputs_python_example(smollm_llm, monkeypatch, capsys):
     import json
 
     import jsonschema
 
     import jpaged
     monkeypatch.setattr(jpaged, "LLM", lambda **overrides: smollm_llm, raising=False)  # the session's engine
-    scope: dict = {}
-    exec(compile(readme_blocks("## Structured outputs and tool calls")[0], "README.md", "exec"), scope)
+    [code] = marked_blocks("docs/structured-outputs.md", "test_docs_structured_outputs_python_example")
+    scope = run(code, "docs/structured-outputs.md")
     city, outs = scope["city"], scope["outs"]
     assert outs[0].finish_reason == "stop" and outs[1].text in ("yes", "no")
     jsonschema.validate(json.loads(outs[0].text), city)
     assert outs[1].text in capsys.readouterr().out
+
+
+def test_docs_python_api_example(smollm_llm, monkeypatch, capsys):
+    """The quick start's Python example (the README and docs/python-api.md hold the same
+    block): two prompts, seeded sampling; it prints the first answer and its finish."""
+    import jpaged
+    monkeypatch.setattr(jpaged, "LLM", lambda **overrides: smollm_llm, raising=False)  # the session's engine
+    [readme] = marked_blocks("README.md", "test_docs_python_api_example")
+    [page] = marked_blocks("docs/python-api.md", "test_docs_python_api_example")
+    assert readme == page
+    outs = run(page, "docs/python-api.md")["outs"]
+    assert [o.index for o in outs] == [0, 1]
+    assert all(o.finish_reason in ("stop", "length") and 0 < len(o.token_ids) <= 32 and o.text for o in outs)
+    assert capsys.readouterr().out.startswith(f"{outs[0].text} {outs[0].finish_reason} ")

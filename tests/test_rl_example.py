@@ -36,3 +36,35 @@ def test_rl_example_tiny_smoke(tmp_path):
         assert 0.0 <= float(r["reward"]) <= 1.0
         assert math.isfinite(float(r["kl"])) and float(r["kl"]) >= -1e-6
         assert float(r["lp_err"]) < 1e-4
+
+
+def test_docs_rl_round():
+    """docs/rl.md's round, with the script's own advantages, pack and Trainer on its tiny
+    model: n samples per prompt, an update that moved the weights, and the engine serving
+    the new ones."""
+    import importlib.util
+
+    import jax
+    import numpy as np
+
+    from doc_examples import marked_blocks
+    from jpaged.core.sequence import SamplingParams
+    spec = importlib.util.spec_from_file_location("rl_example_for_docs", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # defines the script's absl flags; main() is not run
+    [code] = marked_blocks("docs/rl.md", "test_docs_rl_round")
+    llm = script.make_engine(tiny=True, model="", num_seqs=8)
+    prompts = [p for p, _ in script.tiny_prompts(np.random.default_rng(0), 2)]
+    scope = dict(llm=llm, prompts=prompts, seeds=[0, 4], np=np, SamplingParams=SamplingParams,
+                 reward=lambda ids: script.tiny_reward(llm, ids, None), advantages=script.advantages,
+                 pack=script.pack, ref_params=llm.params,
+                 trainer=script.Trainer(llm.graphdef, llm.params, lr=3e-3, kl_coef=0.04, micro_batch=0))
+    exec(compile(code, "docs/rl.md", "exec"), scope)
+    outs, new_params, kl, policy_lp = (scope[k] for k in ("outs", "new_params", "kl", "policy_lp"))
+    assert [len(o.samples) for o in outs] == [4, 4] and scope["adv"].shape == (8,)
+    assert llm.params is new_params and math.isfinite(kl) and kl >= -1e-6
+    assert jax.tree.structure(new_params) == jax.tree.structure(scope["ref_params"])
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_params),
+                                                        jax.tree.leaves(scope["ref_params"])))
+    ids, lengths, mask = scope["ids"], scope["lengths"], scope["mask"]
+    assert policy_lp.shape == mask.shape == (8, ids.shape[1] - 1)

@@ -54,6 +54,12 @@ STARTS = {f"{command}, {name}": Start(command, flags, lora=ADAPTER if name == "l
                                       int8=name == "int8 kv")
           for command in ("serve", "batch") for name, flags in CONFIGS.items()}
 STARTS["serve, rl routes"] = Start("serve", ("--enable_rl_routes",), rl_routes=True)
+# docs/batch.md's example (static batching) and docs/speculative-decoding.md's draft model (the
+# tiny Llama drafts for itself): the same greedy tokens as the library's default engine.
+STARTS["batch, static scheduler"] = Start("batch", ("--config.scheduler=static", "--config.block_size=32",
+                                                    "--config.max_num_seqs=4"))
+STARTS["batch, draft model"] = Start("batch", ("--config.speculative_method=draft",
+                                               "--config.speculative_model={model}"))
 
 
 def jpaged_command(command: str) -> list[str]:
@@ -159,7 +165,7 @@ def batch(start: Start, flags: list[str], tmp: pathlib.Path) -> tuple[str, list[
 def test_start_and_answer(name, setup, tmp_path):
     model, adapter, answers = setup
     start = STARTS[name]
-    flags = engine_flags(model) + [f.format(lora_modules=f"{ADAPTER}={adapter}") for f in start.flags]
+    flags = engine_flags(model) + [f.format(lora_modules=f"{ADAPTER}={adapter}", model=model) for f in start.flags]
     want = answers[start.command, start.lora, start.int8]
     if start.command == "serve":
         assert serve(start, flags, tmp_path) == ("length", want.text, MAX_TOKENS)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
 import re
 import sys
 
@@ -20,9 +19,9 @@ pydantic = pytest.importorskip("pydantic")
 
 import test_server  # noqa: E402
 from test_server import Server, http  # noqa: E402
+from doc_examples import marked_blocks  # noqa: E402
 
 pytestmark = pytest.mark.slow
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 16},
@@ -250,18 +249,31 @@ def test_bad_constraints_are_400s_naming_the_field(server, client, extra, param)
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_readme_http_examples(server, capsys, monkeypatch):
-    """The README's openai examples (parse, a required tool call) against this server."""
-    section = README.read_text().split("## Structured outputs and tool calls\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)[1:]
+def run_doc_example(code: str, page: str, server) -> None:
+    """A docs/ page's openai example, against this server."""
+    assert "http://localhost:8000/v1" in code
+    scope: dict = {"__name__": "doc_example"}
+    sys.modules.setdefault("doc_example", type(sys)("doc_example"))  # pydantic models need their module
+    exec(compile(code.replace("http://localhost:8000/v1", server.url + "/v1"), page, "exec"), scope)
+
+
+def test_docs_http_examples(server, capsys):
+    """docs/structured-outputs.md's openai examples (parse, a required tool call)."""
+    blocks = marked_blocks("docs/structured-outputs.md", "test_docs_http_examples")
     assert len(blocks) == 2
     for block in blocks:
-        code = block.replace("http://localhost:8000/v1", server.url + "/v1")
-        scope: dict = {"__name__": "readme_example"}
-        sys.modules.setdefault("readme_example", type(sys)("readme_example"))
-        exec(compile(code, "README.md", "exec"), scope)
+        run_doc_example(block, "docs/structured-outputs.md", server)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("name=") and out[1].startswith("get_weather {")
+
+
+def test_docs_serving_stream_example(server, client, capsys):
+    """docs/serving.md's streamed chat: what it prints is the whole answer's text."""
+    [code] = marked_blocks("docs/serving.md", "test_docs_serving_stream_example")
+    run_doc_example(code, "docs/serving.md", server)
+    whole = client.chat.completions.create(model="smollm2-135m", max_tokens=32,
+                                           messages=[{"role": "user", "content": "Hi!"}])
+    assert capsys.readouterr().out == whole.choices[0].message.content and whole.choices[0].message.content
 
 
 # ------------------------------------------------- tool calls from outside clients (issue 37)
