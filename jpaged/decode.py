@@ -11,7 +11,7 @@ the new tokens of S sequences packed back to back into tokens[T].
     logits, pool = forward_step(graphdef, params, pool, prompt, meta)
     token = sample(logits, None)            # greedy; or SamplingArrays per sequence
 
-See README "Using jpaged.decode" for a whole loop.  `generate` (a whole
+See docs/rl.md, "Using jpaged.decode", for a whole loop.  `generate` (a whole
 generation loop) and `score` (log-probabilities of given tokens, with dense
 attention and no pool) need no pool from the caller.  `run_step` is the
 engine's own step: the same forward + sample over one `StepInputs` pytree

@@ -23,7 +23,7 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The limits (see the module docstring; the README's structured-outputs section lists them)."""
+    """The limits (see the module docstring; docs/structured-outputs.md lists them)."""
 
     schema_bytes: int = 256 << 10      # a JSON schema's text (UTF-8)
     schema_depth: int = 128            # nesting of objects and arrays, counting through each $ref followed
