@@ -236,3 +236,10 @@ def test_the_readme_stays_short():
     """The README is the quick start and a map (issue 39: at most 250 lines); the manual is docs/."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the new text to a docs/ page"
+
+
+def test_the_docs_index_lists_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    pages_ = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert pages_ <= listed, f"docs/README.md does not list {sorted(pages_ - listed)}"
