@@ -18,7 +18,8 @@ from helpers import random_prompts, with_tokenizer
 from jpaged.core.config import apply_overrides, default_config
 from jpaged.decode import generate
 from jpaged.engine.setup import load_model
-from jpaged.runtime.draft_model import DraftModelProposer, load_draft_proposer
+from jpaged.engine.speculation import load_draft_proposer
+from jpaged.runtime.draft_model import DraftModelProposer
 from jpaged.tokenizer.tokenizer import Tokenizer
 
 K = 4             # num_speculative_tokens of every proposer here

@@ -33,20 +33,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from jpaged.core.block_manager import BlockAllocator, BlockTable
-from jpaged.core.config import apply_overrides
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
-from jpaged.decode import forward_step, ragged_metadata
+from jpaged.runtime.step import forward_step, ragged_metadata
 from jpaged.runtime.kv_pool import create_kv_pool
 from jpaged.runtime.sampling import greedy
 from pallas_kernels.reference import token_layout
 
-__all__ = ["DraftModelProposer", "draft_step", "load_draft_proposer"]
+__all__ = ["DraftModelProposer", "draft_step"]
 
 
 def draft_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, tokens: jax.Array,
@@ -283,47 +281,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two equally long lists."""
     differ = np.flatnonzero(np.asarray(a, np.int64) != np.asarray(b, np.int64))
     return int(differ[0]) if differ.size else len(a)
-
-
-def load_draft_proposer(cfg: ml_collections.ConfigDict, target_config: ModelConfig, target_tokenizer: Any, *,
-                        num_blocks: int) -> DraftModelProposer:
-    """The proposer for cfg.speculative_model (a .gguf file or a HF checkpoint
-    directory, load format "auto") drafting cfg.num_speculative_tokens tokens,
-    with a pool of `num_blocks` blocks and the engine's block size, lengths,
-    dtype, KV dtype and attention.  ValueError naming the draft model when it
-    cannot draft for the target: another vocab_size (checked from its metadata,
-    before any weight loads) or, when both have tokenizers, another token-to-id
-    vocabulary.  The draft runs on the default device, unsharded."""
-    from jpaged.engine.setup import (load_model, resolve_attention_impl, resolve_kv_cache_dtype,
-                                     resolve_layer_loop)
-    from jpaged.loading.weights import read_model_config
-
-    draft = cfg.speculative_model
-    vocab = read_model_config(draft, "auto").vocab_size
-    if vocab != target_config.vocab_size:
-        raise ValueError(f"speculative_model {draft!r} has vocab_size {vocab}, the target model "
-                         f"{target_config.vocab_size}: a draft model must share the target's vocabulary")
-    # The draft's own load: its path and format; its pool size (checked against memory), never swapped.
-    draft_cfg = apply_overrides(cfg, model=draft, load_format="auto", num_blocks=num_blocks,
-                                preemption_mode="recompute")
-    model = load_model(draft_cfg, None, resolve_layer_loop(cfg.layer_loop))
-    _check_tokenizers(draft, model.tokenizer, target_tokenizer)
-    return DraftModelProposer(
-        model.graphdef, model.params, model.model_config, num_blocks=num_blocks, block_size=cfg.block_size,
-        kv_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, jnp.dtype(cfg.dtype)),
-        attention_impl=resolve_attention_impl(cfg.attention_impl)[0], max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
-        max_num_batched_tokens=cfg.max_num_batched_tokens)
-
-
-def _check_tokenizers(draft: str, draft_tokenizer: Any, target_tokenizer: Any) -> None:
-    """ValueError when both tokenizers are known and map some token to other ids."""
-    backends = [getattr(t, "backend", None) for t in (draft_tokenizer, target_tokenizer)]
-    if None in backends:
-        return  # a model without a tokenizer: vocab_size is all there is to compare
-    ours, theirs = (b.get_vocab() for b in backends)
-    if ours != theirs:
-        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=str)
-        raise ValueError(f"speculative_model {draft!r} has another tokenizer than the target model "
-                         f"({len(ours)} vs {len(theirs)} tokens, {len(differ)} (token, id) pairs differ, "
-                         f"e.g. {differ[0]!r}): a draft model must share the target's vocabulary")

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.decode import run_step
+from jpaged.runtime.step import run_step
 from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key, shape_specs
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks

@@ -2,7 +2,7 @@
 
 One step's inputs are one pytree, `StepInputs`, built by one host function,
 `build_step_inputs(scheduled, ...)`, from the scheduler's sequences (numpy
-only: no jax work happens here).  The jitted step (`jpaged.decode.run_step`)
+only: no jax work happens here).  The jitted step (`jpaged.runtime.step.run_step`)
 takes `(params, kv_pool, inputs)` and returns `(StepResult, kv_pool)`; every
 per-request control flows in through `inputs` and every per-request result out
 through the `StepResult`.  Nothing else between the scheduler and the device
@@ -39,7 +39,7 @@ Adding a feature adds a field (the logit mask went in this way):
   1. here: a field on StepInputs whose shape is a function of the bucket, filled
      in `build_step_inputs` and left None when no scheduled row needs it (so the
      other steps keep their programs);
-  2. in `jpaged.decode.run_step`: `if inputs.<field> is not None:` consume it;
+  2. in `jpaged.runtime.step.run_step`: `if inputs.<field> is not None:` consume it;
   3. nothing else: the runner's jit, program keys, shardings, the broadcast and
      `follow` take the new field as they take the others.
 LoRA adapter slots ([S] int32, None when no row uses an adapter) went in the
