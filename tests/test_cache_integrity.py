@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from jpaged.loading import weight_cache
 
 from jpaged.loading import weights
-from jpaged.loading.gguf import read_gguf
+from jpaged.formats.gguf import read_gguf
 from jpaged.loading.weight_cache import CacheEntryDamaged, read_cache, remove_stale_tmp_dirs
 from jpaged.loading.weights import load_gguf, load_hf_dir, load_weights
 

@@ -221,7 +221,7 @@ def test_gemma_metadata(gemma):
 def test_no_ids_past_the_file_vocabulary(gemma):
     """transformers' GemmaTokenizer adds a "<mask>" special token when the vocabulary has
     none; its id would be past the embedding, so it is dropped."""
-    from jpaged.loading.gguf import read_gguf
+    from jpaged.formats.gguf import read_gguf
 
     _, hf, path = gemma
     meta = read_gguf(path)[0]
@@ -253,7 +253,7 @@ def test_gemma_chat(gemma):
 
 # ---------------------------------------------------------------- loading and imports
 def test_weight_loader_builds_the_tokenizer(gemma):
-    from jpaged.loading.gguf import read_gguf
+    from jpaged.formats.gguf import read_gguf
     from jpaged.loading.weights import _gguf_tokenizer
 
     tok, _, path = gemma

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jpaged.loading.gguf import read_gguf
+from jpaged.formats.gguf import read_gguf
 from jpaged.tokenizer.tokenizer import Tokenizer, printable
 from jpaged.loading.weights import embedded_gguf_path
 

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jpaged.loading.gguf import gguf_metadata, read_gguf
+from jpaged.formats.gguf import gguf_metadata, read_gguf
 from jpaged.models import config_from_hf, weight_shapes
 from jpaged.models.llama import HF_LAYER_NAMES, Llama
 from jpaged.tokenizer.tokenizer import Tokenizer

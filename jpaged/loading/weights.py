@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jpaged import models
-from jpaged.loading.gguf import dequantize, read_gguf, tensor_target
+from jpaged.formats.gguf import dequantize, read_gguf, tensor_target
 from jpaged.core.config import EMBEDDED_FILE, EMBEDDED_PACKAGE, LOAD_FORMATS, auto_load_format, model_path
 from jpaged.core.model_config import ModelConfig
 from jpaged.tokenizer.tokenizer import Tokenizer

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.loading.gguf import gguf_base_config
+from jpaged.formats.gguf import gguf_base_config
 from jpaged.core.model_config import FULL, SLIDING, ModelConfig, hf_rope
 from jpaged.models import llama
 from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention

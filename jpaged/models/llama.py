@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpaged.loading.gguf import gguf_base_config, unpermute_qk
+from jpaged.formats.gguf import gguf_base_config, unpermute_qk
 from jpaged.core.model_config import ModelConfig, hf_rope
 from jpaged.models.base import Decoder, StepMetadata, apply_rope, paged_attention
 from pallas_kernels import Backend

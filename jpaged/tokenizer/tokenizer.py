@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from jpaged.loading.gguf import gguf_metadata, read_gguf
+from jpaged.formats.gguf import gguf_metadata, read_gguf
 
 # GGUF token types (llama.cpp `llama_token_type`).
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
@@ -272,7 +272,7 @@ class Tokenizer:
         """Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
 
         `source` is a `gguf.GGUFReader`, a path to a .gguf file, or a metadata dict
-        (key -> python value, as returned by `jpaged.loading.gguf.gguf_metadata`).
+        (key -> python value, as returned by `jpaged.formats.gguf.gguf_metadata`).
         """
         meta = _as_metadata(source)
         kind = meta.get("tokenizer.ggml.model")
