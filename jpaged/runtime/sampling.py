@@ -10,6 +10,13 @@ compiles the top-k / top-p variant.  A token of probability 0 (filtered out by
 top-k / top-p) is never drawn, whatever the rounding of the cumulative sums.
 u is an fp32 uniform (2^-23 steps), so each token's probability is honoured to
 about 1e-7 absolute.  Rows with temperature 0 are greedy.
+
+Nothing sorts the vocabulary.  What a step pays: an all-greedy step (no
+SamplingArrays) one argmax per row; a sampled step one argmax (a greedy row's
+token, and every row's maximum for the softmax), one exp pass and the two-level
+inverse CDF; only when a sampled row filters, the top-k / top-p threshold
+search (up to 2 x 32 passes over the vocabulary), skipped at run time when the
+rows that carry top_k / top_p arrays filter nothing.
 """
 
 from __future__ import annotations
@@ -70,6 +77,15 @@ def _largest_key_where(pred, batch: int) -> jax.Array:
 
 @jax.jit  # one compilation per shape, also when called eagerly (its loops and conds close over arrays)
 def _filter_rows(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """scaled[B, vocab] with the tokens outside top-k / top-p set to -inf, row by
+    row (see _threshold_filter); when no row filters (top_k <= 0 or >= vocab,
+    top_p >= 1 everywhere) it comes back as it is, without the threshold work."""
+    vocab = scaled.shape[-1]
+    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    return jax.lax.cond(jnp.any(filters), _threshold_filter, lambda x, k, p: x, scaled, top_k, top_p)
+
+
+def _threshold_filter(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """scaled[B, vocab] with the tokens outside top-k / top-p set to -inf, row by row.
 
     No sort: each row keeps the tokens at or above a threshold value, found by
@@ -116,27 +132,32 @@ def processed_logits(logits: jax.Array, params: SamplingArrays | None) -> jax.Ar
     if params is None:
         return logits
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
-    if params.top_k is not None:
-        scaled = _filter_rows(scaled, params.top_k, params.top_p)
+    if params.top_k is not None:  # a greedy row's filters count for nothing: it keeps its logits
+        sampled = params.temperature > 0
+        scaled = _filter_rows(scaled, jnp.where(sampled, params.top_k, 0), jnp.where(sampled, params.top_p, 1))
     return jnp.where(params.temperature[:, None] > 0, scaled, logits)
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """Next token per row of logits[B, vocab]; rows with temperature 0 are greedy."""
-    return sample_processed(logits, processed_logits(logits, params), params)
+    return sample_processed(processed_logits(logits, params), params)
 
 
-def sample_processed(logits: jax.Array, processed: jax.Array, params: SamplingArrays) -> jax.Array:
+def sample_processed(processed: jax.Array, params: SamplingArrays) -> jax.Array:
     """`sample`, given processed_logits(logits, params) already computed.
 
-    Inverse CDF with one uniform per row (see the module docstring), in two
+    A greedy row's processed logits are its logits: one argmax gives its token,
+    and every row's maximum (the softmax's shift) with it.  A sampled row: the
+    inverse CDF with one uniform per row (see the module docstring), in two
     levels so that no cumulative sum runs over the whole vocabulary: the
     vocabulary is cut into blocks of about sqrt(vocab) tokens, the block is
     chosen from the cumulative block masses, then the token within it.
     """
     B, V = processed.shape
     size = _block_size(V)
-    weights = jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True))  # fp32, 0 where -inf
+    best = greedy(processed)
+    top = jnp.take_along_axis(processed, best[:, None], axis=-1)  # the row's maximum (NaN if it holds one)
+    weights = jnp.exp(processed - top)  # fp32, 0 where -inf
     weights = jnp.pad(weights, ((0, 0), (0, -V % size))).reshape(B, -1, size)
     u = jax.vmap(_uniform)(params.seed, params.step)
     block_mass = weights.sum(axis=-1)                                 # [B, blocks]
@@ -146,7 +167,7 @@ def sample_processed(logits: jax.Array, processed: jax.Array, params: SamplingAr
     inner = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [B, size]
     target = u * block_cdf[:, -1] - before
     drawn = block * size + _first_reaching(jnp.cumsum(inner, axis=-1), inner > 0, target)
-    return jnp.where(params.temperature > 0, drawn.astype(jnp.int32), greedy(logits))
+    return jnp.where(params.temperature > 0, drawn.astype(jnp.int32), best)
 
 
 def _block_size(vocab: int) -> int:
