@@ -16,9 +16,10 @@ from safetensors.numpy import load_file, save_file
 
 from helpers import import_torch
 from jpaged.core.model_config import ModelConfig
+from jpaged.core.lora_names import adapter_name_error, parse_lora_modules
 from jpaged.loading.peft import (LORA_TARGETS, MAX_CONFIG_BYTES, MAX_HEADER_BYTES, PEFT_MODULES, PeftFiles,
-                                 adapter_name_error, lora_from_arrays, lora_module_shapes, load_peft_adapter,
-                                 parse_adapter_config, parse_lora_modules, read_peft_files)
+                                 lora_from_arrays, lora_module_shapes, load_peft_adapter, parse_adapter_config,
+                                 read_peft_files)
 
 peft = pytest.importorskip("peft")
 ALL = list(PEFT_MODULES)

@@ -24,7 +24,7 @@ from helpers import TINY_ENGINE, serve_in_thread, make_peft_adapter  # noqa: E40
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints import batch  # noqa: E402
 from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
-from jpaged.loading.peft import parse_lora_modules  # noqa: E402
+from jpaged.core.lora_names import parse_lora_modules  # noqa: E402
 
 SECONDS = 60  # any one wait
 NEW_TOKENS = 8

@@ -548,7 +548,7 @@ def _check_speculative(cfg: Mapping[str, Any]) -> None:
 
 
 def _check_lora(cfg: Mapping[str, Any]) -> None:
-    from jpaged.loading.peft import parse_lora_modules
+    from jpaged.core.lora_names import parse_lora_modules
     try:
         modules = parse_lora_modules(cfg["lora_modules"])
     except ValueError as e:
@@ -580,7 +580,7 @@ def _check_batch_invariant(cfg: Mapping[str, Any]) -> None:
 
 def lora_slots(cfg: Mapping[str, Any]) -> int:
     """Adapter slots the engine keeps on the device (0: adapters off)."""
-    from jpaged.loading.peft import parse_lora_modules
+    from jpaged.core.lora_names import parse_lora_modules
     return cfg["max_loras"] or len(parse_lora_modules(cfg["lora_modules"]))
 
 

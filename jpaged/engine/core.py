@@ -42,7 +42,7 @@ from jpaged.engine.setup import (engine_mesh, load_model, params_from_path, prog
 from jpaged.engine.speculation import build_speculator
 from jpaged.engine.step_stats import StepStats
 from jpaged.core.config import ConfigError
-from jpaged.loading.peft import parse_lora_modules
+from jpaged.core.lora_names import parse_lora_modules
 from jpaged.models.merged import merge_params
 from jpaged.runtime.kv_pool import block_shape
 from jpaged.runtime.model_runner import ModelRunner, PendingStep

@@ -17,7 +17,8 @@ import os
 import numpy as np
 
 from jpaged.core.model_config import ModelConfig
-from jpaged.loading.peft import LoraAdapter, check_adapter_name, load_peft_adapter, lora_from_arrays
+from jpaged.core.lora_names import check_adapter_name
+from jpaged.loading.peft import LoraAdapter, load_peft_adapter, lora_from_arrays
 from jpaged.runtime.sharding import replicate_kv_heads
 
 
@@ -66,7 +67,7 @@ class LoraManager:
 
     def load(self, name: str, path: str | os.PathLike) -> LoadedLora:
         """Reads a PEFT directory into a free slot; ValueError (naming the file and the
-        problem) for a bad name (jpaged.loading.peft.ADAPTER_NAME_RULE), a bad adapter,
+        problem) for a bad name (jpaged.core.lora_names.ADAPTER_NAME_RULE), a bad adapter,
         a name already loaded, or no free slot.  `path` may be the directory's
         PeftFiles, read beforehand off the engine thread (the server does): then only
         the fitting to the model and the slot's write happen here."""

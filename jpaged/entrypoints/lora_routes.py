@@ -21,7 +21,8 @@ from jpaged.core.config import lora_slots
 from jpaged.engine.async_engine import EngineClosed
 from jpaged.entrypoints.openai_protocol import RequestError
 from jpaged.entrypoints.server import ServerState, _error_response, _json_body, lora_adapters
-from jpaged.loading.peft import PeftFiles, adapter_name_error, read_peft_files
+from jpaged.core.lora_names import adapter_name_error
+from jpaged.loading.peft import PeftFiles, read_peft_files
 
 log = logging.getLogger(__name__)
 
