@@ -95,7 +95,7 @@ VARIANTS = {"scan": ("scan", []), "unroll": ("unroll", []), "scan_dsf": ("scan",
 # What turns the whole step into command buffers (CUDA graphs), by layer loop.
 COMMAND_BUFFER_FLAGS = {"scan": ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"],
                         "unroll": ["--xla_gpu_graph_min_graph_size=1"]}
-# GEMM-chain variants: weight layout and XLA flags.
+# GEMM-chain variants: weight layout and XLA flags (one process per set of flags).
 GEMM_VARIANTS = {"unrolled": ("unrolled", []), "scan": ("stacked", []), "scan_dsf": ("stacked", [DSF]),
                  "unrolled_no_triton": ("unrolled", ["--xla_gpu_enable_triton_gemm=false"]),
                  "merged": ("merged", [])}
@@ -121,8 +121,9 @@ class Plan:
     sweep_b32: tuple[dict[str, int], ...] = ()
     quant_batches: tuple[int, ...] = (32, 128)
     quant_dtypes: tuple[str, ...] = ("int8", "float8_e4m3fn")
-    kernel_iters: int = 16
-    kernel_reps: int = 5
+    kernel_iters: int = 8          # chained attention calls per program
+    kernel_programs: int = 20      # programs timed back to back
+    kernel_reps: int = 3
     kernel_dims: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"num_kv_heads": 8, "gqa": 4, "head_dim": 128, "block_size": 16})
     caps: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -132,9 +133,10 @@ def gpu_plan() -> Plan:
     sweep_b1 = tuple({"batch": 1, "num_partitions": p, "num_stages": s, "num_warps": w, "block_k": k}
                      for p in (16, 32, 64, 128) for s in (2, 3, 4) for w in (4, 8) for k in (32, 64))
     sweep_b32 = tuple({"batch": 32, "num_partitions": p} for p in (1, 2, 4))
-    # Time caps (s) per subprocess; they sum to ~7 minutes with the starts.
-    caps = {"gemm": 45, "anatomy": 75, "large_pool": 50, "trace": 60, "command_buffers": 55,
-            "attention_sweep": 80, "quantized_pools": 50}
+    # Time caps (s) per subprocess (gemm: per variant), about the plan's (gpu-plan.md 7.2);
+    # the parts run in its rank order and --budget_s cuts the tail, rerun with --parts=.
+    caps = {"gemm": 30, "anatomy": 60, "large_pool": 40, "trace": 60, "command_buffers": 40,
+            "attention_sweep": 60, "quantized_pools": 40}
     return Plan("8b", dc.LLAMA3_8B, sweep_b1=sweep_b1, sweep_b32=sweep_b32, caps=caps)
 
 
@@ -144,7 +146,7 @@ def cpu_plan() -> Plan:
     one = {"batch": 1, "num_partitions": 2, "num_stages": 2, "num_warps": 4, "block_k": 32}
     return Plan("tiny", dc.LLAMA_TINY, gemm_ms=(8,), gemm_calls=2, batches=(1,), trace_batches=(1,),
                 decode_steps=3, prompt_len=4, trace_steps=2, context=64, sweep_b1=(one,), sweep_b32=(),
-                quant_batches=(2,), quant_dtypes=("int8",), kernel_iters=1, kernel_reps=1,
+                quant_batches=(2,), quant_dtypes=("int8",), kernel_iters=1, kernel_programs=1, kernel_reps=1,
                 kernel_dims={"num_kv_heads": 2, "gqa": 4, "head_dim": 64, "block_size": 16}, caps=caps)
 
 
@@ -155,9 +157,11 @@ class Probe(dc.Context):
 
     plan: Plan | None = None
     work: pathlib.Path | None = None      # subprocess specs, results, logs
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     best_variant: str = "unroll"
     best_source: str = "--best_variant"
     anatomy_rows: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    trace_files: dict[str, dict[str, dict[str, str]]] = dataclasses.field(default_factory=dict)
     artifacts: list[pathlib.Path] = dataclasses.field(default_factory=list)
 
 
@@ -183,9 +187,14 @@ def run_part(name: str, fn: Callable[[Probe, dc.Part], None], ctx: Probe) -> dc.
 
 def xla_flags(ctx: Probe, extra: list[str], label: str) -> str:
     """XLA_FLAGS of one subprocess: the caller's, the variant's, and on a GPU the dump
-    of its autotune results (bundled with the logs)."""
+    of its autotune results (bundled with the logs), starting from the last process's
+    dump: the variants share GEMM shapes, and autotuning each again in every process
+    would spend the window compiling."""
     out = [os.environ.get("XLA_FLAGS", "").strip(), *extra]
     if ctx.on_gpu:
+        dumps = sorted(ctx.work.glob("autotune_*.txt"), key=lambda f: f.stat().st_mtime)
+        if dumps:
+            out.append(f"--xla_gpu_load_autotune_results_from={dumps[-1]}")
         out.append(f"--xla_gpu_dump_autotune_results_to={ctx.work / f'autotune_{label}.txt'}")
     return " ".join(f for f in out if f)
 
@@ -195,8 +204,10 @@ def run_worker(ctx: Probe, task: str, label: str, spec: dict[str, Any], flags_: 
     """One subprocess `gpu_probe.py --worker=task`: its result (rows, info, notes),
     partial if it died or hit its cap (then `error` says how)."""
     spec_path, result_path = ctx.work / f"{label}_spec.json", ctx.work / f"{label}_result.json"
-    spec = {**spec, "deadline_s": min(cap, ctx.remaining()) - 3, "plan": dataclasses.asdict(ctx.plan),
+    spec = {**spec, "label": label, "deadline_s": min(cap, ctx.remaining()) - 3,
+            "plan": dataclasses.asdict(ctx.plan),
             "nominal_gbps": ctx.nominal_gbps, "copy_gbps": ctx.copy_gbps, "work": str(ctx.work),
+            "engine_options": ctx.engine_options,
             "on_gpu": ctx.on_gpu}
     spec_path.write_text(json.dumps(spec, indent=1))
     result_path.unlink(missing_ok=True)
@@ -217,13 +228,15 @@ def run_worker(ctx: Probe, task: str, label: str, spec: dict[str, Any], flags_: 
     return result
 
 
-def take(part: dc.Part, result: dict[str, Any], label: str, errors: list[str]) -> list[dict[str, Any]]:
-    """A worker's rows into the part (each labelled), its notes and error kept."""
+def take(part: dc.Part, result: dict[str, Any], label: str, errors: list[str],
+         info_prefix: bool = True) -> list[dict[str, Any]]:
+    """A worker's rows into the part (each labelled, unless the worker did), its info
+    (under `label: `, or as it is) and notes, and its error."""
     rows = [{"variant": label, **r} for r in result.get("rows", [])]
     part.rows += rows
     part.notes += [n for n in result.get("notes", []) if n not in part.notes]
     for k, v in result.get("info", {}).items():
-        part.info[f"{label}: {k}"] = v
+        part.info[f"{label}: {k}" if info_prefix else k] = v
     if str(result.get("error", "")).startswith("skipped: "):
         raise dc.Skip(f"{label}: {result['error'][len('skipped: '):]}")
     if result.get("error"):
@@ -270,9 +283,14 @@ def pct(gbps: float | None, of: float | None) -> float | None:
 # ------------------------------------------------------------ 2. GEMM chain
 def part_gemm_chain(ctx: Probe, part: dc.Part) -> None:
     errors: list[str] = []
+    groups: dict[tuple[str, ...], list[tuple[str, str]]] = {}
     for label, (layout, flags_) in GEMM_VARIANTS.items():
-        result = run_worker(ctx, "gemm", f"gemm_{label}", {"layout": layout}, flags_, ctx.plan.caps["gemm"])
-        for r in take(part, result, label, errors):
+        groups.setdefault(tuple(flags_), []).append((label, layout))
+    for flags_, variants in groups.items():
+        name = "gemm_" + "_".join(label for label, _ in variants)
+        result = run_worker(ctx, "gemm", name, {"variants": variants}, list(flags_),
+                            ctx.plan.caps["gemm"] * len(variants))
+        for r in take(part, result, name, errors, info_prefix=False):
             r["flags"] = " ".join(flags_) or "default"
             r["pct_copy"] = pct(r.get("GB_s"), ctx.copy_gbps)
             r["pct_nominal"] = pct(r.get("GB_s"), ctx.nominal_gbps)
@@ -283,8 +301,8 @@ def part_gemm_chain(ctx: Probe, part: dc.Part) -> None:
             if base and label != "unrolled" and (label, m) in by:
                 part.info[f"M={m}: {label} ms / unrolled ms"] = round(by[(label, m)]["ms"] / base["ms"], 2)
     part.notes.append("One call = the model's weight GEMMs (7 a layer, 4 merged) + the LM head at M tokens, "
-                      "a residual RMS-norm between them; ms = wall of 20 back-to-back calls / 20 (block at "
-                      "the end); GB/s = weight bytes read / ms; temp_bytes = XLA's temp buffer (scan's "
+                      f"a residual RMS-norm between them; ms = wall of {ctx.plan.gemm_calls} back-to-back calls "
+                      "/ their number (one block at the end); GB/s = weight bytes read / ms; temp_bytes = XLA's temp buffer (scan's "
                       "per-layer weight copies show up here).")
     if not ctx.on_gpu:
         part.notes.append(CPU_NOTE)
@@ -380,35 +398,46 @@ def gemm_weights(layout: str, dims: dict[str, int]) -> tuple[Any, Any]:
 
 
 def worker_gemm(spec: dict[str, Any], out: "Results") -> None:
+    """Each (label, layout) of spec["variants"] in turn, its weights freed before the next."""
+    import gc
+
+    import jax
+    plan = spec["plan"]
+    dims = gemm_dims(plan["shape"])
+    for label, layout in spec["variants"]:
+        t0 = time.perf_counter()
+        layers, lm_head = gemm_weights(layout, dims)
+        jax.block_until_ready((layers, lm_head))
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves((layers, lm_head)))
+        out.info.update({f"{label}: weights drawn on the device (s)": round(time.perf_counter() - t0, 2),
+                         f"{label}: weight GB": round(weight_bytes / 1e9, 3),
+                         f"{label}: GEMMs per layer": len(layer_shapes(dims, layout == "merged"))})
+        for m in plan["gemm_ms"]:
+            if out.remaining() < 5:
+                out.rows.append({"variant": label, "M": m, "note": "skipped: time cap"})
+                continue
+            out.add({"variant": label, "M": m, **time_gemm_chain(layout, dims, m, layers, lm_head, weight_bytes,
+                                                                 plan["gemm_calls"])})
+        del layers, lm_head
+        gc.collect()
+
+
+def time_gemm_chain(layout: str, dims: dict[str, int], m: int, layers: Any, lm_head: Any, weight_bytes: int,
+                    calls: int) -> dict[str, Any]:
+    """ms of one call of the chain at M = m: `calls` calls back to back, one block."""
     import jax
     import jax.numpy as jnp
-    plan = spec["plan"]
-    dims, layout = gemm_dims(plan["shape"]), spec["layout"]
+    x = jax.random.normal(jax.random.PRNGKey(m), (m, dims["d"]), jnp.bfloat16)
     t0 = time.perf_counter()
-    layers, lm_head = gemm_weights(layout, dims)
-    jax.block_until_ready((layers, lm_head))
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves((layers, lm_head)))
-    out.info.update({"weights drawn on the device (s)": round(time.perf_counter() - t0, 2),
-                     "weight GB": round(weight_bytes / 1e9, 3), "layout": layout,
-                     "GEMMs per layer": len(layer_shapes(dims, layout == "merged"))})
-    fn = gemm_program(layout, dims)
-    for m in plan["gemm_ms"]:
-        if out.remaining() < 5:
-            out.rows.append({"M": m, "note": "skipped: time cap"})
-            continue
-        x = jax.random.normal(jax.random.PRNGKey(m), (m, dims["d"]), jnp.bfloat16)
-        t0 = time.perf_counter()
-        exe = jax.jit(fn).lower(x, layers, lm_head).compile()
-        compile_s = time.perf_counter() - t0
-        jax.block_until_ready(exe(x, layers, lm_head))
-        n = plan["gemm_calls"]
-        t0 = time.perf_counter()
-        outs = [exe(x, layers, lm_head) for _ in range(n)]
-        jax.block_until_ready(outs)
-        ms = 1000 * (time.perf_counter() - t0) / n
-        row = {"M": m, "ms": round(ms, 3), "GB_s": round(weight_bytes / (ms / 1000) / 1e9, 1),
-               "compile_s": round(compile_s, 2), **memory_bytes(exe)}
-        out.add(row)
+    exe = jax.jit(gemm_program(layout, dims)).lower(x, layers, lm_head).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(exe(x, layers, lm_head))
+    t0 = time.perf_counter()
+    outs = [exe(x, layers, lm_head) for _ in range(calls)]
+    jax.block_until_ready(outs)
+    ms = 1000 * (time.perf_counter() - t0) / calls
+    return {"ms": round(ms, 3), "GB_s": round(weight_bytes / (ms / 1000) / 1e9, 1),
+            "compile_s": round(compile_s, 2), **memory_bytes(exe)}
 
 
 def memory_bytes(exe: Any) -> dict[str, Any]:
@@ -427,8 +456,12 @@ def memory_bytes(exe: Any) -> dict[str, Any]:
 def part_anatomy(ctx: Probe, part: dc.Part) -> None:
     errors: list[str] = []
     for label, (loop, flags_) in VARIANTS.items():
+        # Each variant also traces its batches of part 4 at its end (the programs are
+        # built by then): part 4 keeps the best variant's files, no rebuild.
         result = run_worker(ctx, "engine", f"anatomy_{label}", {"layer_loop": loop, "pool": "small",
-                            "batches": list(ctx.plan.batches)}, flags_, ctx.plan.caps["anatomy"])
+                            "batches": list(ctx.plan.batches), "trace_batches": list(ctx.plan.trace_batches)},
+                            flags_, ctx.plan.caps["anatomy"])
+        ctx.trace_files[label] = result.get("info", {}).pop("trace files", {})
         for r in take(part, result, label, errors):
             if r.get("batch") == 1 and "device_ms" in r:
                 ctx.anatomy_rows[label] = r
@@ -453,7 +486,8 @@ def large_pool_point(ctx: Probe, part: dc.Part, errors: list[str]) -> None:
     a donated pool is updated in place, so the step costs what it costs on a small pool."""
     loop, flags_ = VARIANTS[ctx.best_variant]
     result = run_worker(ctx, "engine", "anatomy_large_pool", {"layer_loop": loop, "pool": "large",
-                        "batches": [1]}, flags_, ctx.plan.caps["large_pool"])
+                        "batches": [1], "ladder_batches": list(ctx.plan.batches)}, flags_,
+                        ctx.plan.caps["large_pool"])
     rows = take(part, result, f"{ctx.best_variant} (large pool)", errors)
     small = ctx.anatomy_rows.get(ctx.best_variant, {})
     if rows and "device_ms" in rows[0] and small.get("device_ms"):
@@ -471,17 +505,23 @@ def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
     batches, prompt = spec["batches"], plan["prompt_len"]
     block_size = 16
     max_len = prompt + plan["decode_steps"] + plan["trace_steps"] + 64
-    largest = max(max(batches), max(plan["trace_batches"]) if spec.get("trace") else 0)
+    largest = max(spec.get("ladder_batches") or batches)  # the step-size ladder of part 3's small pool
+    # Prompts prefill in chunks of at most 512 tokens: batch 128's 2048 prompt tokens
+    # would build a 2048-token program for nothing; a timed step still has every
+    # sequence decoding (the first ones are at most 4 chunks ahead of the last).
     cfg = dict(load_format="dummy", dtype="bfloat16", attention_impl="auto", layer_loop=spec["layer_loop"],
-               max_num_seqs=largest, max_num_batched_tokens=largest * prompt, max_model_len=max_len,
-               block_size=block_size, enable_prefix_caching=False)
+               max_num_seqs=largest, max_num_batched_tokens=max(largest, min(largest * prompt, 512)),
+               max_model_len=max_len, block_size=block_size, enable_prefix_caching=False)
     if spec["pool"] == "large":
-        # Up to 64 sequences of the model's whole context: more blocks than the fraction holds.
-        cfg.update(max_num_seqs=64, max_num_batched_tokens=max(64, cfg["max_num_batched_tokens"]),
+        # Sequences of the model's whole context: more blocks than the fraction holds
+        # (as many sequences as the small pool's engine, so the same step sizes; at
+        # least 64, for a tiny shape's short context).
+        seqs = max(largest, 64)
+        cfg.update(max_num_seqs=seqs, max_num_batched_tokens=max(seqs, cfg["max_num_batched_tokens"]),
                    max_model_len=plan["shape"]["max_position_embeddings"], num_blocks=0)
     else:
         cfg["num_blocks"] = 1 + largest * -(-max_len // block_size) + 8
-    return cfg
+    return {**cfg, **spec.get("engine_options", {})}
 
 
 def decode_program(llm: Any, bucket: Any) -> Any:
@@ -508,6 +548,7 @@ def worker_engine(spec: dict[str, Any], out: "Results") -> None:
     out.info.update({"layer_loop": spec["layer_loop"], "attention": llm.attention_impl,
                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "engine ready (s)": round(ready, 1),
                      "weights GB": round(weights / 1e9, 3), "pool GB": round(pool / 1e9, 3)})
+    programs = {}
     for batch in spec["batches"]:
         if out.remaining() < 10:
             out.rows.append({"batch": batch, "note": "skipped: time cap"})
@@ -515,13 +556,16 @@ def worker_engine(spec: dict[str, Any], out: "Results") -> None:
         compile0, programs0 = llm.compile_seconds, llm.num_compilations
         row = decode_timing.measure_decode(llm, batch, plan["decode_steps"], plan["prompt_len"],
                                            nominal_gbps=spec["nominal_gbps"], copy_gbps=spec["copy_gbps"])
-        exe = decode_program(llm, row.get("bucket"))
-        row.update(memory_bytes(exe) if exe is not None else {"memory_analysis": "program not found"})
+        programs[batch] = decode_program(llm, row.get("bucket"))
+        row.update(memory_bytes(programs[batch]) if programs[batch] is not None
+                   else {"memory_analysis": "program not found"})
         row.update({"compile_s": round(llm.compile_seconds - compile0, 2),
                     "programs_built": llm.num_compilations - programs0, "pool_bytes": pool})
         out.add(row)
-        if spec.get("trace"):
-            trace_batch(llm, batch, plan, exe, out)
+    # Traced after every timed row: the profiler stays out of the timings.
+    for batch in spec.get("trace_batches", []):
+        if batch in programs and out.remaining() > 15:
+            trace_batch(llm, batch, plan, programs[batch], out)
 
 
 # ------------------------------------------------------------ 4. trace
@@ -531,14 +575,14 @@ def trace_batch(llm: Any, batch: int, plan: dict[str, Any], exe: Any, out: "Resu
     import jax
     import numpy as np
     from jpaged import SamplingParams
-    work = pathlib.Path(out.spec["work"])
+    work, label = pathlib.Path(out.spec["work"]), out.spec["label"]
     params = SamplingParams(max_tokens=plan["trace_steps"] + 4, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(batch)
     for ids in rng.integers(3, llm.model_config.vocab_size, (batch, plan["prompt_len"])):
         llm.add_request(ids.tolist(), params)
     llm.step()   # the prefill
     llm.step()   # one decode step outside the trace
-    trace_dir = work / f"trace_b{batch}"
+    trace_dir = work / f"{label}_profile_b{batch}"
     options = {}
     if hasattr(jax.profiler, "ProfileOptions"):  # no Python function tracing: kernels and XLA ops only
         opts = jax.profiler.ProfileOptions()
@@ -552,13 +596,13 @@ def trace_batch(llm: Any, batch: int, plan: dict[str, Any], exe: Any, out: "Resu
     found = sorted(trace_dir.rglob("perfetto_trace.json.gz")) or sorted(trace_dir.rglob("*.trace.json.gz"))
     files = {}
     if found:
-        shutil.copy(found[-1], work / f"trace_b{batch}.json.gz")
-        files["trace"] = f"trace_b{batch}.json.gz"
+        files["trace"] = f"{label}_trace_b{batch}.json.gz"
+        shutil.copy(found[-1], work / files["trace"])
     if exe is not None:
-        with gzip.open(work / f"hlo_b{batch}.txt.gz", "wt") as f:
+        files["hlo"] = f"{label}_hlo_b{batch}.txt.gz"
+        with gzip.open(work / files["hlo"], "wt") as f:
             f.write(exe.as_text())
-        files["hlo"] = f"hlo_b{batch}.txt.gz"
-    out.info[f"batch {batch} trace files"] = files
+    out.info.setdefault("trace files", {})[str(batch)] = files
     out.save()
 
 
@@ -568,17 +612,22 @@ def part_trace(ctx: Probe, part: dc.Part) -> None:
     part.info["variant"] = f"{ctx.best_variant} (from {ctx.best_source})"
     errors: list[str] = []
     batches = list(ctx.plan.trace_batches)
-    result = run_worker(ctx, "engine", "trace", {"layer_loop": loop, "pool": "small", "batches": batches,
-                        "trace": True}, flags_, ctx.plan.caps["trace"])
-    take(part, result, ctx.best_variant, errors)
+    traced = ctx.trace_files.get(ctx.best_variant)
+    if traced:
+        part.info["traced by"] = f"part 3's {ctx.best_variant} process, after its timed rows"
+    else:  # part 3 did not run (or traced nothing) in this call: a process of its own
+        result = run_worker(ctx, "engine", f"trace_{ctx.best_variant}", {"layer_loop": loop, "pool": "small",
+                            "batches": batches, "trace_batches": batches}, flags_, ctx.plan.caps["trace"])
+        traced = result.get("info", {}).pop("trace files", {})
+        take(part, result, ctx.best_variant, errors)
     for batch in batches:
-        files = result.get("info", {}).get(f"batch {batch} trace files", {})
+        files = traced.get(str(batch), {})
         for kind in ("trace", "hlo"):
             src = ctx.work / files[kind] if kind in files else None
             if src is None or not src.exists():
                 errors.append(f"batch {batch}: no {kind} file")
                 continue
-            dst = ctx.path(f"_{src.name}")
+            dst = ctx.path(f"_{kind}_b{batch}" + ("".join(src.suffixes)))
             if src.stat().st_size > 16 * 2**20:
                 part.notes.append(f"{src.name}: {src.stat().st_size / 2**20:.1f} MiB, over the 16 MiB a file "
                                   "may take back; kept in the logs folder only")
@@ -639,10 +688,10 @@ def part_attention_sweep(ctx: Probe, part: dc.Part) -> None:
             best = min(timed, key=lambda r: r["us"])
             part.info[f"best at batch {batch}"] = ", ".join(f"{k}={best[k]}" for k in (
                 "num_partitions", "num_stages", "num_warps", "block_k", "us", "GB_s") if k in best)
-    part.notes.append(f"Context {ctx.plan.context}, bf16 pool and q; us = one program of "
-                      f"{ctx.plan.kernel_iters} chained calls over rotating input sets / calls (median of "
-                      f"{ctx.plan.kernel_reps}; includes 1/{ctx.plan.kernel_iters} of one dispatch); GB/s = "
-                      "K/V bytes of the pool blocks read / time; unset tuning = the kernel's default.")
+    part.notes.append(f"Context {ctx.plan.context}, bf16 pool and q; us = wall of {ctx.plan.kernel_programs} "
+                      f"programs back to back / their {ctx.plan.kernel_iters} chained calls each, over "
+                      f"rotating input sets (median of {ctx.plan.kernel_reps}); GB/s = K/V bytes of the pool "
+                      "blocks read / time; unset tuning = the kernel's default.")
     if not ctx.on_gpu:
         part.notes.append(CPU_NOTE + " One point, in interpret mode.")
     if errors:
@@ -673,7 +722,7 @@ def part_quantized_pools(ctx: Probe, part: dc.Part) -> None:
 
 def finish_kernel_rows(ctx: Probe, part: dc.Part) -> None:
     for r in part.rows:
-        if r.get("GB_s"):
+        if r.get("GB_s") is not None:
             r["pct_copy"] = pct(r["GB_s"], ctx.copy_gbps)
             r["pct_nominal"] = pct(r["GB_s"], ctx.nominal_gbps)
 
@@ -702,14 +751,17 @@ def kernel_pool(key: Any, batch: int, context: int, n_sets: int, dims: dict[str,
     return pool, tables, qs
 
 
-def kernel_seconds(fn: Callable, args: tuple, reps: int) -> float:
+def kernel_seconds(fn: Callable, args: tuple, programs: int, reps: int) -> float:
+    """Seconds per program: `programs` calls of fn back to back, one block at the end
+    (the host queues the next program while the device runs one, so its dispatch is
+    hidden), median of `reps`."""
     import jax
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
+        jax.block_until_ready([fn(*args) for _ in range(programs)])
+        ts.append((time.perf_counter() - t0) / programs)
     return statistics.median(ts)
 
 
@@ -757,7 +809,7 @@ def worker_kernel(spec: dict[str, Any], out: "Results") -> None:
         row = {**point, "context": context}
         try:
             secs = kernel_seconds(chained_calls(tuning, iters, n_sets), (qs, pool, tables, kv_lens, cu),
-                                  plan["kernel_reps"]) / iters
+                                  plan["kernel_programs"], plan["kernel_reps"]) / iters
         except Exception as e:  # noqa: BLE001 - a tuning the kernel rejects is a row, not the end
             row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             out.add(row)
@@ -802,8 +854,6 @@ WORKERS = {"gemm": worker_gemm, "engine": worker_engine, "kernel": worker_kernel
 def run_worker_main(task: str, spec_path: str, result_path: str) -> int:
     spec = json.loads(pathlib.Path(spec_path).read_text())
     out = Results(spec, pathlib.Path(result_path))
-    import jax
-    out.info["device"] = jax.devices()[0].device_kind
     try:
         WORKERS[task](spec, out)
     except dc.Skip as e:
@@ -876,6 +926,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="auto: 8b on a GPU, tiny on a CPU")
     p.add_argument("--best_variant", choices=tuple(VARIANTS), default="unroll",
                    help="variant of parts 4-5 when part 3 does not run")
+    p.add_argument("--engine_options", default="", help="jpaged.LLM fields for every engine of parts 3-5, "
+                   "comma-separated key=value (JSON values: true, 0.5, ...), e.g. flat_weights=false")
     p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -886,7 +938,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--parts: unknown {sorted(unknown)}; of {', '.join(PARTS)}")
     if args.budget_s <= 0:
         p.error(f"--budget_s must be > 0, got {args.budget_s:g}")
+    try:
+        args.engine_options = engine_options(args.engine_options)
+    except ValueError as e:
+        p.error(f"--engine_options: {e}")
     return args
+
+
+def engine_options(text: str) -> dict[str, Any]:
+    """"a=1,b=true,c=scan" -> {"a": 1, "b": True, "c": "scan"} (values JSON, else strings)."""
+    out: dict[str, Any] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{item!r} is not key=value")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def make_probe(args: argparse.Namespace, t_start: float) -> Probe:
@@ -904,7 +974,7 @@ def make_probe(args: argparse.Namespace, t_start: float) -> Probe:
     work = out_dir / f"{stem}_work"
     work.mkdir(exist_ok=True)
     return Probe(out_dir, stem, t_start + args.budget_s, on_gpu, kind, child_env, plan=plan, work=work,
-                 best_variant=args.best_variant)
+                 engine_options=args.engine_options, best_variant=args.best_variant)
 
 
 def main(argv: list[str]) -> int:

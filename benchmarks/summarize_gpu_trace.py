@@ -8,8 +8,8 @@ back (no jax needed):
   GEMMs; attention: jpaged's Pallas kernels; copies / dynamic-slice; fusions;
   other), per step, with the share of the kernel span the device sat idle;
 * an optimized HLO text (`*.txt.gz`, `Compiled.as_text()`): GEMMs (cuBLAS
-  custom-calls, and fusions running a dot: Triton GEMMs on a GPU, dot fusions on
-  XLA:CPU), how many read an operand that a separate
+  custom-calls, fusions running a dot: Triton GEMMs on a GPU, dot fusions on
+  XLA:CPU, and dots of their own), how many read an operand that a separate
   dynamic-slice / slice / copy materialised (scan's per-layer weight copies), how
   many read it in place inside a dynamic-slice ("address computation") fusion, and
   how many sit in while-loop bodies.
@@ -156,6 +156,9 @@ OPCODE = re.compile(r"(?<![\w.\-%])([a-z][a-z0-9\-]*)\(")
 GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(gemm|matmul)[^"]*"', re.IGNORECASE)
 MATERIALIZING = ("dynamic-slice", "slice", "copy")
 PASS_THROUGH = ("bitcast", "get-tuple-element")
+# Ops a fusion may wrap around a slice and still only move it (XLA:CPU converts a
+# bf16 weight slice to fp32 in the fusion that copies it out).
+RESHAPING = ("bitcast", "convert", "reshape", "transpose")
 
 
 def parse_hlo(text: str) -> tuple[dict[str, dict[str, Instr]], dict[str, str]]:
@@ -215,15 +218,18 @@ def open_braces(lines: list[str]) -> bool:
     return text.count("{") > text.count("}")
 
 
-def is_gemm(ins: Instr, comps: dict[str, dict[str, Instr]]) -> bool:
-    """A cuBLAS(Lt) custom-call, or a fusion that runs a dot: a Triton GEMM fusion on a
-    GPU, a dot fusion on XLA:CPU."""
+def gemm_kind(ins: Instr, comp: str, comps: dict[str, dict[str, Instr]], fused: set[str]) -> str | None:
+    """What kind of GEMM `ins` is, or None: a cuBLAS(Lt) custom-call, a fusion that runs
+    a dot (a Triton GEMM fusion on a GPU, a dot fusion on XLA:CPU), or a dot of its
+    own (outside any fusion's body)."""
     if ins.opcode == "custom-call":
-        return bool(GEMM_TARGET.search(ins.line))
+        return "cuBLAS custom-calls" if GEMM_TARGET.search(ins.line) else None
+    if ins.opcode == "dot":
+        return "dot ops" if comp not in fused else None
     if ins.opcode != "fusion":
-        return False
+        return None
     body = comps.get(called(ins, "calls") or "", {})
-    return "triton_gemm" in ins.line or any(i.opcode == "dot" for i in body.values())
+    return "GEMM fusions" if "triton_gemm" in ins.line or any(i.opcode == "dot" for i in body.values()) else None
 
 
 def called(ins: Instr, key: str) -> str | None:
@@ -237,17 +243,19 @@ def summarize_hlo(text: str) -> dict[str, Any]:
     comps, roots = parse_hlo(text)
     if not comps:
         raise ValueError("no HLO computation found in the text")
-    dsf_bodies, while_bodies = set(), set()
+    dsf_bodies, while_bodies, fused = set(), set(), set()
     for instrs in comps.values():
         for ins in instrs.values():
+            if ins.opcode == "fusion":
+                fused.add(called(ins, "calls"))
             if ins.opcode == "fusion" and "kCustom" in ins.line and "address_computation" in ins.line:
                 dsf_bodies.add(called(ins, "calls"))
             if ins.opcode == "while":
                 while_bodies.add(called(ins, "body"))
 
-    def producer(comp: str, name: str) -> Instr | None:
+    def producer(comp: str, name: str, through: tuple[str, ...] = PASS_THROUGH) -> Instr | None:
         ins = comps[comp].get(name)
-        while ins is not None and ins.opcode in PASS_THROUGH and ins.operands:
+        while ins is not None and ins.opcode in through and ins.operands:
             ins = comps[comp].get(ins.operands[0])
         return ins
 
@@ -259,25 +267,27 @@ def summarize_hlo(text: str) -> dict[str, Any]:
             return comp not in dsf_bodies
         if ins.opcode == "fusion" and "kCustom" not in ins.line:
             body = called(ins, "calls")
-            root = producer(body, roots.get(body, "")) if body in comps else None
+            root = producer(body, roots.get(body, ""), RESHAPING) if body in comps else None
             return root is not None and root.opcode in MATERIALIZING
         return False
 
     gemms, fed, copies = Counter(), 0, set()
     for comp, instrs in comps.items():
         for ins in instrs.values():
-            if not is_gemm(ins, comps):
+            kind = gemm_kind(ins, comp, comps, fused)
+            if kind is None:
                 continue
-            gemms["cuBLAS custom-calls" if ins.opcode == "custom-call" else "GEMM fusions"] += 1
+            gemms[kind] += 1
             gemms["in while bodies"] += comp in while_bodies
             gemms["in dynamic-slice fusions"] += comp in dsf_bodies
             sources = [p for p in (producer(comp, o) for o in ins.operands) if materializes(comp, p)]
             fed += bool(sources)
             copies.update((comp, p.name) for p in sources)
     opcodes = Counter(ins.opcode for instrs in comps.values() for ins in instrs.values())
-    return {"computations": len(comps), "GEMMs": gemms["cuBLAS custom-calls"] + gemms["GEMM fusions"],
+    return {"computations": len(comps),
+            "GEMMs": gemms["cuBLAS custom-calls"] + gemms["GEMM fusions"] + gemms["dot ops"],
             "cuBLAS custom-calls": gemms["cuBLAS custom-calls"],
-            "GEMM fusions (Triton / dot)": gemms["GEMM fusions"],
+            "GEMM fusions (Triton / dot)": gemms["GEMM fusions"], "dot ops (unfused)": gemms["dot ops"],
             "GEMMs in while bodies": gemms["in while bodies"],
             "GEMMs in dynamic-slice fusions (in place)": gemms["in dynamic-slice fusions"],
             "GEMMs fed by a dynamic-slice/copy": fed,
