@@ -57,6 +57,7 @@ import dataclasses
 import datetime
 import functools
 import gzip
+import inspect
 import json
 import math
 import os
@@ -114,7 +115,7 @@ class Plan:
     batches: tuple[int, ...] = (1, 32, 128)
     trace_batches: tuple[int, ...] = (1, 128)
     decode_steps: int = 32
-    prompt_len: int = 16
+    prompt_len: int = 4
     trace_steps: int = 5
     context: int = 4096
     sweep_b1: tuple[dict[str, int], ...] = ()
@@ -145,7 +146,7 @@ def cpu_plan() -> Plan:
             "attention_sweep": 90, "quantized_pools": 90}
     one = {"batch": 1, "num_partitions": 2, "num_stages": 2, "num_warps": 4, "block_k": 32}
     return Plan("tiny", dc.LLAMA_TINY, gemm_ms=(8,), gemm_calls=2, batches=(1,), trace_batches=(1,),
-                decode_steps=3, prompt_len=4, trace_steps=2, context=64, sweep_b1=(one,), sweep_b32=(),
+                decode_steps=3, trace_steps=2, context=64, sweep_b1=(one,), sweep_b32=(),
                 quant_batches=(2,), quant_dtypes=("int8",), kernel_iters=1, kernel_programs=1, kernel_reps=1,
                 kernel_dims={"num_kv_heads": 2, "gqa": 4, "head_dim": 64, "block_size": 16}, caps=caps)
 
@@ -493,6 +494,7 @@ def large_pool_point(ctx: Probe, part: dc.Part, errors: list[str]) -> None:
     if rows and "device_ms" in rows[0] and small.get("device_ms"):
         big = rows[0]
         part.info["large pool: device ms / small pool's"] = round(big["device_ms"] / small["device_ms"], 3)
+        part.info["large pool: same step size as the small pool's"] = big.get("bucket") == small.get("bucket")
         if big.get("alias_bytes") is not None and big.get("pool_bytes"):
             part.info["large pool: alias bytes >= pool bytes"] = big["alias_bytes"] >= big["pool_bytes"]
 
@@ -506,11 +508,12 @@ def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
     block_size = 16
     max_len = prompt + plan["decode_steps"] + plan["trace_steps"] + 64
     largest = max(spec.get("ladder_batches") or batches)  # the step-size ladder of part 3's small pool
-    # Prompts prefill in chunks of at most 512 tokens: batch 128's 2048 prompt tokens
-    # would build a 2048-token program for nothing; a timed step still has every
-    # sequence decoding (the first ones are at most 4 chunks ahead of the last).
+    # Every prompt of the largest batch prefills in one step (with smaller chunks the
+    # first sequences of a 3-token warm-up would finish before the last ones started
+    # decoding, and the batch's decode program would first be built while timing):
+    # short prompts keep that step small (batch 128 x 4 tokens: a 512-token program).
     cfg = dict(load_format="dummy", dtype="bfloat16", attention_impl="auto", layer_loop=spec["layer_loop"],
-               max_num_seqs=largest, max_num_batched_tokens=max(largest, min(largest * prompt, 512)),
+               max_num_seqs=largest, max_num_batched_tokens=largest * prompt,
                max_model_len=max_len, block_size=block_size, enable_prefix_caching=False)
     if spec["pool"] == "large":
         # Sequences of the model's whole context: more blocks than the fraction holds
@@ -584,7 +587,8 @@ def trace_batch(llm: Any, batch: int, plan: dict[str, Any], exe: Any, out: "Resu
     llm.step()   # one decode step outside the trace
     trace_dir = work / f"{label}_profile_b{batch}"
     options = {}
-    if hasattr(jax.profiler, "ProfileOptions"):  # no Python function tracing: kernels and XLA ops only
+    if (hasattr(jax.profiler, "ProfileOptions")  # no Python function tracing: kernels and XLA ops only
+            and "profiler_options" in inspect.signature(jax.profiler.trace).parameters):
         opts = jax.profiler.ProfileOptions()
         opts.python_tracer_level = 0
         options["profiler_options"] = opts
@@ -617,7 +621,8 @@ def part_trace(ctx: Probe, part: dc.Part) -> None:
         part.info["traced by"] = f"part 3's {ctx.best_variant} process, after its timed rows"
     else:  # part 3 did not run (or traced nothing) in this call: a process of its own
         result = run_worker(ctx, "engine", f"trace_{ctx.best_variant}", {"layer_loop": loop, "pool": "small",
-                            "batches": batches, "trace_batches": batches}, flags_, ctx.plan.caps["trace"])
+                            "batches": batches, "trace_batches": batches, "ladder_batches": list(ctx.plan.batches)},
+                            flags_, ctx.plan.caps["trace"])
         traced = result.get("info", {}).pop("trace files", {})
         take(part, result, ctx.best_variant, errors)
     for batch in batches:
@@ -659,7 +664,8 @@ def part_command_buffers(ctx: Probe, part: dc.Part) -> None:
     part.info.update({"variant": f"{ctx.best_variant} (from {ctx.best_source})", "flags": " ".join(flags_ + cb)})
     errors: list[str] = []
     result = run_worker(ctx, "engine", "command_buffers", {"layer_loop": loop, "pool": "small",
-                        "batches": [1]}, flags_ + cb, ctx.plan.caps["command_buffers"])
+                        "batches": [1], "ladder_batches": list(ctx.plan.batches)}, flags_ + cb,
+                        ctx.plan.caps["command_buffers"])
     rows = take(part, result, f"{ctx.best_variant} + command buffers", errors)
     base = ctx.anatomy_rows.get(ctx.best_variant)
     if base:
