@@ -21,8 +21,8 @@ arange(batch + 1) * q_len, the contract of `pallas_kernels.paged_attention`.
   fixed cost of a program cancel and what is left is device time; the calls rotate over
   several input sets living in disjoint pool blocks so the K/V bytes do not
   fit in L2 (>= --rotate_mb of K/V across the sets).
-  GB/s = K/V bytes that must be read (B * ctx * KVH * D * 2 * itemsize; rows of
-  D + 1 bytes for a quantized --kv_dtype, int8 or float8_e4m3fn) /
+  GB/s = K/V bytes that must be read (B * ctx * KVH * D * 2 * itemsize; and
+  D bytes of codes per BS rows for a quantized --kv_dtype, int8 or float8_e4m3fn) /
   time; %copy = GB/s / device-to-device copy bandwidth measured in the same
   run (read + write of a --copy_mb buffer).
 
@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from pallas_kernels.reference import (is_quantized, paged_attention_reference,  # noqa: E402
-                                      quantize_rows)
+                                      quantize_pages)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64", "256"], "Batch sizes.")
@@ -145,12 +145,12 @@ def make_sets(rng, *, B, ctx, q_len, n_sets, H, KVH, D, BS, dtype, kv_dtype=None
     """One pool holding n_sets disjoint input sets (full-length sequences, q_len
     new tokens each): pool, block tables [n_sets, B, W], q [n_sets, B*q_len, H, D],
     kv_lens [B], cu_q_lens [B + 1].  The pool is `kv_dtype` (default `dtype`),
-    `quantize_rows` of the random K/V when that is int8 / float8_e4m3fn."""
+    `quantize_pages` of the random K/V when that is int8 / float8_e4m3fn."""
     W = -(-ctx // BS)
     nb = 1 + n_sets * B * W
     kv_dtype = jnp.dtype(kv_dtype or dtype)
     pool = rng.standard_normal((nb, 1, 2, KVH, BS, D), np.float32)
-    pool = (quantize_rows(jnp.asarray(pool), kv_dtype) if is_quantized(kv_dtype)
+    pool = (quantize_pages(jnp.asarray(pool), kv_dtype) if is_quantized(kv_dtype)
             else jnp.asarray(pool, kv_dtype))
     perm = 1 + rng.permutation(nb - 1)
     bts = jnp.asarray(perm.reshape(n_sets, B, W).astype(np.int32))
@@ -198,7 +198,7 @@ def bench_point(rng, B, ctx, impl, variants, bw):
     dtype = jnp.dtype(FLAGS.dtype)
     kv_dtype = jnp.dtype(FLAGS.kv_dtype or FLAGS.dtype)
     quantized = is_quantized(kv_dtype)
-    kv_bytes = B * ctx * KVH * (D + quantized) * 2 * kv_dtype.itemsize
+    kv_bytes = B * ctx * KVH * D * (1 + quantized / BS) * 2 * kv_dtype.itemsize   # + the code rows
     row = dict(batch=B, context=ctx, kv_mb=round(kv_bytes / 2 ** 20, 2))
     if kv_bytes > FLAGS.max_kv_gb * 2 ** 30:
         row["note"] = "skipped: K/V larger than --max_kv_gb"

@@ -3,8 +3,8 @@
 One public entry, `paged_attention_gpu`, with the contract of
 `pallas_kernels.paged_attention`: a flat ragged batch `q[T, H, D]` where
 sequence s owns tokens `cu_q_lens[s]:cu_q_lens[s + 1]`, K/V read straight out
-of the whole pool `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` (D + 1 for
-a quantized pool, below) through the block table (no gather copy, no
+of the whole pool `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` (BS + 1 rows
+a page for a quantized pool, below) through the block table (no gather copy, no
 per-layer slice copy; `layer` may be traced).
 
 Rows.  The new tokens x the G query heads of one KV head are the M rows of
@@ -55,20 +55,20 @@ first tile are zeroed like keys past kv_len, and each row's window is masked
 per element.  Soft cap (static `soft_cap`): s = c * tanh(s / c) on the fp32
 scores before the mask.  Both None: the kernels are those without the options.
 
-Quantized pools (int8, float8_e4m3fn; `reference.quantize_rows`): rows of
-`head_dim + 1`, D values then the code c of the row's scale (2**(c/4) for
-int8, 2**c for float8: `reference.row_scale`).  A key
-tile loads the first D columns (`pl.ds(0, D)`: D stays a power of two,
-whatever the row stride D + 1) and the exponent column as a [block_k] vector.  The
-1-byte values are converted in registers to q's dtype, which the dots run in
-(bf16 for bf16 q: int8 and e4m3 values are exact in bf16; fp32 for fp32 q,
-TF32x3 as for fp32 pools); K's scales multiply the scores' columns after
-q . k, V's the probabilities before p . v (l sums the unscaled ones), so the
-result is that of the dequantized rows in fp32 to rounding.  Scales are
-built from exponent bits and a quarter-power constant (exact).  Rows are D + 1 bytes, so their loads are
-byte loads (Triton cannot vectorise an odd row stride), one register per
-byte: key tiles default to 32 keys (`default_block_k`).  The unquantized
-kernels are unchanged (the same Triton IR).
+Quantized pools (int8, float8_e4m3fn; `reference.quantize_pages`): a page of
+one (layer, K/V, KV head) is [BS + 1, D], BS rows of D values then one row
+whose first BS elements are those rows' scale codes c (2**(c/4) for int8, 2**c
+for float8: `reference.row_scale`).  A key tile loads its value rows
+(`pl.ds(0, BS)` of each page, or a slice of one) as a [block_k, D] tile of
+D-byte rows, 16-byte aligned for D a multiple of 16 (128-bit loads:
+`make kernels-sm90` counts them), and the codes as one [block_k] vector from
+the code rows.  The 1-byte values are converted in registers to q's dtype,
+which the dots run in (bf16 for bf16 q: int8 and e4m3 values are exact in
+bf16; fp32 for fp32 q, TF32x3 as for fp32 pools); K's scales multiply the
+scores' columns after q . k, V's the probabilities before p . v (l sums the
+unscaled ones), so the result is that of the dequantized rows in fp32 to
+rounding.  Scales are built from exponent bits and a quarter-power constant
+(exact).  The unquantized kernels are unchanged (the same Triton IR).
 
 Masking never multiplies by a mask: keys/values past kv_len are replaced
 with `where`, so NaN in blocks a sequence does not own (block 0 included)
@@ -90,7 +90,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.reference import (QUARTER_POWERS, attention_dims, attention_options,
-                                      is_quantized, row_tile_span, window_start)
+                                      is_quantized, pool_block_size, row_tile_span, window_start)
 
 try:  # jax >= 0.6 naming; present in 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -258,36 +258,39 @@ def _load_kv_tile(kv_ref, bt_ref, s, it, layer, h, block_size, block_k, head_dim
     A tile is several whole pages (block_k > block_size: one gather-load of
     the page vector, no copy), one page, or a slice of one page (block_k <
     block_size: large pages are walked in pieces to bound registers and
-    shared memory).  A quantized pool's rows are D values then the exponent:
-    the values are the columns pl.ds(0, D), the exponents column D.
+    shared memory).  A quantized pool's page is [block_size + 1, D]: the
+    values are its rows pl.ds(0, block_size) (D-byte rows, loaded 16 bytes at
+    a time), the codes the first block_size elements of row block_size (one
+    vector load per page).
     """
-    d = head_dim
+    del head_dim
     quant = is_quantized(kv_ref.dtype)
 
-    def read(lead, kv, rows=(), shape=None):
-        """(values, exponents or None) of K (kv 0) or V (1) at lead + (layer, kv, h) + rows."""
+    def read(lead, kv, rows, shape=None):
+        """(values, codes or None) of K (kv 0) or V (1) at lead + (layer, kv, h) + (rows,)."""
         at = lead + (layer, kv, h)
-        x = kv_ref[at + (rows or (slice(None),)) + (pl.ds(0, d),)] if quant else kv_ref[at + rows]
+        x = kv_ref[at + (rows,)]
         if shape is not None:
-            x = x.reshape(shape, d)
+            x = x.reshape(shape, x.shape[-1])
         if not quant:
             return x, None
-        e = kv_ref[at + (rows or (slice(None),)) + (d,)]
+        e = kv_ref[at + (block_size, rows)]
         return x, (e if shape is None else e.reshape(shape))
 
+    whole = pl.ds(0, block_size) if quant else slice(None)   # a page's value rows
     if block_k > block_size:
         ppi = block_k // block_size
         ids = bt_ref[s, pl.ds(it * ppi, ppi)]                     # [ppi] block ids
-        (k, ek), (v, ev) = read((ids,), 0, shape=block_k), read((ids,), 1, shape=block_k)
+        (k, ek), (v, ev) = read((ids,), 0, whole, block_k), read((ids,), 1, whole, block_k)
         return k, v, ek, ev                                       # gather-loads, no copy
     if block_k == block_size:
         blk = bt_ref[s, it]
-        (k, ek), (v, ev) = read((blk,), 0), read((blk,), 1)
+        (k, ek), (v, ev) = read((blk,), 0, whole), read((blk,), 1, whole)
         return k, v, ek, ev
     tiles_per_page = block_size // block_k
     # lax.div/rem: `it` >= 0, so C semantics suffice (jnp's floor-mod adds sign fix-ups).
     blk = bt_ref[s, lax.div(it, tiles_per_page)]
-    rows = (pl.ds(pl.multiple_of(lax.rem(it, tiles_per_page) * block_k, block_k), block_k),)
+    rows = pl.ds(pl.multiple_of(lax.rem(it, tiles_per_page) * block_k, block_k), block_k)
     (k, ek), (v, ev) = read((blk,), 0, rows), read((blk,), 1, rows)
     return k, v, ek, ev
 
@@ -338,20 +341,19 @@ def num_partitions_heuristic(num_seqs: int, num_kv_heads: int, max_blocks: int, 
 def default_block_k(head_dim: int, itemsize: int, quantized: bool = False) -> int:
     """Keys per loop iteration: a 16 KiB K tile for 16-bit K/V (64 tokens of bf16 x
     128), 8 KiB for fp32 (32 tokens x 64, 16 x 128); for a quantized pool
-    (`itemsize` that of q, the dots' dtype) at most 32 keys and 8 KiB of the
-    converted tile (bf16 q: 32 keys; fp32 q: 32 x 64, 16 x 128).
+    (`itemsize` that of q, the dots' dtype) 8 KiB of the converted tile
+    (bf16 q: 64 keys x 64, 32 x 128; fp32 q: 32 x 64, 16 x 128).
 
     Sized with `triton_aot` for sm_90: 16 KiB fp32 tiles push both kernels to
     the register limit (the decode kernel spills a few bytes at head_dim 64),
     and (fp32, head_dim 128, 128 keys) need more shared memory than an SM has.
-    Quantized rows are D + 1 bytes, loaded byte by byte (one register per
-    byte before the conversion): with bf16 q, 16 KiB tiles put the ragged
-    kernel at 255 registers, spilling 12-80 B, and 64 keys at head_dim 64
-    spill 4-16 B in the decode kernel at some block sizes; 32 keys spill
-    nowhere (`triton_sm90.md`).
+    Quantized value rows (head_dim bytes, 16-byte loads) converted in registers:
+    with bf16 q, 16 KiB tiles spill (int8 decode at head_dim 128 and 64 keys:
+    4 B; ragged at head_dim 64 and 128 keys: 8-16 B), 8 KiB ones spill nowhere
+    (2026-11-27; rows of head_dim + 1 bytes loaded byte by byte needed <= 32 keys).
     """
     if quantized:
-        return max(_MIN_DOT, min(32, 8192 // (head_dim * itemsize)))
+        return max(_MIN_DOT, min(64, 8192 // (head_dim * itemsize)))
     budget = 16384 if itemsize <= 2 else 8192
     return max(_MIN_DOT, min(128, budget // (head_dim * itemsize)))
 
@@ -476,7 +478,7 @@ def _decode_partials(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, *, grou
                      num_warps, num_stages, interpret, sliding_window=None, soft_cap=None):
     """(acc [S, KVH, P, rows, D], m, l [S, KVH, P, rows]) of the split-KV decode kernel."""
     S = kv_lens.shape[0]
-    KVH, BS, D = kv_pool.shape[3], kv_pool.shape[4], q2.shape[-1]
+    KVH, BS, D = kv_pool.shape[3], pool_block_size(kv_pool), q2.shape[-1]
     P, R = t.num_partitions, t.decode_rows
     kernel = functools.partial(
         _decode_kernel, group=group, num_heads=KVH * group, block_size=BS, block_k=t.block_k,
@@ -607,7 +609,7 @@ def _ragged_call(t: Tiling, q2, kv_pool, layer_arr, bt, kv_lens, cu, partials, *
                  sm_scale, num_warps, num_stages, interpret, sliding_window=None, soft_cap=None):
     """out [T * H, D] of the ragged kernel (partials: the decode kernel's, or ())."""
     S = kv_lens.shape[0]
-    KVH, BS = kv_pool.shape[3:5]
+    KVH, BS = kv_pool.shape[3], pool_block_size(kv_pool)
     H = KVH * group
     kernel = functools.partial(
         _ragged_kernel, num_seqs=S, num_tokens=q2.shape[0] // H, group=group, num_heads=H,

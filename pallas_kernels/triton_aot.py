@@ -59,6 +59,7 @@ class KernelResources:
     spill_loads: int
     stack_bytes: int
     shared_bytes: int
+    loads: "GlobalLoads | None" = None
 
     @property
     def ctas_per_sm(self) -> int:
@@ -73,6 +74,56 @@ class KernelResources:
     @property
     def fits(self) -> bool:
         return self.shared_bytes <= SM90["smem_per_cta_max"] and self.ctas_per_sm >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalLoads:
+    """Global-memory loads of one compiled kernel, by width: static instruction counts
+    (in the code, not executions).  PTX: `ld.global` (`ptx_ld`), its 128-bit form
+    `ld.global.v4` (`ptx_ld_v4`), its byte loads (`ptx_ld_b8`), and the 16-byte
+    asynchronous copies global -> shared that Triton's pipelined loops use for key
+    tiles (`cp.async.cg.shared.global ..., 16`: `ptx_cp_async_16`).  SASS, when the
+    bundled cuobjdump disassembles the cubin (else -1): `LDG` (`sass_ldg`),
+    `LDG.E.128` (`sass_ldg_128`), byte loads `LDG.E.U8` / `.S8` (`sass_ldg_8`) and
+    `LDGSTS.*.128` (`sass_ldgsts_128`).  128-bit loads of a key tile: ptx_ld_v4 +
+    ptx_cp_async_16 (sass_ldg_128 + sass_ldgsts_128)."""
+    ptx_ld: int
+    ptx_ld_v4: int
+    ptx_ld_b8: int
+    ptx_cp_async_16: int
+    sass_ldg: int
+    sass_ldg_128: int
+    sass_ldg_8: int
+    sass_ldgsts_128: int
+
+
+_PTX_LD_RE = re.compile(r"\bld\.global(?:\.\w+)*")
+_PTX_CP_ASYNC_RE = re.compile(r"\bcp\.async\.\w+\.shared\.global[^;]*?,\s*(0x10|16)\b")
+_SASS_LDG_RE = re.compile(r"\bLDG(?:STS)?(?:\.\w+)*")
+
+
+def count_global_loads(ptx: str, sass: str | None) -> GlobalLoads:
+    """`GlobalLoads` of a kernel's PTX and SASS (None: no SASS)."""
+    ld = _PTX_LD_RE.findall(ptx)
+    sass_ops = _SASS_LDG_RE.findall(sass) if sass is not None else []
+    ldg = [op for op in sass_ops if not op.startswith("LDGSTS")]
+    count = (lambda n: n) if sass is not None else (lambda n: -1)
+    return GlobalLoads(
+        ptx_ld=len(ld), ptx_ld_v4=sum(".v4" in x for x in ld),
+        ptx_ld_b8=sum(x.endswith((".b8", ".u8", ".s8")) for x in ld),
+        ptx_cp_async_16=len(_PTX_CP_ASYNC_RE.findall(ptx)),
+        sass_ldg=count(len(ldg)), sass_ldg_128=count(sum(x.endswith(".128") for x in ldg)),
+        sass_ldg_8=count(sum(x.endswith((".U8", ".S8")) for x in ldg)),
+        sass_ldgsts_128=count(sum(x.startswith("LDGSTS") and x.endswith(".128") for x in sass_ops)))
+
+
+def _sass(cubin: str, bin_dir: str) -> str | None:
+    """The SASS of `cubin` from Triton's bundled cuobjdump, or None without one."""
+    tool = os.path.join(bin_dir, "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        return None
+    done = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
 
 
 class _LaunchRecorded(Exception):
@@ -184,7 +235,8 @@ def compile_for_cuda(kernel: TritonKernelIR, arch: int = 90) -> KernelResources:
 
     target = GPUTarget("cuda", arch, 32)
     options = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(bin_dir, "ptxas")
     suffix = "a" if arch >= 90 else ""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, f"{kernel.name}.ttir")
@@ -194,9 +246,10 @@ def compile_for_cuda(kernel: TritonKernelIR, arch: int = 90) -> KernelResources:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o",
-                                 os.path.join(tmp, "kernel.cubin")],
+        cubin = os.path.join(tmp, "kernel.cubin")
+        report = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o", cubin],
                                 capture_output=True, text=True, check=True).stderr
+        loads = count_global_loads(compiled.asm["ptx"], _sass(cubin, bin_dir))
     values = {}
     for key, rx in _PTXAS_RE.items():
         m = rx.search(report)
@@ -205,7 +258,7 @@ def compile_for_cuda(kernel: TritonKernelIR, arch: int = 90) -> KernelResources:
         values[key] = int(m.group(1))
     return KernelResources(name=kernel.name, arch=arch, num_warps=kernel.num_warps,
                            num_stages=kernel.num_stages, shared_bytes=int(compiled.metadata.shared),
-                           **values)
+                           loads=loads, **values)
 
 
 def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_size: int, gqa: int,
@@ -221,24 +274,24 @@ def jpaged_kernel_resources(kernel: str, *, dtype: Any, head_dim: int, block_siz
     decode_rows, num_partitions, num_warps, ..., and the contract's static
     options sliding_window and soft_cap); omitted ones take the defaults.
     `dtype` is the pool's; q's is `q_dtype`, default the pool's, or bfloat16
-    for a quantized pool (int8, float8_e4m3fn: rows of head_dim + 1, the
-    scale code last).  Returns (the tiling used, resources).  The pool is
+    for a quantized pool (int8, float8_e4m3fn: pages of block_size + 1 rows,
+    the scale codes last: `reference.quantize_pages`).  Returns (the tiling used, resources).  The pool is
     2^32+ bytes so that offsets are 64-bit, as in a real pool.
     """
     import jax.numpy as jnp
     from pallas_kernels import gpu
-    from pallas_kernels.reference import is_quantized
+    from pallas_kernels.reference import is_quantized, page_rows
 
     dtype = jnp.dtype(dtype)
     quantized = is_quantized(dtype)
     q_dtype = jnp.dtype(q_dtype or (jnp.bfloat16 if quantized else dtype))
-    row = head_dim + int(quantized)
-    per_block = 2 * num_kv_heads * block_size * row * dtype.itemsize
+    rows = page_rows(block_size, dtype)
+    per_block = 2 * num_kv_heads * rows * head_dim * dtype.itemsize
     num_blocks = max(max_blocks + 1, 2 ** 32 // per_block + 1)
     q_len = q_len or (1 if kernel == "decode" else 64)
     T = num_seqs * q_len
     args = (jax.ShapeDtypeStruct((T, num_kv_heads * gqa, head_dim), q_dtype),
-            jax.ShapeDtypeStruct((num_blocks, 1, 2, num_kv_heads, block_size, row), dtype),
+            jax.ShapeDtypeStruct((num_blocks, 1, 2, num_kv_heads, rows, head_dim), dtype),
             0,
             jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs,), jnp.int32),

@@ -4,7 +4,12 @@ Lowers each kernel of `paged_attention_gpu` (the split-KV "decode" kernel and
 the "ragged" query-tile kernel, one at a time) with jax (Pallas -> Triton IR), compiles it
 with the `triton` package for sm_<--arch> and records ptxas' report:
 registers per thread, spilled bytes, shared memory per CTA and the CTAs per
-SM that allows.  Nothing runs on a GPU; see pallas_kernels/triton_aot.py.
+SM that allows, and the kernel's global loads by width (`triton_aot.GlobalLoads`,
+static instruction counts, q and code loads included): PTX ld.global, its
+128-bit ld.global.v4 and byte loads, 16-byte cp.async (the pipelined key
+tiles); SASS LDG, LDG.E.128, LDG.E.U8/S8 and LDGSTS .128 from Triton's bundled
+cuobjdump (-1 without it).
+Nothing runs on a GPU; see pallas_kernels/triton_aot.py.
 
 Two tables (one CSV):
   1. --kernels x --dtypes x --head_dims x --block_sizes x --gqa (x --num_warps,
@@ -24,6 +29,7 @@ Writes <out>.md and <out>.csv (default benchmarks/kernels/triton_sm90).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import itertools
 import os
@@ -61,7 +67,8 @@ flags.DEFINE_string("out", os.path.join("benchmarks", "kernels", "triton_sm90"),
 
 COLUMNS = ["kernel", "dtype", "head_dim", "block_size", "gqa", "block_k", "block_m", "decode_rows",
            "num_partitions", "num_warps", "num_stages", "registers", "spill_stores", "spill_loads", "shared_kib", "ctas_per_sm",
-           "warps_per_sm", "note"]
+           "warps_per_sm", "ptx_ld", "ptx_ld_v4", "ptx_ld_b8", "ptx_cp_async_16", "sass_ldg", "sass_ldg_128",
+           "sass_ldg_8", "sass_ldgsts_128", "note"]
 KNOWN_SHAPES = {(64, 3): "SmolLM2-135M's; its embedded model runs in float32", (128, 4): "Llama-3-8B's"}
 
 
@@ -89,6 +96,8 @@ def compile_row(kernel: str, dtype: str, d: int, bs: int, g: int, warps: int, bk
                    registers=r.registers, spill_stores=r.spill_stores,
                    spill_loads=r.spill_loads, shared_kib=round(r.shared_bytes / 1024, 1),
                    ctas_per_sm=r.ctas_per_sm, warps_per_sm=r.ctas_per_sm * r.num_warps)
+        if r.loads is not None:
+            row.update(dataclasses.asdict(r.loads))
         if not r.fits:
             notes.append("does not fit on an SM")
     row["note"] = "; ".join(notes)
@@ -145,8 +154,9 @@ def table2_text(shapes: list[tuple[int, int]], specs: list[tuple]) -> list[str]:
         title += f" and GQA {', '.join(map(str, base_gqa))} baselines"
     shape_text = "; ".join(f"head_dim {d}, GQA {g}" + (f" ({KNOWN_SHAPES[(d, g)]})" if (d, g) in KNOWN_SHAPES
                                                         else "") for d, g in shapes)
-    text = ("Same run and call shapes as above. `dtype` is the pool's: quantized rows hold head_dim "
-            "values and a scale exponent (head_dim + 1 bytes); `note` gives q's dtype (`--q_dtypes`), "
+    text = ("Same run and call shapes as above. `dtype` is the pool's: quantized pages hold block_size "
+            "rows of head_dim one-byte values, then a row of their scale codes; `note` gives q's dtype "
+            "(`--q_dtypes`), "
             f"which the dots run in. Shapes (`--quant_shapes`): {shape_text}; block sizes "
             f"{', '.join(FLAGS.block_sizes)}.")
     if baselines:
@@ -177,7 +187,11 @@ def main(argv):
              "CTAs/SM from registers, shared memory and warps (sm_90 limits). "
              "`paged_attention_gpu` on 8 sequences, 8 KV heads, block tables of 64 pages; "
              "decode = the split-KV kernel (1 new token per sequence, T = 8), "
-             "ragged = the query-tile kernel (64 new tokens per sequence, T = 512).", "",
+             "ragged = the query-tile kernel (64 new tokens per sequence, T = 512). "
+             "Global loads (static instruction counts, `triton_aot.GlobalLoads`): ptx_ld / ptx_ld_v4 / "
+             "ptx_ld_b8 = ld.global / its 128-bit .v4 / byte loads, ptx_cp_async_16 = 16-byte cp.async "
+             "(the pipelined key tiles); sass_ldg / sass_ldg_128 / sass_ldg_8 = LDG / LDG.E.128 / "
+             "LDG.E.U8|S8, sass_ldgsts_128 = LDGSTS .128 (cuobjdump; -1: none).", "",
              *md_table(rows1)]
     if rows2:
         lines += table2_text(shapes, t2) + md_table(rows2)

@@ -25,7 +25,7 @@ selection, not the product:
 * every case fills all pool memory a sequence may not read with NaN (block 0,
   unowned blocks, the tail of each last block, every layer but the one read;
   layer > 0 throughout).
-* quantized pools (int8, float8_e4m3fn rows with a scale-exponent column):
+* quantized pools (int8, float8_e4m3fn pages: value rows, then a row of scale codes):
   the table's cases (split-KV decode, page-vector gather-loads, slices of
   128-token pages, one page per tile with a window and a soft cap; fp32 and
   bf16 queries) and `test_quantized_tilings` (fp8 with fp32 queries on the
@@ -177,10 +177,10 @@ def test_plan_tiling_defaults_and_checks():
     assert (t.block_k, t.block_m, t.decode_rows, t.num_partitions) == (64, 64, 16, 1)
     t = kgpu.plan_tiling(T=1, G=4, D=128, BS=16, S=1, W=2048, KVH=8, itemsize=4)
     assert (t.block_k, t.block_m, t.num_partitions) == (16, 16, 33)   # fp32 x 128: small tiles
-    # quantized pools: tiles sized by q's dtype (the dots'): <= 32 keys and 8 KiB of it
+    # quantized pools: tiles sized by q's dtype (the dots'): <= 64 keys and 8 KiB of it
     assert kgpu.tile_itemsize(INT8, BF16) == 2 and kgpu.tile_itemsize(FP8, F32) == 4
     assert kgpu.tile_itemsize(BF16, F32) == 2
-    for D, itemsize, block_k in [(64, 2, 32), (128, 2, 32), (64, 4, 32), (128, 4, 16)]:
+    for D, itemsize, block_k in [(64, 2, 64), (128, 2, 32), (64, 4, 32), (128, 4, 16)]:
         t = kgpu.plan_tiling(T=64, G=4, D=D, BS=16, S=64, W=128, KVH=8, itemsize=itemsize,
                              quantized=True)
         assert t.block_k == block_k and t.block_m == (16 if D * itemsize > 256 else 64)
@@ -219,7 +219,7 @@ def _lower(D, G, BS, dtype, T, num_warps=4, **kw):
     q_dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
     quantized = kv_dtype in (INT8, FP8)
     args = (jax.ShapeDtypeStruct((T, KVH * G, D), q_dtype),
-            jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D + quantized), kv_dtype), 1,
+            jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS + quantized, D), kv_dtype), 1,
             jax.ShapeDtypeStruct((S, W), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32),
             jax.ShapeDtypeStruct((S + 1,), jnp.int32))
     return triton_aot.capture_ttir(kgpu.paged_attention_gpu, *args, interpret=False,

@@ -63,9 +63,12 @@ def test_window_and_soft_cap_compile_for_sm90_without_spills(kernel, dtype, head
     assert r.fits and r.ctas_per_sm >= 2, what
 
 
-# Quantized pools (int8, float8_e4m3fn rows with a scale-exponent column; Triton converts
-# the 1-byte values in registers, fp8 with sm_90's cvt): SmolLM2-135M's shape (D 64, GQA 3)
-# with fp32 queries (the embedded model's dtype) and bf16 ones, and D 128 with bf16.
+# Quantized pools (int8, float8_e4m3fn pages: head_dim-byte value rows, then a row of
+# scale codes; Triton converts the 1-byte values in registers, fp8 with sm_90's cvt):
+# SmolLM2-135M's shape (D 64, GQA 3) with fp32 queries (the embedded model's dtype) and
+# bf16 ones, and D 128 with bf16.  The value tiles load 16 bytes at a time (16-byte
+# cp.async into shared memory in the pipelined key loop, or ld.global.v4): no byte loads
+# (rows of head_dim + 1 bytes with the code inline compiled to ~70 ld.global.b8).
 QUANT_CASES = [(kernel, kv, q, d, 16, g) for kernel in ("decode", "ragged")
                for kv in (jnp.int8, jnp.float8_e4m3fn)
                for q, d, g in ((jnp.float32, 64, 3), (jnp.bfloat16, 64, 3), (jnp.bfloat16, 128, 4))]
@@ -81,6 +84,24 @@ def test_quantized_pools_compile_for_sm90_without_spills(kernel, kv_dtype, q_dty
             f"BS={block_size} {tiling}: {r}")
     assert r.spill_stores == 0 and r.stack_bytes == 0, what
     assert r.fits and r.ctas_per_sm >= 2, what
+    loads = r.loads
+    assert loads.ptx_ld_b8 == 0 and loads.ptx_cp_async_16 + loads.ptx_ld_v4 >= 4, (what, loads)
+    assert loads.sass_ldg_8 in (0, -1), (what, loads)
+
+
+def test_global_loads_are_counted_by_width():
+    ptx = """
+        ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+        @%p1 ld.global.b8 { %rs1 }, [ %rd2 + 0 ];
+        ld.global.b32 { %r5 }, [ %rd3 + 0 ];
+        cp.async.cg.shared.global [ %r6 + 0 ], [ %rd4 + 0 ], 0x10, %r7;
+        cp.async.ca.shared.global [ %r8 + 0 ], [ %rd5 + 0 ], 4, %r9;
+    """
+    sass = "LDG.E.128 R4, desc[UR4][R2.64] ;\n LDG.E.U8 R0, [R2] ;\n LDGSTS.E.BYPASS.128 [R5], [R6] ;"
+    got = triton_aot.count_global_loads(ptx, sass)
+    assert got == triton_aot.GlobalLoads(ptx_ld=3, ptx_ld_v4=1, ptx_ld_b8=1, ptx_cp_async_16=1,
+                                         sass_ldg=2, sass_ldg_128=1, sass_ldg_8=1, sass_ldgsts_128=1)
+    assert triton_aot.count_global_loads(ptx, None).sass_ldg == -1
 
 
 def test_small_tile_path_compiles():
