@@ -3,7 +3,7 @@
 Contract: `pallas_kernels.paged_attention` (flat ragged batch q[T, H, D],
 `cu_q_lens[S + 1]`, `kv_lens[S]`, `block_tables[S, W]`, the whole pool
 `kv_pool[num_blocks, num_layers, 2, KVH, BS, D]` (fp32, bf16) or
-`[..., BS, D + 1]` (quantized: int8, float8_e4m3fn; see below), a traced or
+`[..., BS + 1, D]` (quantized: int8, float8_e4m3fn; see below), a traced or
 static `layer`).
 The design follows tpu-inference's ragged_paged_attention.
 
@@ -30,9 +30,9 @@ once per KV head whatever G.  q, kv_pool and the output stay in HBM
   last token sees, `pages_per_compute_block` pages per step, in a
   `lax.fori_loop` with a dynamic trip count: the cost never depends on W nor
   on padding.  One DMA per page copies K and V of the block's heads,
-  `kv_pool.at[page, layer, :, heads]` (one contiguous [2, KVH, BS, D] chunk,
-  [2, KVH, BS, D + 1] quantized, when the block is all heads), into one of 2
-  VMEM slots.  While a step computes, the next step's pages are in flight,
+  `kv_pool.at[page, layer, :, heads]` (one contiguous [2, KVH, BS, D] chunk
+  when the block is all heads; quantized: the value rows, and a second DMA
+  for the code rows), into one of 2 VMEM slots.  While a step computes, the next step's pages are in flight,
   and the last step of a tile fetches the next tile's first pages, so a run
   of decode tiles keeps the DMA engine busy across grid steps.  Pages past
   the causal bound are never copied.
@@ -64,25 +64,24 @@ visible key give zeros.  fp32 online
 softmax (m, l, acc in VMEM scratch); fp32 K/V use HIGHEST-precision dots, bf16
 K/V bf16 dots (q is scaled in fp32, then rounded to the dots' dtype).
 
-Quantized pools (int8, float8_e4m3fn; `reference.quantize_rows`): a row is D
-values in the pool dtype, then its scale code c (an integer stored as a
-pool-dtype number), and stands for values * scale(c): 2**(c/4) for int8,
-2**c for float8 (`reference.row_scale`).  The page DMAs
-copy whole rows, values and exponent column together (the pool's bytes, no
-separate scale array), into a kv_buf of [.., N, D + 1] 8-bit rows; each K/V
-step dequantizes one head's K and V in VMEM just before its dots: values
-converted to fp32 (fp8 through an `extf`, int8 through `sitofp`) times the
-scale, built exactly from bits ((e + 127) << 23 as fp32, times a quarter-power
-constant for int8: integer VPU ops and a select, no transcendental), then rounded to the dots' dtype
-(`compute_dtype`): fp32 (HIGHEST dots) with fp32 q, else bf16, which holds
-every dequantized value exactly (at most 8 significant bits times a power of
-two), so the result matches the reference to the usual fp32 / bf16
-tolerance.  Rows a sequence does not own may hold anything (fp8 NaN; int8
-random bytes with any code): V is selected with
-`where` after dequantization, K's bad rows only reach score columns the mask
-replaces, as for NaN in an fp32 pool.  Dequantizing K and V costs 2 * N * D
-converts and multiplies per head and step on the VPU, the same for every
-query row, so it weighs most on decode tiles (few rows per dot).
+Quantized pools (int8, float8_e4m3fn; `reference.quantize_pages`): a page is
+[BS + 1, D], BS rows of D values in the pool dtype, then a row whose first BS
+elements are those rows' scale codes c (integers stored as pool-dtype
+numbers); a row stands for values * scale(c): 2**(c/4) for int8, 2**c for
+float8 (`reference.row_scale`).  Each page moves by two DMAs, its value rows
+into a kv_buf of [.., N, D] 8-bit rows (D lanes, as an unquantized pool's) and
+its codes into a code_buf of [.., 1, N] (one lane vector per head and step).
+The values are converted to the dots' dtype (`compute_dtype`: fp32 with fp32
+q, else bf16, which holds every int8 / e4m3 value exactly; fp8 through an
+`extf`, int8 through `sitofp`) and the scales, built exactly from bits
+((c + 127) << 23 as fp32, times a quarter-power constant for int8: integer
+VPU ops and a select, no transcendental), multiply the score columns after
+q . k (K) and the probabilities before p . v (V), as in the GPU kernel: no
+[N, D] dequantization per step, the result that of the dequantized rows to
+fp32 / bf16 rounding.  Rows a sequence does not own may hold anything (fp8
+NaN; int8 random bytes with any code): V's values and scales are selected
+with `where`, K's bad rows only reach score columns the mask replaces, as for
+NaN in an fp32 pool.
 
 Real-TPU constraints (interpret mode accepts anything; this kernel has run in
 TPU interpret mode and been lowered to Mosaic for a v5e target, fp32 / bf16 /
@@ -93,17 +92,9 @@ the layout costs below has been measured):
   int8 / fp8 (native VMEM tiles of 8 / 16 / 32 rows): pages are stacked
   along sublanes in VMEM (DMA destinations at page offsets);
   pages_per_compute_block * block_size ideally a multiple of 128;
-* quantized rows are D + 1 lanes wide, so in VMEM each row of kv_buf pads
-  to the next multiple of 128 lanes: 129 -> 256 bytes for D = 128 (as many
-  as a bf16 row), 65 -> 128 for D = 64; the exponent is a 1-lane load at
-  lane offset D (a lane-aligned second vreg column for D = 128, mid-vreg for
-  D = 64, which Mosaic has to shift) broadcast along the row's lanes.  The
-  pool in HBM holds (D + 1)-byte rows, but XLA:TPU most likely tiles HBM
-  arrays' two minor dimensions too (8-bit: 32 x 128 tiles), which would pad
-  the rows, and block_size below 32, there as well: then a quantized pool
-  of D = 128 saves no HBM over bf16.  A layout with the exponents outside
-  the D value lanes (a change of the pool contract, `reference.py`) would
-  avoid both paddings;
+* quantized pages: value rows are D lanes, as an unquantized pool's; a code
+  row of BS codes lands at lane offset p * BS of its step's [1, N] code
+  vector (a DMA of BS bytes per page and K/V, besides the values');
 * fp8 -> fp32 converts on chips without fp8 hardware (v4, v5e) are left to
   Mosaic's emulation, if it has one;
 * the G heads of a KV head are sliced out of q's sublane (head) axis and
@@ -246,14 +237,14 @@ def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block
 def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref,  # SMEM
             q_hbm, kv_hbm,                                                       # inputs (HBM)
             o_hbm,                                                               # output (HBM)
-            q_buf, qs_sc, kv_buf, o_buf, fin, m_sc, l_sc, acc_sc, sems, state,  # scratch
+            q_buf, qs_sc, kv_buf, code_buf, o_buf, fin, m_sc, l_sc, acc_sc, sems, state,  # scratch
             *, block_size: int, pages_per_cb: int, block_q: int, block_q_small: int,
             group: int, heads_per_blk: int, width: int, head_blocks: int, sm_scale: float,
             sliding_window: int | None = None, soft_cap: float | None = None):
     BS, P, G, hb = block_size, pages_per_cb, group, heads_per_blk
     N = P * BS
     D = q_buf.shape[-1]
-    quantized = is_quantized(kv_buf.dtype)   # kv_buf rows: D values, then the exponent
+    quantized = is_quantized(kv_buf.dtype)   # then code_buf holds the rows' scale codes
     cd = qs_sc.dtype                         # the dots' dtype (`compute_dtype`)
     sublanes = _sublanes(cd)
     prec = lax.Precision.HIGHEST if cd == jnp.float32 else None
@@ -312,8 +303,15 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
         def one(p, carry):
             phys = bt_ref[tl["s"] * width + jnp.minimum(j * P + p, width - 1)]
             rows = pl.ds(pl.multiple_of(p * BS, BS), BS)
-            action(pltpu.make_async_copy(kv_src(phys), kv_buf.at[slot, :, :, rows],
+            if not quantized:
+                action(pltpu.make_async_copy(kv_src(phys), kv_buf.at[slot, :, :, rows],
+                                             sems.at[0, slot]))
+                return carry
+            page = kv_src(phys)                                   # [2, hb, BS + 1, D]
+            action(pltpu.make_async_copy(page.at[:, :, pl.ds(0, BS)], kv_buf.at[slot, :, :, rows],
                                          sems.at[0, slot]))
+            action(pltpu.make_async_copy(page.at[:, :, pl.ds(BS, 1), pl.ds(0, BS)],
+                                         code_buf.at[slot, :, :, :, rows], sems.at[0, slot]))
             return carry
         if sliding_window is None:
             first = 0
@@ -374,24 +372,27 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
                 vis &= key_row >= first_key
                 kv_ok &= key_col >= cur["lo"]
 
-            def rows(kv, h):
-                """K (kv 0) or V (1) rows [N, D] of head h in the dots' dtype: a
-                quantized row's values (fp32) times its scale (code: the last column)."""
-                if not quantized:
-                    return kv_buf[slot, kv, h]
-                vals = kv_buf[slot, kv, h, :, :D].astype(jnp.float32)       # [N, D]
-                e = kv_buf[slot, kv, h, :, D:]                               # [N, 1]
-                int8 = jnp.issubdtype(e.dtype, jnp.integer)
-                if not int8:                                                 # fp8: via fp32
-                    e = e.astype(jnp.float32)
-                return (vals * _row_scale(e.astype(jnp.int32), int8)).astype(cd)
+            if quantized:                                                    # [1, N]: kv_ok by lane
+                key_ok = key_row < cur["limit"]
+                if sliding_window is not None:
+                    key_ok &= key_row >= cur["lo"]
+
+            def scales(kv, h):
+                """fp32 [1, N] scales of K (kv 0) or V (1) rows of head h, from their codes;
+                0 for keys past the tile's (their codes may be anything)."""
+                c = code_buf[slot, kv, h]                                    # [1, N]
+                int8 = jnp.issubdtype(c.dtype, jnp.integer)
+                c = c.astype(jnp.int32) if int8 else c.astype(jnp.float32).astype(jnp.int32)
+                return jnp.where(key_ok, _row_scale(c, int8), 0.0)
 
             def head(h, carry):
-                k = rows(0, h)                                               # [N, D]
-                v = rows(1, h)
-                v = jnp.where(kv_ok, v, jnp.zeros_like(v))   # after dequantizing: inf, NaN
+                k = kv_buf[slot, 0, h].astype(cd)                            # [N, D]: exact
+                v = kv_buf[slot, 1, h].astype(cd)
+                v = jnp.where(kv_ok, v, jnp.zeros_like(v))   # NaN, inf of keys not ours
                 s = lax.dot_general(qs_sc[h, :Rp], k, (((1,), (1,)), ((), ())), precision=prec,
                                     preferred_element_type=jnp.float32)      # [Rp, N]
+                if quantized:
+                    s = s * scales(0, h)                     # K's row scales, by column
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
                 s = jnp.where(vis, s, MASK_VALUE)
@@ -400,8 +401,9 @@ def _kernel(layer_ref, bt_ref, kvl_ref, cu_ref, tseq_ref, tstart_ref, tlen_ref, 
                 alpha = jnp.exp(m_prev - m_new)
                 p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
                 l_sc[h, :Rp] = alpha * l_sc[h, :Rp] + jnp.sum(p, axis=1, keepdims=True)
+                pv = p * scales(1, h) if quantized else p    # V's row scales, on the probabilities
                 acc_sc[h, :Rp] = alpha * acc_sc[h, :Rp] + lax.dot_general(
-                    p.astype(cd), v, (((1,), (0,)), ((), ())), precision=prec,
+                    pv.astype(cd), v, (((1,), (0,)), ((), ())), precision=prec,
                     preferred_element_type=jnp.float32)
                 m_sc[h, :Rp] = m_new
                 return carry
@@ -457,11 +459,11 @@ def _vmem_bytes(block_q, hb, G, D, N, q_dtype, kv_dtype) -> int:
     hq = hb * G
     R = _round_up(block_q * G, _sublanes(cd))
     quantized = is_quantized(kv_dtype)
-    Dp = _round_up(D + 1, 128) if quantized else D    # a row's lanes in VMEM
     return (2 * block_q * hq * D * qi * 2      # q_buf, o_buf
             + hb * R * D * ci                  # qs_sc
-            + 2 * 2 * hb * N * Dp * ki         # kv_buf
-            + quantized * 2 * N * D * 4        # dequantized K, V in flight
+            + 2 * 2 * hb * N * D * ki          # kv_buf
+            + quantized * 2 * 2 * hb * 32 * N  # code_buf (1 row, padded to a 32-row 8-bit tile)
+            + quantized * 2 * N * D * ci       # converted K, V in flight
             + block_q * hq * D * 4             # fin
             + hb * R * (D + 2 * 128) * 4       # acc, m, l (lane-padded)
             + 3 * R * N * 4)                   # scores / probabilities in flight
@@ -522,7 +524,7 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
                                head_blocks=head_blocks, sm_scale=scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
     R = _round_up(bq * G, _sublanes(cd))
-    Dp = kv_pool.shape[-1]                                      # D, or D + 1 when quantized
+    codes = (1, ppcb * BS) if is_quantized(kv_pool.dtype) else (1, 1)   # unused unless quantized
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
         grid=(head_blocks, NT),
@@ -531,7 +533,8 @@ def paged_attention_tpu(q, kv_pool, layer, block_tables, kv_lens, cu_q_lens, *, 
         scratch_shapes=[
             pltpu.VMEM((2, bq, hb * G, D), q.dtype),            # q_buf
             pltpu.VMEM((hb, R, D), cd),                         # qs_sc: scaled q rows
-            pltpu.VMEM((2, 2, hb, ppcb * BS, Dp), kv_pool.dtype),  # kv_buf: slot, K/V, head
+            pltpu.VMEM((2, 2, hb, ppcb * BS, D), kv_pool.dtype),   # kv_buf: slot, K/V, head
+            pltpu.VMEM((2, 2, hb, *codes), kv_pool.dtype),      # code_buf: rows' scale codes
             pltpu.VMEM((2, bq, hb * G, D), q.dtype),            # o_buf
             pltpu.VMEM((bq, hb * G, D), jnp.float32),           # fin
             pltpu.VMEM((hb, R, 1), jnp.float32),                # m

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu as ktpu
-from pallas_kernels.reference import is_quantized
+from pallas_kernels.reference import is_quantized, pool_block_size
 from kernels.cases import (TOL, attention_per_layer, cases_for, check_ragged, fresh_seed,
                            make_ragged_case, mixed_seqs)
 
@@ -71,9 +71,11 @@ def expected_dmas(args, block_q=None, head_blocks=1, sliding_window=None, **_):
     page from the one holding its first token's window start (page 0 without a
     window) up to the one holding the last key its last token sees, and its
     output; per tile of padding tokens, its output (zeros); nothing for empty
-    tiles.  Independent of the table width W."""
+    tiles.  Independent of the table width W.  A quantized pool's page is two DMAs:
+    its value rows and its code row."""
     q, pool, _, bt, kv, cu = args
-    T, BS = q.shape[0], pool.shape[4]
+    T, BS = q.shape[0], pool_block_size(pool)
+    per_page = 1 + is_quantized(pool.dtype)
     bq = ktpu.block_sizes(T, q.shape[1] // pool.shape[3], BS, bt.shape[1], pool.dtype,
                           block_q)[0]
     seq, start, n = map(np.asarray, ktpu.tile_layout(cu, kv, T, bq))
@@ -86,7 +88,7 @@ def expected_dmas(args, block_q=None, head_blocks=1, sliding_window=None, **_):
             last_key = first_pos + n_tok - 1
             first_page = 0 if sliding_window is None else \
                 max(0, first_pos - sliding_window + 1) // BS
-            count += 1 + last_key // BS + 1 - first_page         # q copy + pages
+            count += 1 + (last_key // BS + 1 - first_page) * per_page   # q copy + pages
     return count * head_blocks
 
 
@@ -201,15 +203,17 @@ def test_nan_isolation_and_layer():
 # --------------------------------------------------------------------------
 # Quantized pools beyond the shared cases (window5-cap-int8, decode-int8-split: int8
 # with fp32 q; mixed-fp8-bf16-gpu: fp8 with bf16 q): fp8 with fp32 q, so the fp8
-# dequantization is held to fp32 tolerance, one KV head per grid step (page DMAs
-# of a head slice of D + 1-wide rows); NaN in every row the batch may not read.
+# values and scales are held to fp32 tolerance, one KV head per grid step (page DMAs
+# of a head slice of the value rows and of the code rows); NaN in every row and code
+# the batch may not read.
 
 def test_fp8_pool_fp32_q_head_blocks():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     seqs = mixed_seqs(rng, 3, 16, 48, 12)
     args = make_ragged_case(seed, seqs, G=2, KVH=2, D=64, BS=16, kv_dtype=jnp.float8_e4m3fn)
-    assert np.isnan(np.asarray(args[1][0], np.float32)).all()
+    null = np.asarray(args[1][0], np.float32)                    # [L, 2, KVH, BS + 1, D]
+    assert np.isnan(null[..., :16, :]).all() and np.isnan(null[..., 16, :16]).all()
     out = run_tpu(args, head_blocks=2, kv_heads_per_block=1)
     check_ragged(out, args, seed, f"tpu fp8 fp32-q heads-per-block 1 {seqs}")
 
@@ -277,8 +281,8 @@ def test_traced_layer_in_scan(monkeypatch):
 # Lowering to Mosaic for a TPU v5e target (no TPU needed; the final libtpu
 # compile, which checks layouts, is not run here).
 GEMMA_OPTIONS = dict(sliding_window=4096, soft_cap=50.0)
-# Quantized pools (kv_dtype int8 / fp8: rows of D + 1 bytes, the scale code last):
-# 129- and 65-wide lane dims, 8-bit to fp32 / bf16 converts.
+# Quantized pools (kv_dtype int8 / fp8: pages of BS + 1 rows of D bytes, the scale
+# codes last): value and code-row DMAs, 8-bit to fp32 / bf16 converts.
 LOWER_CASES = [  # (D, G, KVH, BS, dtype, kv_dtype (None: dtype), kv_heads_per_block, options)
     (128, 4, 8, 16, jnp.bfloat16, None, None, {}),
     (128, 4, 8, 16, jnp.bfloat16, None, 4, {}),
@@ -301,7 +305,7 @@ def test_lowers_to_mosaic(monkeypatch, D, G, KVH, BS, dtype, kv_dtype, hb, optio
     T, S, W, NB = 256, 16, 64, 600
     kv_dtype = kv_dtype or dtype
     q = jax.ShapeDtypeStruct((T, KVH * G, D), dtype)
-    pool = jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS, D + is_quantized(kv_dtype)), kv_dtype)
+    pool = jax.ShapeDtypeStruct((NB, 2, 2, KVH, BS + is_quantized(kv_dtype), D), kv_dtype)
     bt = jax.ShapeDtypeStruct((S, W), jnp.int32)
     kv_lens = jax.ShapeDtypeStruct((S,), jnp.int32)
     cu = jax.ShapeDtypeStruct((S + 1,), jnp.int32)
