@@ -112,7 +112,7 @@ class Plan:
     shape: dict[str, Any]
     gemm_ms: tuple[int, ...] = (8, 32, 128)
     gemm_calls: int = 20
-    batches: tuple[int, ...] = (1, 32, 128)
+    batches: tuple[int, ...] = (1, 128, 32)  # if a variant's cap cuts it short, batch 32 goes
     trace_batches: tuple[int, ...] = (1, 128)
     decode_steps: int = 32
     prompt_len: int = 4
@@ -136,8 +136,8 @@ def gpu_plan() -> Plan:
     sweep_b32 = tuple({"batch": 32, "num_partitions": p} for p in (1, 2, 4))
     # Time caps (s) per subprocess (gemm: per variant), about the plan's (gpu-plan.md 7.2);
     # the parts run in its rank order and --budget_s cuts the tail, rerun with --parts=.
-    caps = {"gemm": 30, "anatomy": 60, "large_pool": 40, "trace": 60, "command_buffers": 40,
-            "attention_sweep": 60, "quantized_pools": 40}
+    caps = {"gemm": 30, "anatomy": 70, "large_pool": 45, "trace": 60, "command_buffers": 45,
+            "attention_sweep": 60, "quantized_pools": 45}
     return Plan("8b", dc.LLAMA3_8B, sweep_b1=sweep_b1, sweep_b32=sweep_b32, caps=caps)
 
 
@@ -159,6 +159,7 @@ class Probe(dc.Context):
     plan: Plan | None = None
     work: pathlib.Path | None = None      # subprocess specs, results, logs
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    autotune_results: pathlib.Path | None = None  # the last complete XLA autotune dump
     best_variant: str = "unroll"
     best_source: str = "--best_variant"
     anatomy_rows: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -193,9 +194,8 @@ def xla_flags(ctx: Probe, extra: list[str], label: str) -> str:
     would spend the window compiling."""
     out = [os.environ.get("XLA_FLAGS", "").strip(), *extra]
     if ctx.on_gpu:
-        dumps = sorted(ctx.work.glob("autotune_*.txt"), key=lambda f: f.stat().st_mtime)
-        if dumps:
-            out.append(f"--xla_gpu_load_autotune_results_from={dumps[-1]}")
+        if ctx.autotune_results:  # from a process that exited cleanly: a complete file
+            out.append(f"--xla_gpu_load_autotune_results_from={ctx.autotune_results}")
         out.append(f"--xla_gpu_dump_autotune_results_to={ctx.work / f'autotune_{label}.txt'}")
     return " ".join(f for f in out if f)
 
@@ -204,6 +204,8 @@ def run_worker(ctx: Probe, task: str, label: str, spec: dict[str, Any], flags_: 
                cap: float) -> dict[str, Any]:
     """One subprocess `gpu_probe.py --worker=task`: its result (rows, info, notes),
     partial if it died or hit its cap (then `error` says how)."""
+    if ctx.remaining() <= 5:
+        raise dc.Skip("time budget (--budget_s) spent")
     spec_path, result_path = ctx.work / f"{label}_spec.json", ctx.work / f"{label}_result.json"
     spec = {**spec, "label": label, "deadline_s": min(cap, ctx.remaining()) - 3,
             "plan": dataclasses.asdict(ctx.plan),
@@ -223,6 +225,9 @@ def run_worker(ctx: Probe, task: str, label: str, spec: dict[str, Any], flags_: 
             error = f"{label} exited {rc}: {last}"
     except TimeoutError as e:
         error = str(e)
+    dump = ctx.work / f"autotune_{label}.txt"
+    if error is None and dump.exists() and dump.stat().st_size:
+        ctx.autotune_results = dump
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rows": [], "info": {}}
     if error or result.get("error"):
         result["error"] = "; ".join(x for x in (result.get("error"), error) if x)
@@ -303,8 +308,8 @@ def part_gemm_chain(ctx: Probe, part: dc.Part) -> None:
                 part.info[f"M={m}: {label} ms / unrolled ms"] = round(by[(label, m)]["ms"] / base["ms"], 2)
     part.notes.append("One call = the model's weight GEMMs (7 a layer, 4 merged) + the LM head at M tokens, "
                       f"a residual RMS-norm between them; ms = wall of {ctx.plan.gemm_calls} back-to-back calls "
-                      "/ their number (one block at the end); GB/s = weight bytes read / ms; temp_bytes = XLA's temp buffer (scan's "
-                      "per-layer weight copies show up here).")
+                      "/ their number (one block at the end); GB/s = weight bytes read / ms; temp_bytes = "
+                      "XLA's temp buffer (scan's per-layer weight copies show up here).")
     if not ctx.on_gpu:
         part.notes.append(CPU_NOTE)
     if errors:

@@ -120,7 +120,7 @@ def test_files_for_the_device_tool(cpu_run):
 
 def test_bad_options_are_refused():
     for flag, words in (("--parts=environment,bogus", "unknown ['bogus']"), ("--budget_s=0", "must be > 0"),
-                        ("--best_variant=fast", "invalid choice")):
+                        ("--best_variant=fast", "invalid choice"), ("--engine_options=oops", "'oops' is not key=value")):
         r = subprocess.run([sys.executable, str(SCRIPT), flag], cwd=REPO, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and words in r.stderr, (flag, r.stderr)
