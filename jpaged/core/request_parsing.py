@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any
 
-from jpaged.core.json_values import json_type as _json_type
-from jpaged.core.json_values import short as _short
+from jpaged.structured.json_values import json_type as _json_type
+from jpaged.structured.json_values import short as _short
 from jpaged.core.sequence import SamplingParams
 from jpaged.structured import schemas
 from jpaged.structured import spec as structured_spec

@@ -28,7 +28,7 @@ import regex
 from jsonschema import validators
 from jsonschema.exceptions import ValidationError
 
-from jpaged.core.json_values import json_type
+from jpaged.structured.json_values import json_type
 from jpaged.structured.spec import StructuredOutputs
 
 # Keywords whose values are JSON data, not schemas (a "properties" key there is

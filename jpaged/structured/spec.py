@@ -13,7 +13,7 @@ import json as _json
 import re
 from typing import Any
 
-from jpaged.core.json_values import json_type
+from jpaged.structured.json_values import json_type
 from jpaged.structured import limits
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
