@@ -47,7 +47,7 @@ autotune results beside them (at most 8 files), and copies those to $OUT when th
 variable is set (the device tool brings back 8 files of <= 16 MiB).
 
     python benchmarks/gpu_probe.py                          # ~7 min on an H100/H200
-    python benchmarks/gpu_probe.py --parts=trace,command_buffers --best_variant=unroll
+    python benchmarks/gpu_probe.py --parts=environment,trace,command_buffers --best_variant=unroll
 """
 
 from __future__ import annotations
@@ -573,7 +573,11 @@ def worker_engine(spec: dict[str, Any], out: "Results") -> None:
     # Traced after every timed row: the profiler stays out of the timings.
     for batch in spec.get("trace_batches", []):
         if batch in programs and out.remaining() > 15:
-            trace_batch(llm, batch, plan, programs[batch], out)
+            try:
+                trace_batch(llm, batch, plan, programs[batch], out)
+            except Exception as e:  # noqa: BLE001 - part 4 reports the missing files; the rows stand
+                out.info[f"batch {batch} trace error"] = f"{type(e).__name__}: {e}"
+                out.save()
 
 
 # ------------------------------------------------------------ 4. trace
@@ -988,15 +992,7 @@ def make_probe(args: argparse.Namespace, t_start: float) -> Probe:
                  engine_options=args.engine_options, best_variant=args.best_variant)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        return run_worker_main(args.worker, args.spec, args.result)
-    t_start = time.perf_counter()
-    ctx = make_probe(args, t_start)
-    print(f"gpu probe on {ctx.device_kind} ({ctx.plan.shape_name} shape): report {ctx.path('.md')}", flush=True)
-    parts = [run_part(name, PART_FNS[name], ctx) if name in args.parts
-             else dc.Part(name, "skipped", "not in --parts") for name in PARTS]
+def make_header(ctx: Probe, parts: list[dc.Part], t_start: float) -> dict[str, Any]:
     import harness
     import jax
     header = {"device": ctx.device_kind, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -1006,7 +1002,24 @@ def main(argv: list[str]) -> int:
               "machine": harness.machine(), "backend": jax.default_backend(), **dc.versions()}
     if not ctx.on_gpu:
         header["note"] = CPU_NOTE
-    md = write_outputs(ctx, parts, header)
+    return header
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker_main(args.worker, args.spec, args.result)
+    t_start = time.perf_counter()
+    ctx = make_probe(args, t_start)
+    print(f"gpu probe on {ctx.device_kind} ({ctx.plan.shape_name} shape): report {ctx.path('.md')}", flush=True)
+    parts = [dc.Part(name, "not run" if name in args.parts else "skipped",
+                     "" if name in args.parts else "not in --parts") for name in PARTS]
+    for i, name in enumerate(PARTS):
+        if name in args.parts:
+            parts[i] = run_part(name, PART_FNS[name], ctx)
+            # The report so far, in $OUT too: a call killed at its limit still brings it back.
+            write_outputs(ctx, parts, make_header(ctx, parts, t_start))
+    md = write_outputs(ctx, parts, make_header(ctx, parts, t_start))
     shutil.rmtree(ctx.work, ignore_errors=True)  # its files are in the logs tarball
     print(f"report: {md}", flush=True)
     return 1 if any(p.status == "failed" for p in parts) else 0

@@ -13,7 +13,7 @@
 #    `device-check` first, device_check.py, whose report and logs it copies to $OUT.
 #
 # Rerun a failed part of the probe in the same window:
-#   bash benchmarks/gpu_window.sh probe --parts=trace,command_buffers --best_variant=unroll
+#   bash benchmarks/gpu_window.sh probe --parts=environment,command_buffers,attention_sweep --best_variant=unroll
 # Then device_check, on the same warm machine (/tmp keeps the wheels and half A):
 #   run(command="bash benchmarks/gpu_window.sh device-check", carry=[".devwhl", ".devmodel_b"])
 set -uo pipefail
