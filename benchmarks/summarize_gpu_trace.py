@@ -33,7 +33,7 @@ from typing import Any
 KERNEL_CLASSES = (
     ("attention", re.compile(r"jpaged|paged_attention")),
     ("GEMM", re.compile(r"gemm|cublas|cutlass|xmma|nvjet|matmul|wgmma|splitk|split_k")),
-    ("copies / dynamic-slice", re.compile(r"copy|memcpy|memset|dynamic[_-]?slice|dynamic[_-]?update|\bslice")),
+    ("copies / dynamic-slice", re.compile(r"copy|memcpy|memset|slice|dynamic[_-]?update")),
     ("fusions", re.compile(r"fusion|^loop_|^input_|^wrapped_|reduce|concatenate|transpose|convert|"
                            r"broadcast|select|scatter|gather")),
 )
