@@ -165,7 +165,7 @@ def device_time(runner: Any, inputs: StepInputs, calls: int) -> tuple[float, flo
     back to the runner, so the engine goes on as before."""
     exe = runner.programs[program_key(inputs)]
     args = jax.device_put(inputs, exe.input_shardings[0][2])
-    weights, pool = runner.weights, runner.kv_pool
+    weights, pool = runner.step_weights(), runner.kv_pool  # as the runner hands them to its programs
     try:
         dispatch = []
         for _ in range(DISPATCH_SAMPLES):
