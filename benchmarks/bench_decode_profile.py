@@ -168,7 +168,7 @@ def host_rows(config: str, steps: list[dict]) -> list[dict]:
 def detok_rows(config: str, llm: Any, tokens: list[int]) -> list[dict]:
     """The server's per-token streaming work on these tokens: SampleText.push with the
     server's decode (ServerState.decode), and one SSE chunk's encoding."""
-    from jpaged.entrypoints.server import _sse
+    from jpaged.entrypoints.openai.serving import _sse
     from jpaged.tokenizer.detokenizer import SampleText
     decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     sample, pushes, encodes = SampleText(decode), [], []

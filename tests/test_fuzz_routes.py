@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st  
 
 from helpers import TINY_ENGINE, make_peft_adapter, serve_in_thread  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
-from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
+from jpaged.entrypoints.openai.app import create_app  # noqa: E402
+from jpaged.entrypoints.openai.state import ServerOptions  # noqa: E402
 
 SECONDS = 60
 PROMPT = "Tell me about the sea."

@@ -22,7 +22,8 @@ from jpaged.core.request_parsing import parse_request
 from jpaged.core.sequence import SamplingParams
 from jpaged.entrypoints import batch
 from jpaged.entrypoints.cli import UsageError
-from jpaged.entrypoints.openai_protocol import RequestError, parse_chat
+from jpaged.entrypoints.openai.errors import RequestError
+from jpaged.entrypoints.openai.protocol import parse_chat
 from jpaged.structured import grammar, limits, sandbox
 from jpaged.structured.grammar import GrammarCompiler
 from jpaged.structured.spec import StructuredOutputs, from_request
@@ -217,7 +218,7 @@ def test_compiles_beyond_the_cap_wait_and_then_are_refused_uncached(compiler, mo
 def server_url(tiny_llama_tok_dir):
     """A server on the tiny Llama in this process (so the tests can lift its limits)."""
     from jpaged.engine.llm import LLM
-    from jpaged.entrypoints.server import create_app
+    from jpaged.entrypoints.openai.app import create_app
     with serve_in_thread(create_app(LLM(model=tiny_llama_tok_dir, **TINY_ENGINE), model_name="tiny")) as url:
         yield url
 

@@ -23,7 +23,8 @@ peft = pytest.importorskip("peft")
 from helpers import TINY_ENGINE, serve_in_thread, make_peft_adapter  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints import batch  # noqa: E402
-from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
+from jpaged.entrypoints.openai.app import create_app  # noqa: E402
+from jpaged.entrypoints.openai.state import ServerOptions  # noqa: E402
 from jpaged.core.lora_names import parse_lora_modules  # noqa: E402
 
 SECONDS = 60  # any one wait
@@ -266,7 +267,7 @@ def test_lora_name_follows_the_start_up_rule(served, adapters, name):
 def test_metrics_label_joins_only_rule_abiding_names():
     """vllm:lora_requests_info joins names with ",": one that broke the name rule (it cannot
     load) would be left out, never split into forged names."""
-    from jpaged.entrypoints.server_metrics import adapter_label
+    from jpaged.entrypoints.openai.metrics import adapter_label
     assert adapter_label(["org/a:v1", "b"]) == "b,org/a:v1"
     assert adapter_label(["b", "org/a:v1", "x,forged", "<|im_end|>"]) == "b,org/a:v1"
     assert adapter_label([]) == ""

@@ -18,7 +18,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from helpers import TINY_ENGINE, serve_in_thread  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
-from jpaged.entrypoints.server import ServerOptions, create_app  # noqa: E402
+from jpaged.entrypoints.openai.app import create_app  # noqa: E402
+from jpaged.entrypoints.openai.state import ServerOptions  # noqa: E402
 
 SECONDS = 60
 NEW_TOKENS = 8

@@ -21,8 +21,9 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from helpers import TINY_ENGINE, free_port, random_prompts  # noqa: E402
 from jpaged.entrypoints import serve  # noqa: E402
-from jpaged.entrypoints.server import (DrainingServer, RequestGuard, ServerOptions, create_app,  # noqa: E402
-                                       uvicorn_config)
+from jpaged.entrypoints.openai.app import create_app  # noqa: E402
+from jpaged.entrypoints.openai.guard import DrainingServer, RequestGuard, uvicorn_config  # noqa: E402
+from jpaged.entrypoints.openai.state import ServerOptions  # noqa: E402
 
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

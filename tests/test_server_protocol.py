@@ -10,13 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.core import request_parsing
-from jpaged.entrypoints import openai_protocol
+from jpaged.entrypoints.openai import protocol as openai_protocol
 from jpaged.tokenizer.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
 from jpaged.core.request_parsing import CHAT_ROLES, SAMPLING_FIELDS
 from jpaged.core.sequence import MAX_STOP_STRINGS, SamplingParams, TokenLogprob
-from jpaged.entrypoints.openai_protocol import (LOGPROB_FLOOR, UNSUPPORTED_FIELDS, ChatCompletionRequest,
-                                                CompletionRequest, GenerateRequest, RequestError, chat_logprobs,
-                                                completion_logprobs, parse_chat, parse_completion, parse_generate)
+from jpaged.entrypoints.openai.errors import RequestError
+from jpaged.entrypoints.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest,
+                                                GenerateRequest, parse_chat, parse_completion, parse_generate)
+from jpaged.entrypoints.openai.responses import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
 
 # A byte-level "tokenizer": token t is the byte t; decode is UTF-8 with replacement,
 # so a multi-byte character spans several tokens.
@@ -381,7 +382,7 @@ def test_tools_outside_chat_are_refused(parse, body, field, value):
 
 
 # ------------------------------------------------------ structured outputs and tools
-from jpaged.entrypoints.openai_protocol import chat_choice  # noqa: E402
+from jpaged.entrypoints.openai.responses import chat_choice  # noqa: E402
 from jpaged.structured.spec import StructuredOutputs  # noqa: E402
 from jpaged.structured.tool_parser import DeclaredTools  # noqa: E402
 

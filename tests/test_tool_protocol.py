@@ -1,5 +1,5 @@
 """Tool calls and disable_additional_properties at the protocol level
-(jpaged.entrypoints.openai_protocol): which calls a chat answer reports (only
+(jpaged.entrypoints.openai.protocol): which calls a chat answer reports (only
 declared functions; forced calls cut short by max_tokens), and how the
 disable_additional_properties request field and server option close the
 schemas.  Host only, no model."""
@@ -11,7 +11,9 @@ import json
 import pytest
 
 from jpaged.core.sequence import SamplingParams
-from jpaged.entrypoints.openai_protocol import RequestError, chat_choice, parse_chat, parse_completion
+from jpaged.entrypoints.openai.errors import RequestError
+from jpaged.entrypoints.openai.protocol import parse_chat, parse_completion
+from jpaged.entrypoints.openai.responses import chat_choice
 
 DEFAULT = SamplingParams(max_tokens=16)
 MESSAGES = [{"role": "user", "content": "Repeat after me."}]
@@ -97,7 +99,8 @@ def test_a_bad_disable_additional_properties_is_a_400_naming_it(fields, param):
 
 def test_the_server_option_is_each_requests_default(tmp_path):
     """ServerOptions.disable_additional_properties: a request that says nothing is closed; its own false wins."""
-    from jpaged.entrypoints.server import ServerOptions, _prepare
+    from jpaged.entrypoints.openai.serving import _prepare
+    from jpaged.entrypoints.openai.state import ServerOptions
     from types import SimpleNamespace
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": OPEN_SCHEMA}}
 

@@ -39,7 +39,7 @@ REQUEST_FIELDS = PROMPT_FIELDS + SAMPLING_FIELDS + STRUCTURED_FIELDS + SCHEMA_FI
 # any other value is refused naming the field (the batch CLI: that line's error;
 # the HTTP server: a 400), rather than answered as if the field were absent.
 # Fields no list here names stay ignored (with a warning in the batch CLI).
-# Shared by the batch CLI and jpaged.entrypoints.openai_protocol.  `best_of`
+# Shared by the batch CLI and jpaged.entrypoints.openai.protocol.  `best_of`
 # (accepted only equal to n) is checked beside these (unsupported_field).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # sampling: penalties, biases, filters

@@ -128,7 +128,7 @@ class EngineCall:
 
 
 class EngineMetrics:
-    """What the engine thread reports as it goes (jpaged.entrypoints.server_metrics implements it)."""
+    """What the engine thread reports as it goes (jpaged.entrypoints.openai.metrics implements it)."""
 
     def on_admitted(self, request: EngineRequest) -> None: ...
     def on_tokens(self, request: EngineRequest, num_tokens: int, gap: float | None, first: bool) -> None: ...

@@ -13,6 +13,7 @@ request now and the next `step()` returns it with finish_reason "abort"), and
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
 
@@ -23,6 +24,7 @@ from jpaged.core.stats import EngineSnapshot, EngineStats
 
 if TYPE_CHECKING:  # the engine's modules import jax; this one stays light
     from jpaged.engine.output_processor import RequestOutput
+    from jpaged.loading.peft import PeftFiles
 
 Prompts = Iterable[Any]
 PerPrompt = SamplingParams | list[SamplingParams] | None
@@ -31,9 +33,11 @@ PerPrompt = SamplingParams | list[SamplingParams] | None
 @runtime_checkable
 class Engine(Protocol):
     """The engine interface (see the module docstring): everything the entry points
-    (jpaged.entrypoints: serve, server and its routes, batch, metrics) and the
-    AsyncEngine read off an engine.  tests/test_server_data_parallel.py checks that
-    both engines have every member and that the entry points read no other."""
+    (jpaged.entrypoints: serve, the server package openai/ and its routes, batch,
+    metrics) and the AsyncEngine read off an engine: the server never probes for
+    a member (getattr / hasattr), so every verb its routes call is here.
+    tests/test_server_data_parallel.py checks that both engines have every
+    member and that the entry points read no other."""
 
     config: Any
     tokenizer: Any
@@ -65,10 +69,12 @@ class Engine(Protocol):
     def follow(self) -> None: ...  # processes other than 0 of a multi-process run
     def close(self) -> None: ...
 
-    # Between generate() calls (the RL routes): the engine is idle when generate() returns
+    # Between generate() calls (the RL and LoRA routes): the engine is idle when generate() returns.
+    # Refusals are ValueError / RuntimeError / OSError with a message for the client.
     def reset_prefix_cache(self) -> None: ...
-    def load_lora_adapter(self, name: str, path: str) -> None: ...
-    def unload_lora_adapter(self, name: str) -> None: ...
+    # `path`: a PEFT directory, or its PeftFiles read beforehand off the engine thread (the server).
+    def load_lora_adapter(self, name: str, path: str | os.PathLike | PeftFiles) -> None: ...
+    def unload_lora_adapter(self, name: str) -> None: ...  # UnknownLoraError (a KeyError) for a name not loaded
     def pause(self, mode: str = "keep") -> None: ...
     def resume(self) -> None: ...
     @property

@@ -402,9 +402,9 @@ def _refuse_unknown_model(request: ParsedRequest, llm: Any, writer: ResultWriter
     """True (and the line's error written) when its "model" names no loaded LoRA
     adapter: known once the engine has loaded them (an engine without adapters,
     a data-parallel router, says so per request)."""
-    adapters = getattr(llm, "lora_adapters", None)
+    adapters = llm.lora_adapters
     lora = request.params.lora
-    if lora is None or adapters is None or lora in adapters:
+    if lora is None or lora in adapters:
         return False
     request.error = (f"line {request.index + 1}: model {lora!r} does not exist: neither the base model "
                      f"({llm.config.model!r}) nor a loaded LoRA adapter ({', '.join(adapters) or 'none'})")

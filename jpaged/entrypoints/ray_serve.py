@@ -12,7 +12,7 @@ or from the command line (a Ray cluster: `ray start --head` first, or a local on
 Each replica is one Ray actor that builds its own engine (create_engine(config):
 its own weights, KV pool, prefix cache and scheduler on the devices Ray gives
 it: `num_gpus_per_replica` GPUs, or one process on CPU) and serves the same
-FastAPI app as `jpaged serve` (jpaged.entrypoints.server.create_app).  Ray
+FastAPI app as `jpaged serve` (jpaged.entrypoints.openai.app.create_app).  Ray
 Serve's proxy spreads the HTTP requests over the replicas (power of two choices
 on each replica's requests in flight, up to max_ongoing_requests each).  A
 replica is ready once its engine is: the app's startup waits for the load, and
@@ -22,7 +22,7 @@ requests, graceful_shutdown_timeout_s = the config's shutdown_grace_seconds for
 those in flight) before the app shuts its engine down.
 
 Every answer carries `x-jpaged-replica: <Ray's replica id>`.  Each replica
-keeps its own Prometheus registry (vLLM's names, server_metrics.py): GET
+keeps its own Prometheus registry (vLLM's names, openai/metrics.py): GET
 /metrics through the proxy is answered by one replica, named by that header;
 `replica_metrics(app_name)` collects every replica's text over Ray's handles.
 """
@@ -115,7 +115,7 @@ def _server_class() -> type:
 
         def __serve_build_asgi_app__(self) -> Any:
             from jpaged.engine.router import create_engine
-            from jpaged.entrypoints.server import create_app
+            from jpaged.entrypoints.openai.app import create_app
             config = self.config
             app = create_app(lambda: create_engine(config), config, model_name=self.model_name,
                              options=self.options)
@@ -240,7 +240,7 @@ def _options() -> Any:
     """ServerOptions with the API key of the environment's JPAGED_API_KEY."""
     import os
 
-    from jpaged.entrypoints.server import ServerOptions
+    from jpaged.entrypoints.openai.state import ServerOptions
     return ServerOptions(api_key=os.environ.get("JPAGED_API_KEY") or None)
 
 

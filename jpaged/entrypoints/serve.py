@@ -1,4 +1,4 @@
-"""`jpaged serve`: serves a model over an OpenAI-compatible HTTP API (jpaged.entrypoints.server).
+"""`jpaged serve`: serves a model over an OpenAI-compatible HTTP API (jpaged.entrypoints.openai).
 
     jpaged serve [--config my_config.py] [--host 127.0.0.1] [--port 8000] \
         [--config.max_num_seqs=16 --config.max_queued_requests=64 ...] [--precompile]
@@ -19,7 +19,7 @@ aborts what is left and exits 0.
 <key>`; serving a non-loopback address without one logs a warning.  The request
 and connection limits (--max_request_body_bytes, --max_prompt_bytes,
 --body_timeout_seconds, --header_timeout_seconds, --timeout_keep_alive,
---limit_concurrency, --backlog) are jpaged.entrypoints.server.ServerOptions.
+--limit_concurrency, --backlog) are jpaged.entrypoints.openai.state.ServerOptions.
 
 LoRA adapters: --config.lora_modules=name=path[,name=path...] loads PEFT
 directories at start (--config.max_loras: slots for more); a request names one
@@ -31,7 +31,7 @@ serving them beyond this machine (a path they name is read from its disk).
 --enable_rl_routes turns on the routes RL frameworks (verl, slime, OpenRLHF)
 call on a rollout server: POST /pause, /resume, /sleep, /wake_up,
 /update_weights, /reset_prefix_cache and GET /is_paused, /is_sleeping
-(jpaged.entrypoints.server).  They change the engine for every client (and
+(jpaged.entrypoints.openai.admin).  They change the engine for every client (and
 /update_weights reads a path on this machine's disk): off by default (404),
 behind the API key when on.
 """
@@ -152,7 +152,7 @@ def open_address_warning(host: str, api_key: str | None) -> str | None:
 def server_options(args: Args, environ: Any = os.environ) -> Any:
     """The ServerOptions of these arguments (the API key from JPAGED_API_KEY if
     --api_key is not given; an empty key is no key)."""
-    from jpaged.entrypoints.server import ServerOptions
+    from jpaged.entrypoints.openai.state import ServerOptions
     key = args.api_key if args.api_key is not None else environ.get("JPAGED_API_KEY")
     return ServerOptions(api_key=key or None, metrics_require_key=args.metrics_require_key,
                          max_request_body_bytes=args.max_request_body_bytes, max_prompt_bytes=args.max_prompt_bytes,
@@ -171,7 +171,8 @@ def run(config_file: Any, args: Args = Args()) -> int:
     validate_config(config)
     import uvicorn
 
-    from jpaged.entrypoints.server import DrainingServer, create_app, uvicorn_config
+    from jpaged.entrypoints.openai.app import create_app
+    from jpaged.entrypoints.openai.guard import DrainingServer, uvicorn_config
 
     server: uvicorn.Server | None = None
 

@@ -1,9 +1,9 @@
 """vLLM's LoRA adapter routes: POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter, registered by create_app (jpaged.entrypoints.server).
+/v1/unload_lora_adapter, registered by create_app (jpaged.entrypoints.openai.app).
 A request's "model" then names a loaded adapter (ServerState.adapters).
 
 Every input is checked before the engine sees it: the name by the one rule of
-adapter names (jpaged.loading.peft.ADAPTER_NAME_RULE, as lora_modules at start),
+adapter names (jpaged.core.lora_names.ADAPTER_NAME_RULE, as lora_modules at start),
 the directory's files read with bounds and checked field by field in the host
 pool; the engine thread only fits the arrays to the model and writes the slot."""
 
@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from jpaged.core.config import lora_slots
-from jpaged.engine.async_engine import EngineClosed
-from jpaged.entrypoints.openai_protocol import RequestError
-from jpaged.entrypoints.server import ServerState, _error_response, _json_body, lora_adapters
+from jpaged.entrypoints.openai.errors import RequestError, json_body
+from jpaged.entrypoints.openai.guard import REFUSALS, refused
+from jpaged.entrypoints.openai.state import ServerState, lora_adapters
 from jpaged.core.lora_names import adapter_name_error
 from jpaged.loading.peft import PeftFiles, read_peft_files
+
+if TYPE_CHECKING:
+    from jpaged.engine.protocol import Engine
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 # On the engine thread.  Each sets state.adapters there, as the engine changes
 # (a client that leaves before the answer leaves no stale list behind).
-def _load_lora(state: ServerState, name: str, files: PeftFiles, llm: Any) -> None:
+def _load_lora(state: ServerState, name: str, files: PeftFiles, llm: Engine) -> None:
     """Fits the adapter read in the host pool to the model and writes its slot: a 400 with
     the engine's message (naming the file, the name in use, or the slots) if it cannot."""
     try:
@@ -59,7 +62,7 @@ def _load_lora(state: ServerState, name: str, files: PeftFiles, llm: Any) -> Non
     state.adapters = lora_adapters(llm)
 
 
-def _unload_lora(state: ServerState, name: str, llm: Any) -> None:
+def _unload_lora(state: ServerState, name: str, llm: Engine) -> None:
     """A 404 for a name not loaded."""
     from jpaged.engine.lora_manager import UnknownLoraError  # (jax: loaded with the engine)
     try:
@@ -74,7 +77,7 @@ def _unload_lora(state: ServerState, name: str, llm: Any) -> None:
 # In the host pool: parsing the body, and reading the adapter's files (bounded:
 # jpaged.loading.peft's limits), so that no read stalls the engine's steps.
 def _lora_request(state: ServerState, body: bytes, kind: type[BaseModel]) -> Any:
-    req = _json_body(body, kind)
+    req = json_body(body, kind)
     error = adapter_name_error(req.lora_name)
     if error:
         raise RequestError(f"lora_name: {error}", "lora_name")
@@ -114,10 +117,8 @@ async def _lora_route(request: Request, state: ServerState, kind: type[BaseModel
             await engine.call(functools.partial(_load_lora, state, req.lora_name, files))
         else:
             await engine.call(functools.partial(_unload_lora, state, req.lora_name))
-    except RequestError as e:
-        return _error_response(e)
-    except EngineClosed as e:
-        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
+    except REFUSALS as e:
+        return refused(e)
     done = "added" if kind is LoadLoraAdapterRequest else "removed"
     log.info("LoRA adapter %r %s", req.lora_name, done)
     return Response(f"Success: LoRA adapter '{req.lora_name}' {done} successfully.", media_type="text/plain")

@@ -1,5 +1,5 @@
-"""What RL frameworks (verl, slime, OpenRLHF) call on a rollout server (vLLM's
-and SGLang's names), only with ServerOptions.enable_rl_routes (else 404s):
+"""The admin routes: what RL frameworks (verl, slime, OpenRLHF) call on a rollout
+server (vLLM's and SGLang's names), only with ServerOptions.enable_rl_routes (else 404s):
 POST /pause {"mode": "abort"|"keep"|"wait"} (default "keep"; returns at once,
 "wait" lets the requests in flight finish meanwhile), POST /resume, POST
 /sleep {"level": 1|2}, POST /wake_up, POST /update_weights {"path" (or
@@ -22,16 +22,19 @@ import functools
 import logging
 import pathlib
 import typing
-from typing import Annotated, Any, Callable, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 
 from jpaged.core.config import EMBEDDED_MODEL, auto_load_format
-from jpaged.engine.async_engine import EngineClosed
-from jpaged.entrypoints.openai_protocol import RequestError
-from jpaged.entrypoints.server import ServerState, _error_response, _json_body
+from jpaged.entrypoints.openai.errors import RequestError, json_body
+from jpaged.entrypoints.openai.guard import REFUSALS, error_response, refused
+from jpaged.entrypoints.openai.state import ServerState
+
+if TYPE_CHECKING:
+    from jpaged.engine.protocol import Engine
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ class UpdateWeightsRequest(RLRequest):
     in_flight: Literal["abort", "keep", "recompute"] = "abort"
 
 
+# What a route does to the engine, on the engine thread (a verb of the Engine protocol).
+Change = Callable[["Engine", Any], None]
+
+
 def _query_fields(items: list[tuple[str, str]], kind: type[RLRequest]) -> dict[str, Any]:
     """The query parameters as fields: each given once (a list field's values repeated);
     an integer field's value one of its values' exact ASCII spelling ("1", not "01",
@@ -97,7 +104,7 @@ def _is_list(annotation: Any) -> bool:
 
 
 def _rl_request(body: bytes, query: list[tuple[str, str]], kind: type[RLRequest]) -> RLRequest:
-    req = _json_body(body, kind, _query_fields(query, kind))
+    req = json_body(body, kind, _query_fields(query, kind))
     if isinstance(req, UpdateWeightsRequest):
         _check_checkpoint(req.path)
     return req
@@ -123,44 +130,39 @@ def _check_checkpoint(path: str) -> None:
                            f"checkpoint", "path")
 
 
-def _rl_change(state: ServerState, change: Callable[[Any, Any], Any], field: str | None, req: RLRequest,
-               llm: Any) -> Any:
+def _rl_change(state: ServerState, change: Change, field: str | None, req: RLRequest, llm: Engine) -> None:
     """On the engine thread: change(llm, req); the engine's refusals become 400s (naming
     `field` when the route's input is what was refused)."""
     try:
-        return change(llm, req)
-    except AttributeError as e:
-        raise RequestError(f"this engine does not support it: {e}") from None  # (a data-parallel router)
+        change(llm, req)
     except (ValueError, RuntimeError, OSError) as e:
         raise RequestError(str(e), field) from None
     finally:
-        state.asleep = bool(getattr(llm, "is_sleeping", False))
+        state.asleep = bool(llm.is_sleeping)
 
 
-async def _rl_route(request: Request, state: ServerState, kind: type[RLRequest],
-                    change: Callable[[Any, Any], Any], field: str | None, sleeps: bool = False) -> Response:
+async def _rl_route(request: Request, state: ServerState, kind: type[RLRequest], change: Change,
+                    field: str | None, sleeps: bool = False) -> Response:
     try:
         engine = state.ready_engine()
         req = await state.run_host(_rl_request, await request.body(), request.query_params.multi_items(), kind)
         if sleeps:
             state.asleep = True  # before the call is queued: no request submitted after it meets the sleep
         await engine.call(functools.partial(_rl_change, state, change, field, req))
-    except RequestError as e:
-        return _error_response(e)
-    except EngineClosed as e:
-        return _error_response(RequestError(str(e), status=503, kind="service_unavailable"))
+    except REFUSALS as e:
+        return refused(e)
     log.info("%s %s", request.url.path, req.model_dump())
     return JSONResponse({"status": "ok"})
 
 
-def add_rl_routes(app: FastAPI, state: ServerState) -> None:
-    def post(path: str, change: Callable[[Any, Any], Any], kind: type[RLRequest] = RLRequest,
-             field: str | None = None, sleeps: bool = False) -> None:
+def add_admin_routes(app: FastAPI, state: ServerState) -> None:
+    def post(path: str, change: Change, kind: type[RLRequest] = RLRequest, field: str | None = None,
+             sleeps: bool = False) -> None:
         async def route(request: Request) -> Response:
             return await _rl_route(request, state, kind, change, field, sleeps)
         app.add_api_route(path, route, methods=["POST"], name=path.strip("/"))
 
-    def get(path: str, attribute: str) -> None:
+    def get(path: str, attribute: str, read: Callable[[Engine], bool]) -> None:
         async def route(request: Request) -> Response:
             try:
                 if request.query_params:  # (these take no input)
@@ -168,8 +170,8 @@ def add_rl_routes(app: FastAPI, state: ServerState) -> None:
                                        f"{sorted(request.query_params)[:4]}", sorted(request.query_params)[0])
                 state.ready_engine()
             except RequestError as e:
-                return _error_response(e)
-            return JSONResponse({attribute: bool(getattr(state.llm, attribute, False))})
+                return error_response(e)
+            return JSONResponse({attribute: bool(read(state.llm))})
         app.add_api_route(path, route, methods=["GET"], name=path.strip("/"))
 
     post("/pause", lambda llm, req: llm.pause(req.mode), PauseRequest)
@@ -179,5 +181,5 @@ def add_rl_routes(app: FastAPI, state: ServerState) -> None:
     post("/update_weights", lambda llm, req: llm.update_params(req.path, in_flight=req.in_flight),
          UpdateWeightsRequest, field="path")
     post("/reset_prefix_cache", lambda llm, req: llm.reset_prefix_cache())
-    get("/is_paused", "is_paused")
-    get("/is_sleeping", "is_sleeping")
+    get("/is_paused", "is_paused", lambda llm: llm.is_paused)
+    get("/is_sleeping", "is_sleeping", lambda llm: llm.is_sleeping)
