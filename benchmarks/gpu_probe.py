@@ -433,7 +433,7 @@ def time_gemm_chain(layout: str, dims: dict[str, int], m: int, layers: Any, lm_h
     """ms of one call of the chain at M = m: `calls` calls back to back, one block."""
     import jax
     import jax.numpy as jnp
-    x = jax.random.normal(jax.random.PRNGKey(m), (m, dims["d"]), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(m), (m, dims["d"]), jnp.bfloat16)
     t0 = time.perf_counter()
     exe = jax.jit(gemm_program(layout, dims)).lower(x, layers, lm_head).compile()
     compile_s = time.perf_counter() - t0
@@ -815,7 +815,7 @@ def worker_kernel(spec: dict[str, Any], out: "Results") -> None:
             kv_bytes_one_set = batch * context * dims["num_kv_heads"] * dims["head_dim"] * 2 * 2
             n_sets = max(1, min(8, math.ceil(256 * 2**20 / kv_bytes_one_set))) if spec["on_gpu"] else 1
             n_sets = min(n_sets, iters)
-            pool, tables, qs = kernel_pool(jax.random.PRNGKey(batch), batch, context, n_sets, dims, kv_dtype)
+            pool, tables, qs = kernel_pool(jax.random.key(batch), batch, context, n_sets, dims, kv_dtype)
             made[(batch, kv_dtype)] = (pool, tables, qs, n_sets)
         pool, tables, qs, n_sets = made[(batch, kv_dtype)]
         tuning = {k: point[k] for k in ("num_partitions", "num_stages", "num_warps", "block_k") if k in point}
