@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from jpaged.formats.gguf import gguf_metadata, read_gguf
-from jpaged.models import config_from_hf, weight_shapes
+from jpaged.models import weight_shapes
 from jpaged.models.llama import HF_LAYER_NAMES, Llama
 from jpaged.tokenizer.tokenizer import Tokenizer
-from jpaged.loading.weights import dummy_weights, embedded_gguf_path, load_gguf, load_hf_dir, load_weights
+from jpaged.loading.weights import embedded_gguf_path, load_gguf, load_hf_dir, load_weights
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -248,23 +248,6 @@ def test_corrupt_cache_is_rebuilt(tmp_path):
     assert third.config.rope_scaling == again.config.rope_scaling
     shutil.rmtree(entry / "arrays")  # a missing payload is also rebuilt
     assert not load_weights(str(path), cache_dir=cache, use_cache=True, dtype="bfloat16").from_cache
-
-
-# ---------------------------------------------------------------- dummy weights
-def test_dummy_weights(tmp_path):
-    hf = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
-          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "tie_word_embeddings": False}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    lw = load_weights(str(tmp_path), load_format="dummy", dtype="bfloat16")
-    cfg = lw.config
-    assert cfg == config_from_hf(hf) and lw.tokenizer is None and not lw.from_cache
-    assert {k: v.shape for k, v in lw.arrays.items()} == weight_shapes(cfg)
-    assert all(v.dtype == ml_dtypes.bfloat16 for v in lw.arrays.values())
-    w = dummy_weights(cfg, seed=1)
-    assert abs(float(w["layers.wq"].std()) - 0.02) < 2e-3 and np.all(w["layers.attn_norm"] == 1)
-    assert not np.array_equal(w["layers.wq"][0], w["layers.wq"][1])
-    Llama(cfg, lw.arrays)
 
 
 def test_loader_tells_the_model_and_its_format_as_the_config_check_does(tmp_path):

