@@ -16,6 +16,11 @@ generation loop) and `score` (log-probabilities of given tokens, with dense
 attention and no pool) need no pool from the caller.  `run_step` is the
 engine's own step: the same forward + sample over one `StepInputs` pytree
 (jpaged.runtime.step_inputs), logprobs included when its structure asks.
+
+`params` is whatever tree `jpaged.models.build_model` made: the separate
+wq/wk/wv, w_gate/w_up by default, or wqkv / w_gate_up when built with
+`merge_projections=True` (an engine with config merge_projections hands out
+that one); every function here runs either with its own graphdef.
 """
 
 from __future__ import annotations
