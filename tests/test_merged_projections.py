@@ -201,3 +201,13 @@ def test_lora_on_merged_targets(make_tiny_llm, adapter, overrides):
     assert_same(engines[1].generate(PROMPTS, params), want)
     base = engines[0].generate(PROMPTS[:1], params[1:2])[0]
     assert base.token_ids != want[0].token_ids  # the adapter changes the tokens
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_dummy_weights_drawn_on_the_devices_merge(make_tiny_llm, layer_loop):
+    """load_format=dummy hands over device arrays (per-layer lists when unrolled), sharded:
+    they merge where they are, and give the separate engine's tokens."""
+    engines = [make_tiny_llm(load_format="dummy", tensor_parallel_size=2, layer_loop=layer_loop,
+                             merge_projections=m) for m in (False, True)]
+    want, got = (e.generate(PROMPTS, GREEDY) for e in engines)
+    assert_same(got, want)
