@@ -17,11 +17,11 @@ context), chunked prefill (4x256 new tokens over 512 cached ones) and decode
 (batch 32 / 64 at contexts 150 / 600, batch 32 at 500 / 2000).  GFLOP/s
 counts the causal work (4 * D flops per visible (query head, key) pair); GB/s
 the K/V bytes that decode must read (of the pool's dtype: a quantized row is
-head_dim + 1 bytes).  The machine may be shared: ratios measured in the same
+head_dim bytes and its code byte).  The machine may be shared: ratios measured in the same
 run are what matter.
 
 --kv_dtypes times the kernel over pools of several dtypes (float32, bfloat16,
-int8, float8_e4m3fn; the quantized ones hold `quantize_rows` of the same
+int8, float8_e4m3fn; the quantized ones hold `quantize_pages` of the same
 random K/V) with the same queries and block tables: one row per (shape, pool
 dtype), plus a table of kernel times side by side.  Their timed calls are
 interleaved round by round, so that load from other processes hits them alike.
@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 import harness as B  # noqa: E402
 from pallas_kernels import cpu  # noqa: E402
 from pallas_kernels.reference import (is_quantized, paged_attention_reference,  # noqa: E402
-                                      quantize_rows, write_kv_reference)
+                                      quantize_pages, write_kv_reference)
 
 # name -> list of (kv_len, q_len) sequences
 SHAPES = {
@@ -111,15 +111,15 @@ def median_times(calls, reps: int) -> list[float]:
 
 
 def make_pools(rng, num_blocks: int, dtypes) -> dict:
-    """dtype -> pool of the same random K/V: cast, or `quantize_rows` (block by block, to
+    """dtype -> pool of the same random K/V: cast, or `quantize_pages` (block by block, to
     bound the memory the quantization takes)."""
     L, KVH, BS, D = FLAGS.num_layers, FLAGS.num_kv_heads, FLAGS.block_size, FLAGS.head_dim
     pool = rng.standard_normal((num_blocks, L, 2, KVH, BS, D), dtype=np.float32)
     pools = {}
     for dtype in dtypes:
         if is_quantized(dtype):
-            quantize = jax.jit(lambda x, dtype=dtype: quantize_rows(x, dtype))
-            q = np.empty((*pool.shape[:-1], D + 1), dtype)
+            quantize = jax.jit(lambda x, dtype=dtype: quantize_pages(x, dtype))
+            q = np.empty((*pool.shape[:-2], BS + 1, D), dtype)
             for i in range(0, num_blocks, 256):
                 q[i:i + 256] = np.asarray(quantize(jnp.asarray(pool[i:i + 256])))
             pools[dtype] = jnp.asarray(q)
@@ -225,8 +225,8 @@ def causal_flops(seqs) -> float:
 
 def kv_bytes(seqs, pool_dtype) -> float:
     """K/V bytes the sequences' keys take in a pool of `pool_dtype` (quantized rows:
-    head_dim values and the scale code)."""
-    row = FLAGS.head_dim + int(is_quantized(pool_dtype))
+    head_dim values, and a code byte per row in the page's code row)."""
+    row = FLAGS.head_dim + int(is_quantized(pool_dtype))   # the code, read from the code row
     return sum(kv for kv, _ in seqs) * FLAGS.num_kv_heads * row * 2 * pool_dtype.itemsize
 
 

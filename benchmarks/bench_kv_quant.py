@@ -401,7 +401,7 @@ def fake_backend(s: dict, head_dim: int):
             k, v = rotate(k), rotate(v)
         kv = jnp.stack([k, v], axis=1).astype(jnp.float32)  # [T, 2, KVH, D]
         if s["gran"] == "tok" and s["scale"] == SHIPPED_SCALE[s["kind"]]:  # the shipped quantizer itself
-            fq = R.dequantize_rows(R.quantize_rows(kv, qdtype))
+            fq = R.dequantize_rows(*R.quantize_rows(kv, qdtype))
         elif s["gran"] == "tok":
             fq = quant_with_amax(kv, jnp.max(jnp.abs(kv), axis=-1, keepdims=True), s)
         else:
@@ -455,8 +455,8 @@ def run_ablation(schemes: list[str]) -> list[dict]:
             real[dt] = teacher_forced(llm)
             release(llm)
             r = {"scheme": f"{dt} pool (real, shipped)", "kind": dt, "scale_per": "token x KV head",
-                 "scale": SHIPPED_SCALE[kind], "rotation": True, "bytes_per_row": D + 1,
-                 "blocks_vs_fp32": 4 * D / (D + 1), **drift_stats(base, real[dt])}
+                 "scale": SHIPPED_SCALE[kind], "rotation": True, "bytes_per_row": D + D / _BLOCK_SIZE.value,
+                 "blocks_vs_fp32": 4 * _BLOCK_SIZE.value / (_BLOCK_SIZE.value + 1), **drift_stats(base, real[dt])}
             rows.append(r)
             print(f"ablation real {dt}: mean {r['mean_abs_dlogprob']:.5f} max {r['max_abs_dlogprob']:.4f}", flush=True)
     for name in schemes:
@@ -485,7 +485,7 @@ def run_write_speed() -> list[dict]:
     each in its own block), jitted with the pool donated; median of --reps calls."""
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.reference import quantize_rows
+    from pallas_kernels.reference import write_kv_reference
     llm = make_llm("float32", max_num_seqs=1, max_model_len=256, num_blocks=2)
     cfg = llm.model_config
     L, KVH, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -511,9 +511,8 @@ def run_write_speed() -> list[dict]:
         kv = jnp.stack([k, v], axis=1)
         return pool.at[blocks, layer, :, :, offsets].set(kv, mode="drop", unique_indices=True)
 
-    def write_tok(pool, layer, k, v, blocks, offsets):
-        kv = quantize_rows(jnp.stack([k, v], axis=1), jnp.int8)
-        return pool.at[blocks, layer, :, :, offsets].set(kv, mode="drop", unique_indices=True)
+    def write_tok(pool, layer, k, v, blocks, offsets):   # values to their rows, codes to the code rows
+        return write_kv_reference(pool, layer, k, v, blocks, offsets)
 
     def write_blk(state, layer, k, v, blocks, offsets):
         vals, scales = state  # int8 [NB, L, 2, KVH, BS, D], fp32 [NB, L, 2, KVH]
@@ -533,7 +532,7 @@ def run_write_speed() -> list[dict]:
         "fp32 rows (plain scatter)": (write_fp32, lambda: jnp.zeros((NB, L, 2, KVH, bs, D), jnp.float32),
                                       4 * D),
         "int8, one-byte scale code per token x head (shipped)": (
-            write_tok, lambda: jnp.zeros((NB, L, 2, KVH, bs, D + 1), jnp.int8), D + 1),
+            write_tok, lambda: jnp.zeros((NB, L, 2, KVH, bs + 1, D), jnp.int8), D + D / bs),
         "int8, fp32 scale per block x head (requantize)": (
             write_blk, lambda: (jnp.zeros((NB, L, 2, KVH, bs, D), jnp.int8),
                                 jnp.zeros((NB, L, 2, KVH), jnp.float32)), D + 4 / bs),

@@ -14,7 +14,7 @@ block_size) blocks.  wasted % = reserved slots not holding a token.  The
 reservation table is for the engine's pool dtype (kv_cache_dtype auto = the
 float32 weights' dtype); the fit table has one row per --kv_dtypes pool dtype,
 its bytes from bytes_per_block(cfg, block_size, dtype) (int8 / fp8 rows carry
-their scale column: head_dim + 1 bytes).
+their scale codes: one more row per page).
 """
 
 from __future__ import annotations

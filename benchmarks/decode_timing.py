@@ -41,7 +41,7 @@ def step_bytes(llm: Any, batch: int, context: float) -> int:
     every weight but the embedding table (a step gathers `batch` of its rows; tied
     embeddings are read whole, as the LM head), plus each layer's K/V of `context`
     tokens per sequence (at most its sliding window), at the pool's bytes per token
-    and layer (a quantized pool's inline scales included).  Summed over devices."""
+    and layer (a quantized pool's code rows included).  Summed over devices."""
     tied = llm.model_config.tie_word_embeddings
     weights = sum(x.nbytes for path, x in jax.tree_util.tree_flatten_with_path(llm.runner.params)[0]
                   if tied or _top_key(path) != "embed")

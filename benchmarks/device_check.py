@@ -432,7 +432,7 @@ def part_kernel_bench(ctx: Context, part: Part) -> None:
                           "kernel speed (jax_ops runs on a GPU only).")
     part.notes.append("GB/s = K/V bytes / time; pct_copy: of bench_kernels' own copy bandwidth; "
                       "pct_nominal: of the spec sheet's HBM bandwidth; jax_ops_us / ours_us > 1: ours faster. "
-                      "Quantized pools (int8, float8_e4m3fn: rows of head_dim + 1 bytes) with bf16 q, ours "
+                      "Quantized pools (int8, float8_e4m3fn: head_dim-byte rows, a code row per page) with bf16 q, ours "
                       "only; bf16_us / ours_us > 1: faster than on the bf16 pool at that batch and context.")
     if errors:
         raise RuntimeError("; ".join(errors))

@@ -206,5 +206,6 @@ def test_step_bytes_reads_every_weight_but_an_untied_embedding_plus_the_kv(decod
                                      runner=tiny_llm.runner, kv_layout=tiny_llm.kv_layout,
                                      config=tiny_llm.config, block_bytes=bytes_per_block(cfg, 16, kv_dtype))
     assert decode_timing.step_bytes(engine(True, jnp.float32), 0, 0) == total  # tied: the LM head reads it
-    # An int8 pool's rows carry their scale: head_dim + 1 bytes per head, layer, K or V.
+    # An int8 pool's pages carry a row of scale codes: head_dim * (1 + 1 / block_size) bytes per
+    # token, head, layer, K or V (17 at head_dim 16, block 16).
     assert decode_timing.step_bytes(engine(False, jnp.int8), 2, 5) - (total - embed) == 2 * 5 * 2 * 2 * 2 * 17

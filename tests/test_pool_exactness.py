@@ -28,7 +28,7 @@ from jpaged.core.sequence import SamplingParams
 from jpaged.models.base import kv_rotation, paged_attention
 from jpaged.runtime.kv_pool import create_kv_pool
 from pallas_kernels import IMPLS, cpu, get_backend
-from pallas_kernels.reference import read_rows
+from pallas_kernels.reference import is_quantized, read_pages
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C++ CPU kernels (g++)")
 
@@ -96,8 +96,8 @@ def test_a_step_reads_its_own_kv_as_stored(invariant_llm, impl, dtype):
     meta = decode.ragged_metadata(jnp.array([[1]], jnp.int32), jnp.array([0]), jnp.array([T]), T, BS)
     pool = create_kv_pool(cfg, 2, BS, jnp.dtype(dtype))
     out, pool = paged_attention(cfg, q, k, v, 0, None, pool, meta, get_backend(impl))
-    stored = read_rows(pool[1, 0, :, :, :T])                 # [2, KVH, T, D], rotated if quantized
-    rot = kv_rotation(D) if pool.shape[-1] > D else np.eye(D, dtype=np.float32)
+    stored = read_pages(pool[1, 0])[:, :, :T]                # [2, KVH, T, D], rotated if quantized
+    rot = kv_rotation(D) if is_quantized(pool.dtype) else np.eye(D, dtype=np.float32)
 
     def dense(keys, values):  # causal attention of q over [KVH, T, D] K/V, in the rotated frame
         qg = np.asarray(q, np.float64).reshape(T, KVH, H // KVH, D) @ rot
