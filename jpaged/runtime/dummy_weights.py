@@ -1,19 +1,19 @@
 """Random weights drawn on the device (load_format="dummy"), for benchmarks of
 shapes we have no checkpoint for.
 
-Each tensor is drawn by `jax.random` under `jax.jit`, straight in the model's
-dtype and, on a mesh, straight into its tensor-parallel sharding
-(jpaged.runtime.sharding's rules): no float32 copy, no host copy, and no
-device ever holds a whole split tensor.  Drawing a Llama-3-8B shape with numpy
-on the host took 48 s of a lent H200's time (not yet measured this way on a
-GPU).  On a CPU the threefry bits cost about 3.5x numpy's time (a 0.3B bf16
-shape: 10 s vs 3 s of CPU on the 2-core VM); one way for every backend is
-kept anyway, since the large shapes this exists for run on accelerators.
+Each tensor is computed under `jax.jit`, straight in the model's dtype and, on
+a mesh, straight into its tensor-parallel sharding (jpaged.runtime.sharding's
+rules): no float32 copy, no host copy, and no device ever holds a whole split
+tensor.  Drawing a Llama-3-8B shape with numpy on the host took 48 s of a lent
+H200's time.
 
 Values: matrices uniform on (-a, a) with standard deviation a / sqrt(3) = 0.02,
-norm weights 1.  Tensor k of `weight_shapes(cfg)` (in its order) is drawn with
-key fold_in(key(seed), k), and its layer i with fold_in(that key, i); jax's
-partitionable threefry makes the bits independent of the sharding, so the
+norm weights 1.  They are a hash (murmur3's 32-bit finalizer) of each
+element's index within its layer, salted by (seed, tensor k of
+`weight_shapes(cfg)` in its order, layer i): a handful of integer operations
+per element, one fused loop, where jax.random's threefry costs about 3.5x
+numpy's time on a CPU.  Weights for benchmarks need spread, not statistical
+quality.  The element index is global (an iota the partitioner splits), so the
 values are the same for either layer layout and any tensor-parallel size.
 """
 
@@ -59,11 +59,10 @@ def dummy_weights(cfg: ModelConfig, *, seed: int = 0, dtype: Any = jnp.float32, 
         sharding there.  None: the default device.
     """
     dtype = jnp.dtype(dtype)
-    root = jax.random.key(seed)
     vocab_split = mesh is not None and cfg.vocab_size % tensor_parallel_size(mesh) == 0
     arrays: dict[str, jax.Array | list[jax.Array]] = {}
     for index, (name, shape) in enumerate(models.weight_shapes(cfg).items()):
-        key = jax.random.fold_in(root, index)
+        key = jnp.array([seed, index, 0], jnp.uint32)  # (seed, tensor, layer): the values' salt
         is_norm = name.endswith("norm")
         if not name.startswith("layers."):
             arrays[name] = _drawer(shape, dtype, is_norm, None, _sharding(mesh, name, shape, vocab_split))(key)
@@ -72,7 +71,7 @@ def dummy_weights(cfg: ModelConfig, *, seed: int = 0, dtype: Any = jnp.float32, 
                                    _sharding(mesh, name, shape, vocab_split))(key)
         else:
             draw = _drawer(shape[1:], dtype, is_norm, None, _sharding(mesh, name, shape[1:], vocab_split))
-            arrays[name] = [draw(jax.random.fold_in(key, layer)) for layer in range(shape[0])]
+            arrays[name] = [draw(key.at[2].set(layer)) for layer in range(shape[0])]
     # Drawing is asynchronous: wait, so that load times count it and a failure shows here.
     return jax.block_until_ready(arrays)
 
@@ -89,20 +88,49 @@ def _sharding(mesh: Mesh | None, name: str, shape: tuple[int, ...], vocab_split:
     return NamedSharding(mesh, spec if even else P())
 
 
+def _mix(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: every input bit moves about half the output bits."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _uniform(shape: tuple[int, ...], salt: jax.Array, dtype: jnp.dtype, layer_axis: bool = False) -> jax.Array:
+    """Uniform values on (-a, a) of `shape`: a hash of each element's flat index
+    within one layer, salted (a uint32 scalar; with `layer_axis`, axis 0 stacks
+    layers and `salt` holds one per layer, broadcast along the other axes)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(int(layer_axis), len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    bits = _mix(index * jnp.uint32(0x9E3779B1) + salt)
+    unit = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # [0, 1), 24 bits
+    return ((2.0 * unit - 1.0) * _HALF_WIDTH).astype(dtype)
+
+
+def _salt(key: jax.Array) -> jax.Array:
+    """One uint32 per (seed, tensor, layer) row of key [..., 3]."""
+    x = _mix(key[..., 0]) ^ (key[..., 1] * jnp.uint32(0x27D4EB2F))
+    return _mix(_mix(x) ^ (key[..., 2] * jnp.uint32(0x165667B1)))
+
+
 @functools.cache
 def _drawer(shape: tuple[int, ...], dtype: jnp.dtype, is_norm: bool, layers: int | None,
             sharding: NamedSharding | None) -> Callable[[jax.Array], jax.Array]:
-    """A jitted key -> tensor (one compilation per distinct tensor kind): ones for a
-    norm, else uniform values; with `layers`, that many stacked, layer i from
-    fold_in(key, i) (the same values a per-layer draw gives)."""
+    """A jitted key (seed, tensor, layer) -> tensor (one compilation per distinct
+    tensor kind): ones for a norm, else uniform values; with `layers`, that many
+    stacked, layer i salted as a per-layer draw of layer i is (the same values)."""
     full = shape if layers is None else (layers, *shape)
 
     def draw(key: jax.Array) -> jax.Array:
         if is_norm:
             return jnp.ones(full, dtype)
-        one = lambda k: jax.random.uniform(k, shape, dtype, -_HALF_WIDTH, _HALF_WIDTH)  # noqa: E731
         if layers is None:
-            return one(key)
-        return jax.vmap(lambda i: one(jax.random.fold_in(key, i)))(jnp.arange(layers))
+            return _uniform(shape, _salt(key), dtype)
+        keys = jnp.tile(key, (layers, 1)).at[:, 2].set(jnp.arange(layers, dtype=jnp.uint32))
+        return _uniform(full, _salt(keys).reshape((layers,) + (1,) * len(shape)), dtype, layer_axis=True)
 
     return jax.jit(draw) if sharding is None else jax.jit(draw, out_shardings=sharding)
