@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/smollm2_135m.py
 
-.PHONY: install serve test bench-kernels kernels-sm90 device-check gpu-probe clean
+.PHONY: install serve test bench-kernels kernels-sm90 device-check gpu-prepare gpu-probe clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -40,6 +40,10 @@ kernels-sm90: $(STAMP)
 # (CI) it skips the GPU parts, says why, and runs the rest small (~10 s).
 device-check: $(STAMP)
 	$(PY) benchmarks/device_check.py $(ARGS)
+
+# Before a lent GPU's first call (no device time): the wheels and model halves gpu_window.sh carries.
+gpu-prepare: $(STAMP)
+	bash benchmarks/gpu_prepare.sh
 
 # Run FIRST on a lent GPU (~7 min): GEMM chain, engine anatomy, trace + HLO, command buffers, attention sweep, quantized pools.
 gpu-probe: $(STAMP)
