@@ -13,7 +13,7 @@ probe   Each operation alone, fp32, jitted, on SmolLM2-135M's shapes: the rows o
         keys) decoded alone vs as the last token of a 48-token prefill chunk.  Each row:
         the batch sizes at which some row changes and the largest change, for XLA /
         the default kernel (`default`) and for the batch_invariant replacement
-        (jpaged.runtime.batch_invariant: `invariant`).
+        (jpaged.layers.batch_invariant: `invariant`).
 engine  SmolLM2-135M fp32, attention_impl=cpu, one engine per mode (batch_invariant off
         / on).  Invariance: a 100-token target prompt, 32 greedy tokens with logprobs,
         run alone, then as the last of --num_requests (64) requests (32-128 random prompt
@@ -66,7 +66,7 @@ def _changes(f, x: np.ndarray, sizes, ref_rows: int) -> tuple[str, float]:
 def probe() -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from jpaged.runtime import batch_invariant as bi
+    from jpaged.layers import batch_invariant as bi
     from pallas_kernels import cpu
     rng = np.random.default_rng(0)
     sizes = (1, 2, 3, 7, 8, 16, 47, 48, 64, 256, 512)

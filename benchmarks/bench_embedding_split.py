@@ -4,7 +4,7 @@
 
 bench_sharding.py's dummy8 model (SmolLM2-shaped, 8 query / 2 KV heads, tied
 embedding, random weights) at TP = 2 on 4 simulated CPU devices, built twice:
-once with jpaged.runtime.sharding's rule table (embedding split on vocab), once with
+once with jpaged.layers.sharding's rule table (embedding split on vocab), once with
 the embedding rule removed (replicated).  Prints each one's weights per device,
 the collectives of its decode step and its warm tok/s (median of 3 alternating
 runs of 8 prompts x 32 greedy tokens).  On the CPU the tok/s is overhead, not speed.
@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import numpy as np
 from bench_sharding import DUMMY8_CONFIG
-import jpaged.runtime.sharding as sh
+import jpaged.layers.sharding as sh
 from jpaged.engine.llm import LLM
 from jpaged.core.sequence import SamplingParams
 tmp = pathlib.Path(tempfile.mkdtemp()); (tmp / "config.json").write_text(json.dumps(DUMMY8_CONFIG))

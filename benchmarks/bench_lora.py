@@ -34,7 +34,7 @@ kernel      The LoRA update of one projection alone, jitted, fp32: x [T, in] wit
             --kernel_tokens (16,64,256,1024) tokens spread round robin over base (slot -1)
             and --num_adapters slots of rank --rank, for SmolLM2's (in, out) = (576, 576)
             (q / o) and (576, 1536) (gate / up):
-              onehot      jpaged.runtime.lora.LoraLayer.delta (what the engine runs: every
+              onehot      jpaged.layers.lora.LoraLayer.delta (what the engine runs: every
                           slot for every token, masked by the token's one-hot slot)
               gather      each token's own A[slot] / B[slot] gathered, 'ti,tir->tr' then
                           'tr,tro->to' (slot -1 masked)
@@ -107,7 +107,7 @@ def write_adapter(root: pathlib.Path, cfg: Any, rank: int, alpha: float, rng: np
     """A PEFT LoRA directory for a model of `cfg`: every layer's q,k,v,o,gate,up,down,
     A [r, in] ~ N(0, 1/in), B [out, r] ~ N(0, 0.02^2), float32."""
     from safetensors.numpy import save_file
-    from jpaged.loading.peft import lora_module_shapes
+    from jpaged.core.lora_adapters import lora_module_shapes
     shapes = lora_module_shapes(cfg)
     root.mkdir(parents=True, exist_ok=True)
     (root / "adapter_config.json").write_text(json.dumps({
@@ -281,7 +281,7 @@ def run_throughput(llm: Any, names: list[str]) -> tuple[list[dict], list[dict], 
 def run_kernel() -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from jpaged.runtime.lora import LoraLayer, one_hot_slots
+    from jpaged.layers.lora import LoraLayer, one_hot_slots
     N, R, iters = _NUM_ADAPTERS.value, _RANK.value, _ITERS.value
     rng = np.random.default_rng(_SEED.value)
 

@@ -58,7 +58,7 @@ from absl import app, flags  # noqa: E402
 import harness as B  # noqa: E402  (benchmarks/harness.py)
 from jpaged.core.config import ConfigError  # noqa: E402
 from jpaged.engine.router import DataParallelLLM, create_engine  # noqa: E402
-from jpaged.runtime.sharding import collectives  # noqa: E402
+from jpaged.layers.sharding import collectives  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["smollm2", "dummy8"], "Models to run (smollm2, dummy8).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts in the greedy batch.")

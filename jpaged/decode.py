@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.base import StepMetadata, forward
-from jpaged.runtime.dense_attention import DENSE
+from jpaged.layers.dense_attention import DENSE
 from jpaged.runtime.kv_pool import create_kv_pool
-from jpaged.runtime.lora import LoraBatch, LoraWeights
+from jpaged.layers.lora import LoraBatch, LoraWeights
 from jpaged.runtime.sampling import SamplingArrays, TokenLogprobs, chosen_logprobs, greedy
 from jpaged.runtime.sampling import sample as _sample
 from jpaged.runtime.step import (_generate_step_with_logprobs, _logprob_row_sum, apply_logit_mask, forward_step,
@@ -96,10 +96,10 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
     nothing or everything, silently.
 
     With `lora` (adapter slots, e.g. `LLM.lora_weights()` or a trainer's own, see
-    jpaged.runtime.lora) and `lora_slots` [B] (each row's slot, -1: the base
+    jpaged.layers.lora) and `lora_slots` [B] (each row's slot, -1: the base
     model), rows score under their adapters, differentiably in `lora` too.
 
-    With the graphdef of an engine in `batch_invariant` mode (jpaged.runtime.batch_invariant)
+    With the graphdef of an engine in `batch_invariant` mode (jpaged.layers.batch_invariant)
     the pass runs the engine's own kernels, and its logprobs equal the engine's bit
     for bit (for a KV cache of the model's dtype), whatever the other rows, when
     score runs under jit as the engine's step does (run op by op, eagerly, XLA

@@ -38,7 +38,7 @@ k + 1, for y 1-8 ulps above 2^k; exp2(-13), exp2(15), ... are not exact).
 
 `matmul_cpu` is jpaged's batch-invariant matmul: each row of a @ b is computed
 alone, in an order fixed by K (one FMA chain per element), so it does not
-change with the number of rows as XLA's dot does (jpaged.runtime.batch_invariant).
+change with the number of rows as XLA's dot does (jpaged.layers.batch_invariant).
 
 `paged_attention_or_reference` / `write_kv_or_reference` (what
 `pallas_kernels.get_backend("cpu")` returns) use the kernels when they apply
@@ -378,7 +378,7 @@ def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, soft_ca
     of the other rows: every element is one fused multiply-add chain over k in
     order (XLA's dot changes its blocking, and so its rounding, with M).  The
     kernel of jpaged's batch_invariant mode; not differentiable by itself
-    (jpaged.runtime.batch_invariant gives it a VJP).  `soft_cap`: each element
+    (jpaged.layers.batch_invariant gives it a VJP).  `soft_cap`: each element
     becomes soft_cap * tanh(element / soft_cap) (std::tanh), computed here so that
     XLA cannot contract it into the ops that read it."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1 if transpose_b else 0]:

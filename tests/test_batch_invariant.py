@@ -1,6 +1,6 @@
 """batch_invariant mode: a request's logprobs bit for bit the same alone, in a
 mixed batch of 32, chunked differently, after a recompute preemption, and equal
-to decode.score's on the same tokens (jpaged.runtime.batch_invariant).
+to decode.score's on the same tokens (jpaged.layers.batch_invariant).
 
 On the tiny random Llama (fp32) with the C++ CPU kernels; every comparison is
 exact (assert_array_equal), not within a tolerance.
@@ -17,7 +17,7 @@ from helpers import random_prompts
 from jpaged import decode
 from jpaged.core.config import ConfigError
 from jpaged.core.sequence import SamplingParams
-from jpaged.runtime import batch_invariant
+from jpaged.layers import batch_invariant
 from pallas_kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C++ CPU kernels (g++)")

@@ -21,7 +21,7 @@ from jpaged.loading.weights import load_weights
 from jpaged.models import config_from_hf, weight_shapes
 from jpaged.models.llama import Llama
 from jpaged.runtime.dummy_weights import STD, _sharding, dummy_weights, load_dummy
-from jpaged.runtime.sharding import make_mesh, weight_spec
+from jpaged.layers.sharding import make_mesh, weight_spec
 
 # Qwen2-shaped (attention biases) tiny Llama: one KV head, so two devices repeat it.
 HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,

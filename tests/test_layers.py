@@ -1,19 +1,113 @@
-"""Layering: the host side (scheduling, blocks, requests, config) imports no device stack.
+"""Layering: every import points down the package floors, there is no import
+cycle, and the host side (scheduling, blocks, requests, config) imports no device
+stack.
 
-Checked in a fresh interpreter: in this one, other test modules have long since
-imported jax."""
+The floors, top to bottom (docs/design.md says the same):
+
+    entrypoints > engine, decode > runtime > loading > models > layers > tokenizer
+    > formats > core > structured, speculative
+
+A module may import its own package and any package on a lower floor; an import
+inside a function counts too (a lazy import is still a dependency).  The
+no-device-stack checks run in a fresh interpreter: in this one, other test
+modules have long since imported jax."""
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOST_PACKAGES = ("core", "structured", "speculative")  # every module in these imports no device stack
 LOADER_PACKAGES = ("loading", "tokenizer")  # nor do these, unless the orbax cache is used
 DEVICE_PACKAGES = ("jax", "flax", "pallas_kernels")
+
+
+FLOORS = (("entrypoints",), ("engine", "decode"), ("runtime",), ("loading",), ("models",), ("layers",),
+          ("tokenizer",), ("formats",), ("core",), ("structured", "speculative"))
+FLOOR = {pkg: len(FLOORS) - i for i, floor in enumerate(FLOORS) for pkg in floor}
+
+
+def jpaged_imports() -> dict[str, list[tuple[str, int]]]:
+    """Each jpaged module's imports of other jpaged modules (module, line): every
+    `import` and absolute `from` statement in the file, in functions too."""
+    imports = {}
+    for path in sorted((ROOT / "jpaged").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [(a.name, node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found += [(node.module, node.lineno)] + [(f"{node.module}.{a.name}", node.lineno) for a in node.names]
+        imports[module] = [(name, line) for name, line in found if name.startswith("jpaged.")]
+    return imports
+
+
+def package(module: str) -> str | None:
+    """The subpackage (or top-level module: decode) a jpaged module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_package_has_a_floor():
+    packages = {package(m) for m in jpaged_imports()} - {None}
+    assert packages <= set(FLOOR), f"put {sorted(packages - set(FLOOR))} on a floor in FLOORS"
+
+
+def test_imports_point_down_the_floors():
+    upward = [f"{module}:{line} imports {name}" for module, names in jpaged_imports().items()
+              for name, line in names
+              if package(module) in FLOOR and package(name) in FLOOR
+              and FLOOR[package(name)] > FLOOR[package(module)]]
+    assert not upward, "imports up a floor:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_import_cycles():
+    imports = jpaged_imports()
+    graph = {m: {name for name, _ in names if name in imports and name != m} for m, names in imports.items()}
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:  # Tarjan: strongly connected components of more than one module
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
+    """The two checks above fail on a planted upward import and cycle."""
+    pkg = tmp_path / "jpaged"
+    for sub, body in (("core", "from jpaged.engine.b import x\n"), ("engine", "import jpaged.core.a\n")):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / ("a.py" if sub == "core" else "b.py")).write_text(body)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="jpaged.core.a:1 imports jpaged.engine.b"):
+        test_imports_point_down_the_floors()
+    with pytest.raises(AssertionError, match="jpaged.core.a <-> jpaged.engine.b|jpaged.engine.b <-> jpaged.core.a"):
+        test_no_import_cycles()
 
 
 def package_modules(*packages: str) -> tuple[str, ...]:

@@ -88,7 +88,7 @@ def test_paged_logits_of_a_mixed_batch_match_merged_adapters(family):
     """One paged forward over four sequences, each under its own adapter (or the base):
     every token's logits within 1e-4 of the merged HF model's."""
     from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
-    from jpaged.runtime.lora import LoraBatch, token_slots
+    from jpaged.layers.lora import LoraBatch, token_slots
     llm, hf, merged = family
     weights, slots = llm.lora_weights()
     names = [None, "all8", "qv16", "mlp8rs"]

@@ -25,7 +25,7 @@ from jpaged.core.sequence import SamplingParams  # noqa: E402
 from jpaged.entrypoints import batch  # noqa: E402
 from jpaged.entrypoints.openai.app import create_app  # noqa: E402
 from jpaged.entrypoints.openai.state import ServerOptions  # noqa: E402
-from jpaged.core.lora_names import parse_lora_modules  # noqa: E402
+from jpaged.core.lora_adapters import parse_lora_modules  # noqa: E402
 
 SECONDS = 60  # any one wait
 NEW_TOKENS = 8

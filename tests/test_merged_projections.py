@@ -19,7 +19,7 @@ from jpaged.loading.weights import load_weights
 from jpaged.models import build_model
 from jpaged.models.base import split_model
 from jpaged.models.merged import interleave, merge_params, split_columns
-from jpaged.runtime.sharding import collectives, weight_spec
+from jpaged.layers.sharding import collectives, weight_spec
 
 LOGPROB_ATOL = 1e-4
 PROMPTS = random_prompts([6, 13, 3], seed=5)

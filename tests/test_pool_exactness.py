@@ -5,7 +5,7 @@ in place of k + 1 decode steps) and chunked prefill give the plain run's tokens.
 Every query reads every key, its own step's included, as the pool stores it
 (rounded: jpaged.models.base.paged_attention writes before it attends).  What
 else moves with the step is the last bits of XLA's matmuls, which block by the
-step's token count (jpaged.runtime.batch_invariant); a quantized pool rounds K/V
+step's token count (jpaged.layers.batch_invariant); a quantized pool rounds K/V
 that differ in their last bits to different codes now and then, and the next
 layers and tokens carry that on.  batch_invariant mode takes those bits out, so
 these checks are exact (assert_array_equal) on the tiny random Llama with the

@@ -17,7 +17,7 @@ from jpaged.engine.llm import LLM
 from jpaged.engine.protocol import Engine
 from jpaged.engine.router import DataParallelLLM, create_engine
 from jpaged.core.sequence import SamplingParams
-from jpaged.runtime.sharding import POOL_SPEC, collectives, weight_spec
+from jpaged.layers.sharding import POOL_SPEC, collectives, weight_spec
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
 PROMPTS = random_prompts([5, 17, 40, 3, 29], seed=11)

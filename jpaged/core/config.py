@@ -87,7 +87,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.logprobs_mode = "raw"
     # A request's logits (and so its logprobs) bit for bit the same whatever else
     # is in its batch, however its prompt is chunked, after a preemption, and equal
-    # to decode.score's on the same tokens (jpaged.runtime.batch_invariant): every
+    # to decode.score's on the same tokens (jpaged.layers.batch_invariant): every
     # matmul, RMSNorm sum and attention runs on the C++ CPU kernels in a fixed
     # order.  CPU, dtype float32 and tensor_parallel_size 1 only; costs speed
     # (benchmarks/README.md, "Batch invariance").
@@ -125,7 +125,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.prompt_lookup_max = 5
     c.speculative_model = ""
     c.speculative_disable_by_batch_size = 8
-    # LoRA adapters (jpaged.runtime.lora): max_loras device slots, of rank up to
+    # LoRA adapters (jpaged.layers.lora): max_loras device slots, of rank up to
     # max_lora_rank, beside the base model; a request names its adapter ("model"
     # in the HTTP API, SamplingParams.lora in Python).  lora_modules: PEFT
     # directories loaded at start, "name=path[,name=path...]".  max_loras 0: as
@@ -533,7 +533,7 @@ def _check_speculative(cfg: Mapping[str, Any]) -> None:
 
 
 def _check_lora(cfg: Mapping[str, Any]) -> None:
-    from jpaged.core.lora_names import parse_lora_modules
+    from jpaged.core.lora_adapters import parse_lora_modules
     try:
         modules = parse_lora_modules(cfg["lora_modules"])
     except ValueError as e:
@@ -565,7 +565,7 @@ def _check_batch_invariant(cfg: Mapping[str, Any]) -> None:
 
 def lora_slots(cfg: Mapping[str, Any]) -> int:
     """Adapter slots the engine keeps on the device (0: adapters off)."""
-    from jpaged.core.lora_names import parse_lora_modules
+    from jpaged.core.lora_adapters import parse_lora_modules
     return cfg["max_loras"] or len(parse_lora_modules(cfg["lora_modules"]))
 
 

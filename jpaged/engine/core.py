@@ -42,12 +42,12 @@ from jpaged.engine.setup import (engine_mesh, load_model, params_from_path, prog
 from jpaged.engine.speculation import build_speculator
 from jpaged.engine.step_stats import StepStats
 from jpaged.core.config import ConfigError
-from jpaged.core.lora_names import parse_lora_modules
+from jpaged.core.lora_adapters import parse_lora_modules
 from jpaged.models.merged import merge_params
 from jpaged.runtime.kv_pool import block_shape
 from jpaged.runtime.model_runner import ModelRunner, PendingStep
 from jpaged.runtime.params import check_finite_params, check_same_structure
-from jpaged.runtime.sharding import Mesh, tensor_parallel_size
+from jpaged.layers.sharding import Mesh, tensor_parallel_size
 from jpaged.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -373,7 +373,7 @@ class EngineCore:
         return {name: lora.path for name, lora in self.lora.adapters.items()}
 
     def lora_weights(self) -> tuple[Any, dict[str, int]]:
-        """The adapter slots' device arrays (jpaged.runtime.lora.LoraWeights, or None when
+        """The adapter slots' device arrays (jpaged.layers.lora.LoraWeights, or None when
         adapters are off) and each loaded adapter's slot: what `decode.score(...,
         lora=, lora_slots=)` takes to score under an adapter."""
         return self.runner.lora, {name: lora.slot for name, lora in self.lora.adapters.items()}

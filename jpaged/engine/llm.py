@@ -22,7 +22,7 @@ from jpaged.engine import protocol
 from jpaged.engine.core import EngineCore
 from jpaged.engine.output_processor import RequestOutput
 from jpaged.runtime.kv_pool import bytes_per_block
-from jpaged.runtime.sharding import bytes_per_device
+from jpaged.layers.sharding import bytes_per_device
 
 __all__ = ["LLM", "RequestOutput"]
 

@@ -1,7 +1,7 @@
 """Which LoRA adapter holds which device slot: loading, replacing and unloading them.
 
 The device side (the slots' arrays, and the step that applies them) is
-`jpaged.runtime.lora`; the runner owns those arrays and this class hands it one
+`jpaged.layers.lora`; the runner owns those arrays and this class hands it one
 adapter's host arrays at a time.  A request names its adapter
 (SamplingParams.lora); `binding(name)` gives the Sequence its slot and the
 adapter's prefix-cache identity, `(name, serial)`: every load or weight update
@@ -17,9 +17,9 @@ import os
 import numpy as np
 
 from jpaged.core.model_config import ModelConfig
-from jpaged.core.lora_names import check_adapter_name
+from jpaged.core.lora_adapters import check_adapter_name
 from jpaged.loading.peft import LoraAdapter, load_peft_adapter, lora_from_arrays
-from jpaged.runtime.sharding import replicate_kv_heads
+from jpaged.layers.sharding import replicate_kv_heads
 
 
 class UnknownLoraError(KeyError):
@@ -67,7 +67,7 @@ class LoraManager:
 
     def load(self, name: str, path: str | os.PathLike) -> LoadedLora:
         """Reads a PEFT directory into a free slot; ValueError (naming the file and the
-        problem) for a bad name (jpaged.core.lora_names.ADAPTER_NAME_RULE), a bad adapter,
+        problem) for a bad name (jpaged.core.lora_adapters.ADAPTER_NAME_RULE), a bad adapter,
         a name already loaded, or no free slot.  `path` may be the directory's
         PeftFiles, read beforehand off the engine thread (the server does): then only
         the fitting to the model and the slot's write happen here."""

@@ -29,7 +29,7 @@ from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.engine import protocol
 from jpaged.engine.llm import LLM, RequestOutput
 from jpaged.engine.protocol import Engine
-from jpaged.runtime.sharding import make_mesh, replica_meshes
+from jpaged.layers.sharding import make_mesh, replica_meshes
 
 
 def create_engine(config: ml_collections.ConfigDict | None = None, **overrides: Any) -> Engine:

@@ -27,7 +27,7 @@ from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.dummy_weights import load_dummy
 from jpaged.core.kv_layout import KVLayout, kv_layout
 from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for
-from jpaged.runtime.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
+from jpaged.layers.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
                                      tensor_parallel_size)
 
 log = logging.getLogger(__name__)

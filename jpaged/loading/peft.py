@@ -39,9 +39,9 @@ except ImportError:  # pragma: no cover
 import numpy as np
 
 from jpaged.core.model_config import ModelConfig
+from jpaged.core.lora_adapters import LORA_TARGETS, lora_module_shapes
 from jpaged.loading.weights import read_safetensors
 
-LORA_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 PEFT_MODULES: dict[str, str] = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                                 "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -83,14 +83,6 @@ class LoraAdapter:
     path: str   # the directory it was read from ("" for lora_from_arrays)
     rank: int   # the largest rank over its modules; every module is padded to it
     modules: dict[str, tuple[np.ndarray, np.ndarray]]  # target -> (A [L, in, rank], B [L, rank, out] * scale)
-
-
-def lora_module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """target -> (in, out) of its base weight, as `weight_shapes` gives it per layer."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-            "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
 
 
 # ================================================================= adapter_config.json

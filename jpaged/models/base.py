@@ -35,9 +35,9 @@ from jpaged.core.kv_layout import kv_layout
 from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import weight_shapes
 from jpaged.models.merged import MERGED, merge_arrays, part_sizes, split_columns
-from jpaged.runtime import batch_invariant as batch_invariant_ops
-from jpaged.runtime.lora import LoraBatch, LoraLayer, one_hot_slots
-from jpaged.runtime.sharding import POOL_SPEC
+from jpaged.layers import batch_invariant as batch_invariant_ops
+from jpaged.layers.lora import LoraBatch, LoraLayer, one_hot_slots
+from jpaged.layers.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
 from pallas_kernels.reference import is_quantized
 
@@ -190,7 +190,7 @@ class Decoder(nnx.Module):
     A `layers.*` entry of `arrays` may also be a list of per-layer arrays (dummy
     weights drawn for the unrolled loop), used as they are.
     `batch_invariant=True` takes every matmul, RMSNorm sum and attention from
-    jpaged.runtime.batch_invariant, so that a token's logits do not depend on
+    jpaged.layers.batch_invariant, so that a token's logits do not depend on
     the rest of its batch; families write their projections and norms with
     `linear` and `norm`, which follow it.  `merge_projections=True` holds
     wq|wk|wv and w_gate|w_up as one matrix each (jpaged.models.merged), their
@@ -249,7 +249,7 @@ class Decoder(nnx.Module):
 
     def linear(self, x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
         """x @ w[name], plus each token's LoRA update when the step carries adapters
-        (w["lora"], a jpaged.runtime.lora.LoraLayer)."""
+        (w["lora"], a jpaged.layers.lora.LoraLayer)."""
         y = self.matmul(x, w[name])
         lora = w.get("lora")
         return y if lora is None else y + lora.delta(x, name, self.matmul)
@@ -300,7 +300,7 @@ class Decoder(nnx.Module):
         never runs on the other tokens); `"all"` returns [T, vocab].
         `attention_impl` names a pallas_kernels backend, or is a `Backend`
         itself (decode.score's dense one, which keeps no pool).  `lora`: the
-        adapter slots and each token's slot (jpaged.runtime.lora); None: the base model.
+        adapter slots and each token's slot (jpaged.layers.lora); None: the base model.
         """
         cfg = self.cfg
         backend = attention_impl if isinstance(attention_impl, Backend) else get_backend(attention_impl)

@@ -9,7 +9,7 @@ merges them before it holds them.  Under tensor parallelism the merged
 columns are laid out per shard, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], so that the
 ordinary column split gives each device its own query and KV heads (its own
 gate and up units); KV heads repeated for tp > kv heads
-(jpaged.runtime.sharding.replicate_kv_heads) are repeated before the merge.
+(jpaged.layers.sharding.replicate_kv_heads) are repeated before the merge.
 The model splits a merged GEMM's output back into its parts, each of which
 then takes its LoRA update from the separate targets' slots (adapters still
 name q_proj .. up_proj).

@@ -2,7 +2,7 @@
 shapes we have no checkpoint for.
 
 Each tensor is computed under `jax.jit`, straight in the model's dtype and, on
-a mesh, straight into its tensor-parallel sharding (jpaged.runtime.sharding's
+a mesh, straight into its tensor-parallel sharding (jpaged.layers.sharding's
 rules): no float32 copy, no host copy, and no device ever holds a whole split
 tensor.  Drawing a Llama-3-8B shape with numpy on the host took 48 s of a lent
 H200's time.
@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jpaged import models
 from jpaged.core.model_config import ModelConfig
 from jpaged.loading.weights import LoadedWeights, dummy_model
-from jpaged.runtime.sharding import tensor_parallel_size, weight_spec
+from jpaged.layers.sharding import tensor_parallel_size, weight_spec
 
 STD = 0.02
 _HALF_WIDTH = STD * math.sqrt(3.0)  # uniform(-a, a) has std a / sqrt(3)

@@ -41,12 +41,12 @@ from jpaged.runtime.step import run_step
 from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key, shape_specs
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
-from jpaged.runtime.lora import LoraWeights, create_lora_weights, write_slot
+from jpaged.layers.lora import LoraWeights, create_lora_weights, write_slot
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
 from jpaged.core.scheduler import ScheduledSeq, SchedulerOutput
 from jpaged.core.sequence import MAX_LOGPROBS
-from jpaged.runtime.sharding import Mesh, pool_sharding, put, replicated
+from jpaged.layers.sharding import Mesh, pool_sharding, put, replicated
 from jpaged.runtime.step_inputs import StepInputs, StepResult, build_step_inputs, padding_step_inputs
 from jpaged.core.swap_space import HostSwapSpace
 from jpaged.core.xla_options import OptionValue
@@ -126,7 +126,7 @@ class PendingStep:
 
 class ModelRunner:
     """`mesh` (a (1, tp) jax.sharding.Mesh, or None for one device): params must
-    already be sharded on it (jpaged.runtime.sharding.shard_params); the pool is split on
+    already be sharded on it (jpaged.layers.sharding.shard_params); the pool is split on
     its kv-head axis and every step's inputs and outputs have fixed shardings.
     `compiler_options`: XLA options every step program is compiled with
     (config.xla_step_options, parsed by jpaged.core.xla_options).
@@ -150,7 +150,7 @@ class ModelRunner:
                  max_lora_rank: int = 16, scan_layers: bool = False,
                  compiler_options: dict[str, OptionValue] | None = None, flat_weights: bool = True):
         self.params = params
-        # LoRA adapters' device slots (jpaged.runtime.lora); None: adapters off.
+        # LoRA adapters' device slots (jpaged.layers.lora); None: adapters off.
         dtype = jax.tree.leaves(params)[0].dtype
         self.lora = (create_lora_weights(model_cfg, lora_slots, max_lora_rank, dtype, stacked=scan_layers,
                                          mesh=mesh) if lora_slots else None)

@@ -16,8 +16,8 @@ from flax import nnx
 from jpaged.core.block_manager import NULL_BLOCK
 from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.models.base import StepMetadata, forward
-from jpaged.runtime import batch_invariant
-from jpaged.runtime.lora import LoraBatch, LoraWeights, token_slots
+from jpaged.layers import batch_invariant
+from jpaged.layers.lora import LoraBatch, LoraWeights, token_slots
 from jpaged.runtime.sampling import (RowSum, SamplingArrays, greedy, processed_logits,
                                      sample_processed, token_logprobs)
 from jpaged.runtime.sampling import sample as _sample
@@ -54,7 +54,7 @@ def forward_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array,
 
     Returns (logits, new kv_pool): logits [S, vocab] of each sequence's last
     new token, or [T, vocab] with logits="all".  `lora`: adapter slots and each
-    token's slot (jpaged.runtime.lora), None for the base model alone.
+    token's slot (jpaged.layers.lora), None for the base model alone.
     """
     return forward(graphdef, params, tokens, meta, kv_pool, attention_impl=attention_impl,
                    logits=logits, lora=lora)
@@ -125,7 +125,7 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
     `inputs.logit_mask` (structured outputs) each row samples among the tokens
     its bitmask allows (raw logprobs stay the model's; processed ones are masked).
     With `inputs.lora_slots` each row's tokens get its adapter's update from the
-    slots in `lora` (jpaged.runtime.lora).
+    slots in `lora` (jpaged.layers.lora).
     """
     batch = None
     if inputs.lora_slots is not None:

@@ -84,7 +84,7 @@ class StepInputs:
                        num_speculative_tokens.  None when no row has drafts
     num_drafts[S]      int32, with draft_tokens
     lora_slots[S]      int32, each row's LoRA adapter slot (-1: the base model);
-                       None when no scheduled row uses an adapter (jpaged.runtime.lora)
+                       None when no scheduled row uses an adapter (jpaged.layers.lora)
     logprobs           static: the step also returns the sampled tokens' logprobs
     """
 

@@ -3,7 +3,7 @@
 A request's "model" then names a loaded adapter (ServerState.adapters).
 
 Every input is checked before the engine sees it: the name by the one rule of
-adapter names (jpaged.core.lora_names.ADAPTER_NAME_RULE, as lora_modules at start),
+adapter names (jpaged.core.lora_adapters.ADAPTER_NAME_RULE, as lora_modules at start),
 the directory's files read with bounds and checked field by field in the host
 pool; the engine thread only fits the arrays to the model and writes the slot."""
 
@@ -21,7 +21,7 @@ from jpaged.core.config import lora_slots
 from jpaged.entrypoints.openai.errors import RequestError, json_body
 from jpaged.entrypoints.openai.guard import REFUSALS, refused
 from jpaged.entrypoints.openai.state import ServerState, lora_adapters
-from jpaged.core.lora_names import adapter_name_error
+from jpaged.core.lora_adapters import adapter_name_error
 from jpaged.loading.peft import PeftFiles, read_peft_files
 
 if TYPE_CHECKING:

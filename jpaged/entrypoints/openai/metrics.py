@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from jpaged.core.stats import EngineSnapshot
 from jpaged.engine.async_engine import EngineMetrics, EngineRequest
-from jpaged.core.lora_names import adapter_name_error
+from jpaged.core.lora_adapters import adapter_name_error
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,10 +1,25 @@
-"""LoRA adapter names: the one rule for a name given at start (lora_modules) or
-at run time (load_lora_adapter), and the lora_modules spec "name=path,..."."""
+"""LoRA adapters, host side: the projections they may target and their shapes,
+the one rule for an adapter's name (given at start in lora_modules, or at run
+time to load_lora_adapter), and the lora_modules spec "name=path,..."."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from jpaged.core.model_config import ModelConfig
+
+# The projections an adapter may target, in jpaged's names (PEFT's: jpaged.loading.peft.PEFT_MODULES).
+LORA_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def lora_module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """target -> (in, out) of its base weight, as `weight_shapes` gives it per layer."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+            "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+
 
 # Adapter names, at start (lora_modules) and at run time (/v1/load_lora_adapter,
 # LLM.load_lora_adapter): one rule.  A name is a "model" in requests, a label

@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jpaged.runtime.dense_attention import dense_causal_attention
+from jpaged.layers.dense_attention import dense_causal_attention
 from pallas_kernels import Backend, cpu
 
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jpaged.core.lora_adapters import LORA_TARGETS, lora_module_shapes
 from jpaged.core.model_config import ModelConfig
-from jpaged.loading.peft import LORA_TARGETS, lora_module_shapes
 
 # Under tensor parallelism an update follows its base layer: a column-split layer
 # (output split) splits B's output, a row-split one (input split) A's input.
