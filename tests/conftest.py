@@ -180,7 +180,7 @@ LONG_MODULES = ("test_serve_batch.py", "test_server.py", "test_structured_server
                 "test_sharding.py",
                 "test_hf_parity.py", "test_speculative_decoding.py", "test_request_parsing.py", "test_weights.py", "test_server_data_parallel.py",
                 "test_server_hardening.py", "test_ray_serve.py", "test_startup_matrix.py", "test_async_scheduling.py",
-                "test_compilation.py", "test_device_check.py")
+                "test_compilation.py", "test_device_check.py", "test_gpu_probe.py")
 
 
 def pytest_collection_modifyitems(config, items):
