@@ -944,7 +944,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--best_variant", choices=tuple(VARIANTS), default="unroll",
                    help="variant of parts 4-5 when part 3 does not run")
     p.add_argument("--engine_options", default="", help="jpaged.LLM fields for every engine of parts 3-5, "
-                   "comma-separated key=value (JSON values: true, 0.5, ...), e.g. flat_weights=false")
+                   "comma-separated key=value (JSON values: true, 0.5, ...), e.g. flat_weights=true")
     p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

@@ -103,7 +103,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.xla_step_options = ""
     # A step hands its program the weights as one flat list of arrays, their tree
     # structure fixed in the program (false: the weights' pytree, flattened every step).
-    c.flat_weights = True
+    # Off: on the CPU it cost SmolLM2 (scanned, 12 leaves) 11 % of its batch-32 generate
+    # tok/s (benchmarks/README.md); the GPU probe measures it (--engine_options).
+    c.flat_weights = False
     # One GEMM for q|k|v and one for gate|up (wqkv, w_gate_up, merged when the model
     # is built; jpaged.models.merged): 4 weight GEMMs per layer instead of 7.
     c.merge_projections = False

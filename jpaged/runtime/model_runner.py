@@ -148,7 +148,7 @@ class ModelRunner:
                  mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
                  chained: bool = False, num_speculative_tokens: int = 0, lora_slots: int = 0,
                  max_lora_rank: int = 16, scan_layers: bool = False,
-                 compiler_options: dict[str, OptionValue] | None = None, flat_weights: bool = True):
+                 compiler_options: dict[str, OptionValue] | None = None, flat_weights: bool = False):
         self.params = params
         # LoRA adapters' device slots (jpaged.layers.lora); None: adapters off.
         dtype = jax.tree.leaves(params)[0].dtype
