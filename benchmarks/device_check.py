@@ -169,14 +169,15 @@ class Context:
         return self.out_dir / f"{self.stem}{suffix}"
 
 
-def run_part(name: str, fn: Callable[[Context, Part], None], ctx: Context) -> Part:
-    """Runs one part, timed; a Skip or any exception is recorded, never raised."""
+def run_part(name: str, fn: Callable[[Any, Part], None], ctx: Any, titles: dict[str, str] = TITLES) -> Part:
+    """Runs one part, timed; a Skip or any exception is recorded, never raised.
+    `ctx`: anything with remaining() (this script's Context, gpu_probe's Probe)."""
     part = Part(name)
     t0 = time.perf_counter()
-    print(f"== {TITLES[name]}", flush=True)
+    print(f"== {titles[name]}", flush=True)
     try:
         if ctx.remaining() <= 5:
-            raise Skip(f"time budget (--budget_s={_BUDGET.value:g}) spent by the parts before it")
+            raise Skip("time budget (--budget_s) spent by the parts before it")
         fn(ctx, part)
         part.status = "ok"
     except Skip as e:

@@ -167,26 +167,6 @@ class Probe(dc.Context):
     artifacts: list[pathlib.Path] = dataclasses.field(default_factory=list)
 
 
-def run_part(name: str, fn: Callable[[Probe, dc.Part], None], ctx: Probe) -> dc.Part:
-    """Runs one part, timed; a Skip or any exception is recorded, never raised."""
-    part = dc.Part(name)
-    t0 = time.perf_counter()
-    print(f"== {TITLES[name]}", flush=True)
-    try:
-        if ctx.remaining() <= 5:
-            raise dc.Skip("time budget (--budget_s) spent by the parts before it")
-        fn(ctx, part)
-        part.status = "ok"
-    except dc.Skip as e:
-        part.status, part.reason = "skipped", str(e)
-    except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
-        part.status, part.reason = "failed", f"{type(e).__name__}: {e}".strip()
-        part.notes.append("traceback (last lines): " + " | ".join(traceback.format_exc().splitlines()[-6:]))
-    part.seconds = time.perf_counter() - t0
-    print(f"   {part.status} in {part.seconds:.1f} s{': ' + part.reason if part.reason else ''}", flush=True)
-    return part
-
-
 def xla_flags(ctx: Probe, extra: list[str], label: str) -> str:
     """XLA_FLAGS of one subprocess: the caller's, the variant's, and on a GPU the dump
     of its autotune results (bundled with the logs), starting from the last process's
@@ -1018,7 +998,7 @@ def main(argv: list[str]) -> int:
                      "" if name in args.parts else "not in --parts") for name in PARTS]
     for i, name in enumerate(PARTS):
         if name in args.parts:
-            parts[i] = run_part(name, PART_FNS[name], ctx)
+            parts[i] = dc.run_part(name, PART_FNS[name], ctx, TITLES)
             # The report so far, in $OUT too: a call killed at its limit still brings it back.
             write_outputs(ctx, parts, make_header(ctx, parts, t_start))
     md = write_outputs(ctx, parts, make_header(ctx, parts, t_start))
