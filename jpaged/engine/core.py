@@ -4,7 +4,7 @@
 `EngineCore.step()` is schedule -> launch -> collect -> `Scheduler.update_from_output`
 -> what finished.  Around that loop it owns the requests, recovery from a failed
 step, pause/resume, sleep/wake, update_params and the LoRA verbs.  Its
-collaborators are built once here: `setup` (config, weights, pool size),
+collaborators are built once by `components` (config, weights, pool size):
 `InputProcessor` (checked token ids), `Scheduler` and `BlockManager` (which tokens
 run, where their K/V lives; the scheduler also applies each step's output),
 `ModelRunner` (the device), `OutputProcessor` (stop conditions, request outputs)
@@ -20,35 +20,22 @@ import time
 from typing import Any, Iterable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
 
-from jpaged.core.block_manager import BlockManager
-from jpaged.core.config import apply_overrides, default_config, lora_slots, validate_config
-from jpaged.core.kv_layout import kv_layout
+from jpaged.core.config import apply_overrides, default_config, validate_config
 from jpaged.core.progress import ProgressCheck
-from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.core.scheduler import SchedulerOutput
 from jpaged.core.sequence import SamplingParams, Sequence, Status
 from jpaged.core.step_output import StepOutput
-from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
-from jpaged.core.xla_options import parse_xla_options
-from jpaged.engine.input_processor import InputProcessor
-from jpaged.engine.lora_manager import LoraManager, UnknownLoraError
-from jpaged.engine.output_processor import OutputProcessor
-from jpaged.engine.setup import (engine_mesh, load_model, params_from_path, program_cache_dir, resolve_attention_impl,
-                                 resolve_kv_cache_dtype, resolve_layer_loop, size_pool)
-from jpaged.engine.speculation import build_speculator
-from jpaged.engine.step_stats import StepStats
-from jpaged.core.config import ConfigError
-from jpaged.core.lora_adapters import parse_lora_modules
+from jpaged.engine.lora_manager import UnknownLoraError
+from jpaged.engine.components import build_components
+from jpaged.engine.setup import engine_mesh, params_from_path
 from jpaged.models.merged import merge_params
-from jpaged.runtime.kv_pool import block_shape
-from jpaged.runtime.model_runner import ModelRunner, PendingStep
+from jpaged.runtime.model_runner import PendingStep
 from jpaged.runtime.params import check_finite_params, check_same_structure
 from jpaged.layers.sharding import Mesh, tensor_parallel_size
-from jpaged.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -83,63 +70,17 @@ class EngineCore:
         validate_config(cfg)  # one line per problem, before anything loads
         self.config = cfg
         self.mesh = engine_mesh(cfg, mesh)
-        self.scan_layers = resolve_layer_loop(cfg.layer_loop)
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
-        self.attention_impl, self.attention_note = resolve_attention_impl(cfg.attention_impl)
-        if cfg.batch_invariant and self.attention_impl != "cpu":
-            raise ConfigError("batch_invariant", f"needs the C++ CPU attention kernel; attention_impl "
-                              f"{cfg.attention_impl!r} runs {self.attention_impl!r} here", "a CPU backend")
-        model = load_model(cfg, self.mesh, self.scan_layers)
-        self.loaded, self.model_config, self.tokenizer = model.loaded, model.model_config, model.tokenizer
-        self.graphdef, self.params = model.graphdef, model.params
-        self.kv_layout = kv_layout(self.model_config, cfg.kv_layout)
-        self.num_blocks = size_pool(cfg, model, self.kv_dtype, tensor_parallel_size(self.mesh), self.kv_layout)
-        if self.attention_note:
-            log.warning("attention_impl=%s: %s; running the reference", cfg.attention_impl, self.attention_note)
-        self.step_stats = StepStats(cfg.block_size)
+        parts = build_components(cfg, self.mesh)
+        self.loaded, self.model_config, self.tokenizer = parts.model.loaded, parts.model.model_config, parts.model.tokenizer
+        self.graphdef, self.params = parts.model.graphdef, parts.model.params
+        self.scan_layers, self.dtype, self.kv_dtype = parts.scan_layers, parts.dtype, parts.kv_dtype
+        self.attention_impl, self.attention_note = parts.attention_impl, parts.attention_note
+        self.kv_layout, self.num_blocks = parts.kv_layout, parts.num_blocks
+        self.step_stats = parts.step_stats
         self.totals = self.step_stats.totals  # since start; block manager and scheduler count into it too
-        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, index=cfg.prefix_cache_index,
-                                          enable_prefix_caching=cfg.enable_prefix_caching, stats=self.totals,
-                                          layout=self.kv_layout)
-        self.swap_space = HostSwapSpace(self._swap_capacity(cfg.preemption_mode),
-                                        block_shape(self.model_config, cfg.block_size, self.kv_dtype,
-                                                    self.kv_layout.layers_per_page), self.kv_dtype)
-        self.runner = ModelRunner(self.graphdef, self.params, self.model_config,
-                                  num_blocks=self.num_blocks, block_size=cfg.block_size,
-                                  kv_dtype=self.kv_dtype, layers_per_page=self.kv_layout.layers_per_page,
-                                  kv_groups=self.kv_layout.num_groups,
-                                  attention_impl=self.attention_impl,
-                                  max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  buckets_per_octave=cfg.buckets_per_octave, swap_space=self.swap_space,
-                                  logprobs_mode=cfg.logprobs_mode,
-                                  mesh=self.mesh, program_cache_dir=program_cache_dir(cfg),
-                                  chained=cfg.async_scheduling,
-                                  num_speculative_tokens=cfg.num_speculative_tokens
-                                  if cfg.speculative_method != "none" else 0,
-                                  lora_slots=lora_slots(cfg), max_lora_rank=cfg.max_lora_rank,
-                                  scan_layers=self.scan_layers,
-                                  compiler_options=parse_xla_options(cfg.xla_step_options),
-                                  flat_weights=cfg.flat_weights)
-        self.lora = LoraManager(self.runner, self.loaded.config, num_slots=lora_slots(cfg),
-                                max_rank=cfg.max_lora_rank, tensor_parallel=tensor_parallel_size(self.mesh))
-        for name, path in parse_lora_modules(cfg.lora_modules).items():
-            self.lora.load(name, path)
-        self.speculator = build_speculator(cfg, self.model_config, self.tokenizer, self.num_blocks)
-        self.outputs = OutputProcessor(self.tokenizer, max_model_len=cfg.max_model_len)
-        self.scheduler = Scheduler(self.block_manager, policy=cfg.scheduler,
-                                   max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   preemption_mode=cfg.preemption_mode, swap_space=self.swap_space,
-                                   token_buckets=self.runner.token_buckets, stats=self.totals,
-                                   stops=self.outputs)
-        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-                         if self.tokenizer is not None else None)
-        self.inputs = InputProcessor(self.tokenizer, vocab_size=self.model_config.vocab_size,
-                                     max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                     block_size=cfg.block_size, num_blocks=self.num_blocks,
-                                     grammars=self.grammars)
+        self.block_manager, self.swap_space, self.runner = parts.block_manager, parts.swap_space, parts.runner
+        self.lora, self.speculator, self.outputs = parts.lora, parts.speculator, parts.outputs
+        self.scheduler, self.grammars, self.inputs = parts.scheduler, parts.grammars, parts.inputs
         self.progress = ProgressCheck(self.scheduler, self.block_manager)
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
@@ -154,10 +95,6 @@ class EngineCore:
         self._pause: str | None = None
         self._held: list[Sequence] = []
         self._stashed: list[Sequence] = []  # finished in the step pause() completed: the next step returns them
-
-    def _swap_capacity(self, preemption_mode: str) -> int:
-        """Host blocks for swapped-out K/V: swap_space_gb's worth in swap mode, none otherwise."""
-        return swap_capacity_blocks(self.config.swap_space_gb, self.block_bytes) if preemption_mode == "swap" else 0
 
     def add_request(self, prompt_token_ids: list[int] | None, params: SamplingParams,
                     prompt: str | None = None, error: str | None = None, *, request_id: int | None = None) -> int:

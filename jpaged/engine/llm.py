@@ -19,6 +19,7 @@ from jpaged.core.request_parsing import default_sampling_params
 from jpaged.core.sequence import SamplingParams, Sequence, Status
 from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.engine import protocol
+from jpaged.engine.components import swap_capacity
 from jpaged.engine.core import EngineCore
 from jpaged.engine.output_processor import RequestOutput
 from jpaged.runtime.kv_pool import bytes_per_block
@@ -79,7 +80,7 @@ class LLM(EngineCore):
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.config.preemption_mode = self.scheduler.preemption_mode = preemption_mode
         self.block_manager.reset(num_blocks)
-        self.swap_space.reset(self._swap_capacity(preemption_mode))
+        self.swap_space.reset(swap_capacity(self.config, self.block_bytes, preemption_mode))
 
     # ------------------------------------------------------------- requests
     def default_sampling_params(self) -> SamplingParams:
