@@ -5,46 +5,29 @@ transformers on the serving path) and adds what generation needs on top: the ids
 that end a sequence, whether to prepend BOS, and the Jinja chat template, rendered
 the same way `transformers` renders it.
 
-GGUF vocabularies: byte-level BPE ("gpt2") is built here; SentencePiece ("llama":
-Llama 2, Mistral 7B v0.1, Gemma 1-3) goes through transformers' GGUF tokenizer
-converter (`jpaged.tokenizer.sentencepiece`), imported only when such a file is loaded.
+Where the pieces live: GGUF vocabularies (`jpaged.tokenizer.gguf_loading`), Hugging
+Face directories (`hf_loading`), chat templates (`chat_template`), finding message
+content in a rendered chat (`chat_content`). `printable` (`jpaged.tokenizer.printable`)
+is re-exported here, where its callers import it from.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import pathlib
 import re
-import secrets
-import unicodedata
-from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from jpaged.formats.gguf import gguf_metadata, read_gguf
+from jpaged.tokenizer.chat_content import (align_contents, complement, fresh_nonce, overlaps,
+                                           placeholder_regex, strings_in, strip_span, with_placeholders)
+from jpaged.tokenizer.chat_template import compile_template
+from jpaged.tokenizer.gguf_loading import gguf_tokenizer_args
+from jpaged.tokenizer.hf_loading import hf_tokenizer_args
+from jpaged.tokenizer.printable import printable
 
-# GGUF token types (llama.cpp `llama_token_type`).
-_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
-
-# Pre-tokenizer split regexes for the `tokenizer.ggml.pre` values we know, copied
-# from the reference tokenizer.json files (llama.cpp uses the same expressions).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_REGEXES = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
-}
+__all__ = ["Tokenizer", "printable"]
 
 
 class Tokenizer:
@@ -106,7 +89,7 @@ class Tokenizer:
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
         context.setdefault("tools", None)
-        return _compile_template(self.chat_template).render(
+        return compile_template(self.chat_template).render(
             messages=messages, documents=None, add_generation_prompt=add_generation_prompt, **context)
 
     @property
@@ -150,12 +133,12 @@ class Tokenizer:
         """
         self._refuse_special_fields(messages)
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        nonce = _fresh_nonce(text)
-        placeheld, contents = _with_placeholders(messages, nonce)
+        nonce = fresh_nonce(text)
+        placeheld, contents = with_placeholders(messages, nonce)
         if not contents:
             return text, self.encode(text, add_special_tokens=False)
         skeleton = self.apply_chat_template(placeheld, add_generation_prompt, **kwargs)
-        spans = _align_contents(text, skeleton, _placeholder_regex(nonce), contents)
+        spans = align_contents(text, skeleton, placeholder_regex(nonce), contents)
         if spans is None:
             return text, self._encode_untracked(text, skeleton, contents)
         return text, self._encode_with_content(text, spans)
@@ -175,7 +158,7 @@ class Tokenizer:
                 if key == "content" and isinstance(value, list):  # parts: their text is content
                     value = [{k: v for k, v in p.items() if k != "text"} if isinstance(p, dict) else p
                              for p in value]
-                for text in _strings(value, key):
+                for text in strings_in(value, key):
                     token = next((t for t in specials if t in text), None)
                     if token is not None:
                         raise ValueError(
@@ -206,13 +189,13 @@ class Tokenizer:
         """Encodes `text`; special tokens are control tokens only outside the content `spans`."""
         special = self._special_ids()
         enc = self.backend.encode_batch([text], add_special_tokens=False)[0]  # GIL released, as in encode
-        if not any(i in special and _overlaps(_strip_span(text, off), spans)
+        if not any(i in special and overlaps(strip_span(text, off), spans)
                    for i, off in zip(enc.ids, enc.offsets)):
             return enc.ids  # the common case, and exactly today's ids
         # Control tokens are looked up in the template text alone, so content cannot merge
         # with a template marker into one longer match that hides the marker.
         cuts: list[tuple[int, int, int]] = []
-        for a, b in _complement(spans, len(text)):
+        for a, b in complement(spans, len(text)):
             part = self.backend.encode(text[a:b], add_special_tokens=False)
             cuts += [(a + s, a + e, i) for i, (s, e) in zip(part.ids, part.offsets) if i in special]
         # The text between two control tokens is encoded in one piece, as `encode` would,
@@ -266,7 +249,7 @@ class Tokenizer:
                    add_bos_token=d["add_bos_token"], chat_template=d["chat_template"],
                    special_tokens=d["special_tokens"])
 
-    # ------------------------------------------------------------------ GGUF
+    # --------------------------------------------------------------- loading
     @classmethod
     def from_gguf(cls, source: Any) -> "Tokenizer":
         """Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
@@ -274,325 +257,9 @@ class Tokenizer:
         `source` is a `gguf.GGUFReader`, a path to a .gguf file, or a metadata dict
         (key -> python value, as returned by `jpaged.formats.gguf.gguf_metadata`).
         """
-        meta = _as_metadata(source)
-        kind = meta.get("tokenizer.ggml.model")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"]) if kind in ("gpt2", "llama") else []
-        if kind == "gpt2":
-            types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
-            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-            backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre"))
-            _add_gguf_added_tokens(backend, tokens, types)
-            add_bos_default = False
-        elif kind == "llama":
-            from jpaged.tokenizer.sentencepiece import sentencepiece_backend  # imports transformers
-            backend = sentencepiece_backend(meta)
-            add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say
-        else:
-            raise NotImplementedError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2' and "
-                "SentencePiece 'llama'); use a Hugging Face checkpoint directory with a tokenizer.json instead")
+        return cls(**gguf_tokenizer_args(source))
 
-        def tok_id(key: str) -> int | None:
-            v = meta.get(f"tokenizer.ggml.{key}")
-            return int(v) if v is not None else None
-
-        bos, eos, pad, unk = tok_id("bos_token_id"), tok_id("eos_token_id"), tok_id("padding_token_id"), \
-            tok_id("unknown_token_id")
-        # End-of-turn / end-of-message ids also stop generation (llama.cpp's "EOG" set).
-        eos_ids = [i for i in (eos, tok_id("eot_token_id"), tok_id("eom_token_id")) if i is not None]
-        name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, pad_token_id=pad,
-                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   special_tokens={"bos_token": name(bos), "eos_token": name(eos),
-                                   "pad_token": name(pad), "unk_token": name(unk)})
-
-    # -------------------------------------------------------------------- HF
     @classmethod
     def from_hf_dir(cls, path: str | pathlib.Path) -> "Tokenizer":
         """Loads `tokenizer.json` (+ tokenizer_config.json, generation_config.json, chat_template.jinja)."""
-        path = pathlib.Path(path)
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-        cfg = _read_json(path / "tokenizer_config.json")
-        gen = _read_json(path / "generation_config.json")
-        model_cfg = _read_json(path / "config.json")
-
-        def token_str(v: Any) -> str | None:  # tokenizer_config stores strings or AddedToken dicts
-            return v.get("content") if isinstance(v, dict) else v
-
-        special = {k: token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        ids = {k: backend.token_to_id(v) if v is not None else None for k, v in special.items()}
-        bos = ids["bos_token"] if ids["bos_token"] is not None else model_cfg.get("bos_token_id")
-        eos_ids = [ids["eos_token"]] if ids["eos_token"] is not None else []
-        for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
-            eos_ids += source if isinstance(source, list) else [source] if source is not None else []
-
-        template = cfg.get("chat_template")
-        if (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text()
-        elif (path / "chat_template.json").exists():
-            template = _read_json(path / "chat_template.json").get("chat_template", template)
-        if isinstance(template, list):  # named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-
-        # tokenizer.json's post-processor usually adds BOS itself; only add it by hand
-        # when the config asks for BOS and the backend does not already do it.
-        add_bos = bool(cfg.get("add_bos_token", False)) and bos is not None \
-            and backend.encode("a", add_special_tokens=True).ids[:1] != [bos]
-        return cls(backend, bos_token_id=bos, eos_token_ids=[i for i in eos_ids if i is not None],
-                   pad_token_id=ids["pad_token"], add_bos_token=add_bos, chat_template=template,
-                   special_tokens=special)
-
-
-# ------------------------------------------------------------------ helpers
-def printable(text: str) -> str:
-    """`text` with control characters escaped, safe to echo to a terminal.
-
-    C0 controls other than newline and tab, DEL and C1 controls are written as Python
-    escapes ("\\x1b", "\\r"), so model output or a prompt cannot move the cursor,
-    rewrite a line, change colours or start an escape sequence. Other text is unchanged.
-    """
-    return text.translate(_CONTROL_ESCAPES)
-
-
-# Every Unicode "Cc" character (C0, DEL, C1) except "\t" and "\n", mapped to its repr() escape.
-_CONTROL_ESCAPES = {cp: repr(chr(cp))[1:-1] for cp in range(0xA0)
-                    if unicodedata.category(chr(cp)) == "Cc" and chr(cp) not in "\t\n"}
-
-
-# ------------------------------------------------- chat content tracking
-def _fresh_nonce(text: str) -> str:
-    """A random tag for placeholders; random so content cannot contain or forge one."""
-    while True:
-        nonce = secrets.token_hex(8)
-        if nonce not in text:
-            return nonce
-
-
-def _placeholder(nonce: str, k: int) -> str:
-    # Letters and digits only: survives `trim`, `tojson`, `split` and friends unchanged.
-    return f"JPAGED{nonce}C{k}E"
-
-
-def _placeholder_regex(nonce: str) -> re.Pattern[str]:
-    return re.compile(f"JPAGED{nonce}C([0-9]+)E")
-
-
-def _with_placeholders(messages: list[dict[str, Any]], nonce: str
-                       ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Copies of `messages` with each non-empty content string replaced by a placeholder.
-
-    Returns (copies, contents) where placeholder k stands for contents[k]. Empty
-    strings stay: there is nothing in them to protect, and templates often branch on
-    emptiness (an assistant turn with only tool calls).
-    """
-    contents: list[str] = []
-
-    def hold(s: str) -> str:
-        if not s:
-            return s
-        contents.append(s)
-        return _placeholder(nonce, len(contents) - 1)
-
-    copies = []
-    for n, message in enumerate(messages):
-        if not isinstance(message, dict):
-            copies.append(message)  # the template reports it
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            message = {**message, "content": hold(content)}
-        elif isinstance(content, list):
-            message = {**message, "content": [_hold_part(n, part, hold) for part in content]}
-        copies.append(message)
-    return copies, contents
-
-
-def _hold_part(n: int, part: Any, hold: Any) -> dict[str, Any]:
-    """A content part with its text held; only text parts are supported."""
-    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        raise ValueError(f"message {n}: content part of type {kind!r} is not supported "
-                         "(only {'type': 'text', 'text': str} parts)")
-    return {**part, "text": hold(part["text"])}
-
-
-def _strings(value: Any, key: Any = None, depth: int = 0) -> list[str]:
-    """Every string in a JSON-like value, dict keys included (a template may write them)."""
-    if isinstance(value, str):
-        return [value]
-    if depth > 32:  # deeper than any message a template renders; refuse rather than recurse on
-        raise ValueError(f"message field {key!r} is nested too deeply")
-    if isinstance(value, dict):
-        return [s for k, v in value.items() for s in _strings(k, key, depth + 1) + _strings(v, key, depth + 1)]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _strings(v, key, depth + 1)]
-    return []
-
-
-def _content_variants(content: str) -> list[str]:
-    """How a template may have written `content`: as is, or trimmed (`| trim`, `.strip('\\n')`)."""
-    variants = [content, content.strip(), content.lstrip(), content.rstrip(),
-                content.strip("\n"), content.lstrip("\n"), content.rstrip("\n")]
-    return list(dict.fromkeys(variants))
-
-
-def _align_contents(text: str, skeleton: str, placeholder: re.Pattern[str], contents: list[str]
-                    ) -> list[tuple[int, int]] | None:
-    """Spans of `text` holding message content, or None if `text` is not `skeleton` filled in.
-
-    `skeleton` is template pieces and placeholders, t0 P t1 P ... tn; `text` must be
-    t0 x t1 x ... tn with each x a variant of its placeholder's content. Variants can
-    make several splits fit, so every reachable position is kept (at most a few per
-    placeholder) and the first split that uses all of `text` wins, untrimmed preferred.
-    """
-    parts = placeholder.split(skeleton)
-    pieces, slots = parts[0::2], [int(k) for k in parts[1::2]]
-    if not text.startswith(pieces[0]):
-        return None
-    # position in text -> spans that got there, as a linked list (span, previous).
-    frontier: dict[int, Any] = {len(pieces[0]): None}
-    for slot, piece in zip(slots, pieces[1:]):
-        reached: dict[int, Any] = {}
-        for pos, path in frontier.items():
-            for variant in _content_variants(contents[slot]):
-                end = pos + len(variant)
-                if text.startswith(variant, pos) and text.startswith(piece, end):
-                    reached.setdefault(end + len(piece), ((pos, end), path))
-        if not reached:
-            return None
-        frontier = reached
-    if len(text) not in frontier:
-        return None
-    spans, path = [], frontier[len(text)]
-    while path is not None:
-        span, path = path
-        if span[1] > span[0]:
-            spans.append(span)
-    return spans[::-1]
-
-
-def _strip_span(text: str, span: tuple[int, int]) -> tuple[int, int]:
-    """`span` without surrounding whitespace: what an lstrip/rstrip added token absorbed."""
-    start, end = span
-    while start < end and text[start].isspace():
-        start += 1
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return start, end
-
-
-def _overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
-    """Whether `span` shares a character with any of the sorted, disjoint `spans`."""
-    start, end = span
-    k = bisect.bisect_left(spans, (end,)) - 1  # the last span starting before `end`
-    return start < end and k >= 0 and spans[k][1] > start
-
-
-def _complement(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """The non-empty gaps between sorted, disjoint `spans` in [0, length)."""
-    gaps, pos = [], 0
-    for start, end in spans:
-        if start > pos:
-            gaps.append((pos, start))
-        pos = end
-    if pos < length:
-        gaps.append((pos, length))
-    return gaps
-
-
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _as_metadata(source: Any) -> dict[str, Any]:
-    if isinstance(source, dict):
-        return source
-    if isinstance(source, (str, pathlib.Path)):
-        return read_gguf(source)[0]
-    return gguf_metadata(source)
-
-
-@lru_cache(maxsize=None)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str | None
-                    ) -> tokenizers.Tokenizer:
-    """A GPT-2 style byte-level BPE over the GGUF vocabulary."""
-    alphabet = set(_bytes_to_unicode().values())
-    byte_char = _bytes_to_unicode()
-    # Tokens outside the byte alphabet (rare, mislabelled specials) are respelled so the
-    # BPE model accepts them; the same thing transformers' GGUF converter does.
-    vocab = {t if set(t) <= alphabet else "".join(byte_char[b] for b in t.encode()): i
-             for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(pre)
-    backend.decoder = decoders.ByteLevel()
-    backend.normalizer = None
-    return backend
-
-
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer matching llama.cpp's `tokenizer.ggml.pre` name."""
-    if pre == "smollm":
-        # SmolLM/SmolLM2 tokenizer.json: every digit is its own pre-token, then GPT-2's regex.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if pre in _SPLIT_REGEXES:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    # "gpt2", "default" and unknown names: GPT-2's own regex.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
-    """Control tokens become special added tokens; user-defined ones plain added tokens.
-
-    Without this, `<|im_start|>` in a prompt would be cut into byte pieces.
-    """
-    alphabet = set(_bytes_to_unicode().values())
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and set(t) <= alphabet]
-    if control:
-        backend.add_special_tokens(control)
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
-    if user:
-        backend.add_tokens(user)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(template: str) -> Any:
-    """Compiles a chat template in the same sandboxed Jinja setup as transformers."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        # Jinja's own tojson HTML-escapes; templates expect plain JSON.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+        return cls(**hf_tokenizer_args(path))
