@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from helpers import TINY_ENGINE, assert_all_blocks_free, random_prompts
 from jpaged.core import config as config_module
+from jpaged.core.config import checks as config_checks
 from jpaged.core.config import FIELDS, ConfigError, apply_overrides, default_config, validate_config
 from jpaged.core.sequence import SamplingParams
 
@@ -43,7 +44,7 @@ def base(hf_dir) -> ml_collections.ConfigDict:
 
 @pytest.fixture(autouse=True)
 def eight_gib_machine(monkeypatch):
-    monkeypatch.setattr(config_module, "_total_memory_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(config_checks, "_total_memory_bytes", lambda: 8 * GiB)
 
 
 def check(cfg, **overrides) -> None:
@@ -264,7 +265,7 @@ def test_sampling_defaults_are_sampling_params_defaults():
     cfg, params = default_config(), SamplingParams()
     for name in ("max_tokens", "temperature", "top_p", "top_k"):
         assert cfg[name] == getattr(params, name), name
-    from jpaged.core.request_parsing import default_sampling_params
+    from jpaged.core.sequence import default_sampling_params
     assert default_sampling_params(cfg) == params
 
 

@@ -111,9 +111,9 @@ def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
 
 
 def package_modules(*packages: str) -> tuple[str, ...]:
-    """Every module of the given jpaged subpackages, found on disk (a new module is checked too)."""
-    return tuple(f"jpaged.{pkg}" + ("" if f.stem == "__init__" else f".{f.stem}")
-                 for pkg in packages for f in sorted((ROOT / "jpaged" / pkg).glob("*.py")))
+    """Every module of the given jpaged subpackages and theirs, found on disk (a new module is checked too)."""
+    return tuple(".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                 for pkg in packages for f in sorted((ROOT / "jpaged" / pkg).rglob("*.py")))
 
 
 def imported_packages(modules: tuple[str, ...]) -> set[str]:

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal, get_args
 
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv
 
 # The kv_layout config field's choices ("auto": by the model; "shared": one table).
-KV_LAYOUTS = ("auto", "shared")
+KVLayoutName = Literal["auto", "shared"]
+KV_LAYOUTS: tuple[str, ...] = get_args(KVLayoutName)
 
 
 @dataclasses.dataclass(frozen=True)
