@@ -426,11 +426,12 @@ def test_parallel_samples_never_take_more_than_max_num_seqs_seats():
     for a seat.  Admitted together, 3 sequences run after the fork, more than the
     step's sequence slots (the engine's step then fails with an IndexError)."""
     from jpaged.core.block_manager import BlockManager
+    from jpaged.core.config import SchedulerConfig
     from jpaged.core.scheduler import Scheduler
     from jpaged.core.sequence import Sequence, Status
 
-    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), policy="continuous",
-                      max_num_seqs=2, max_num_batched_tokens=32)
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False),
+                      SchedulerConfig(scheduler="continuous", max_num_seqs=2, max_num_batched_tokens=32))
     params = SamplingParams(max_tokens=3, n=2)
     leader = Sequence(0, list(range(3, 13)), params)
     child = Sequence(-1, leader.prompt_token_ids, params, seed=1)  # as LLM.add_request forks

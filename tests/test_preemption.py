@@ -148,11 +148,12 @@ def test_static_scheduler_with_swap(make_tiny_llm, want_greedy):
 def test_admission_oversubscribes():
     """Admission needs blocks for the first chunk only, not max_model_len per sequence."""
     from jpaged.core.block_manager import BlockManager
+    from jpaged.core.config import SchedulerConfig
     from jpaged.core.scheduler import Scheduler
     from jpaged.core.sequence import Sequence
 
-    sched = Scheduler(BlockManager(9, 4, enable_prefix_caching=False), policy="continuous",
-                      max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(BlockManager(9, 4, enable_prefix_caching=False),
+                      SchedulerConfig(scheduler="continuous", max_num_seqs=8, max_num_batched_tokens=64))
     for i in range(4):  # each may grow to 128 tokens = 32 blocks; the pool has 8
         sched.add(Sequence(i, [5, 6, 7], SamplingParams(max_tokens=125)))
     out = sched.schedule()

@@ -6,14 +6,15 @@ from __future__ import annotations
 from helpers import random_prompts
 
 from jpaged.core.block_manager import BlockManager
+from jpaged.core.config import SchedulerConfig
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import SamplingParams, Sequence, Status
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=16, max_num_seqs=8, caching=False, buckets=()):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(bm, policy="continuous", max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, token_buckets=buckets)
+    config = SchedulerConfig(scheduler="continuous", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(bm, config, token_buckets=buckets)
 
 
 def run_step(sched, out):

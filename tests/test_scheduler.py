@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.core.block_manager import NULL_BLOCK, BlockManager
+from jpaged.core.config import SchedulerConfig
 from jpaged.core.kv_layout import KVLayout
 from jpaged.core.rounding import cdiv
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
@@ -77,10 +78,9 @@ class FakeEngine:
         self.bm = BlockManager(w.num_blocks, w.block_size, enable_prefix_caching=w.prefix_caching,
                                layout=self.layout)
         self.swap = HostSwapSpace(w.swap_blocks, (w.block_size,), np.int64)
-        self.sched = Scheduler(self.bm, policy=w.policy, max_num_seqs=w.max_num_seqs,
-                               max_num_batched_tokens=w.max_num_batched_tokens,
-                               preemption_mode=w.preemption_mode, swap_space=self.swap,
-                               token_buckets=w.token_buckets)
+        config = SchedulerConfig(scheduler=w.policy, max_num_seqs=w.max_num_seqs,
+                                 max_num_batched_tokens=w.max_num_batched_tokens, preemption_mode=w.preemption_mode)
+        self.sched = Scheduler(self.bm, config, swap_space=self.swap, token_buckets=w.token_buckets)
         self.pool = np.full((w.num_blocks, w.block_size), EMPTY, np.int64)
         self.requests: dict[int, Sequence] = {}  # by index in w.requests
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jpaged.core.block_manager import BlockManager
+from jpaged.core.config import SchedulerConfig
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import SamplingParams, Sequence, Status
 from jpaged.runtime.step_inputs import StepInputs, build_step_inputs, padding_step_inputs
@@ -20,8 +21,8 @@ BLOCK, WIDTH = 4, 8
 def schedule(*params: SamplingParams):
     """One step: a 6-token prompt already prefilled (a decode of 1 token) and a
     10-token prompt prefilling, with the given params (one per sequence)."""
-    sched = Scheduler(BlockManager(64, BLOCK, enable_prefix_caching=False), policy="continuous",
-                      max_num_seqs=8, max_num_batched_tokens=32, token_buckets=())
+    sched = Scheduler(BlockManager(64, BLOCK, enable_prefix_caching=False),
+                      SchedulerConfig(scheduler="continuous", max_num_seqs=8, max_num_batched_tokens=32))
     a = Sequence(0, list(range(3, 9)), params[0], seed=5)
     sched.add(a)
     sched.schedule()

@@ -39,6 +39,7 @@ import logging
 import time
 
 from jpaged.core.block_manager import BlockManager, PrefixHit
+from jpaged.core.config import SchedulerConfig
 from jpaged.core.scheduler_output import ScheduledSeq, SchedulerOutput, SwapIn, SwapOut
 from jpaged.core.sequence import PLACEHOLDER, Sequence, Status
 from jpaged.core.stats import EngineStats
@@ -49,25 +50,19 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, policy: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, preemption_mode: str = "recompute",
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig, *,
                  swap_space: HostSwapSpace | None = None, token_buckets: tuple[int, ...] = (),
                  stats: EngineStats | None = None, stops: StopConditions | None = None):
-        """`stops`: when a sample ends (the engine's output processor); needed only
-        to apply steps' outputs (on_launched, update_from_output)."""
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"scheduler must be 'continuous' or 'static', got {policy!r}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        """`stops`: when a sample ends (the engine's output processor), for on_launched / update_from_output."""
         self.block_manager = block_manager
-        self.policy = policy
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = config.scheduler
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.token_buckets = tuple(token_buckets)  # the runner's step sizes (see _fit_bucket)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # arrival order
-        self.preemption_mode = preemption_mode
+        self.preemption_mode = config.preemption_mode  # LLM.install_pool may change it
         self.swap_space = swap_space
         self.stats = stats if stats is not None else EngineStats()  # shared with the engine
         self.stops = stops

@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import ml_collections
 
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.config import ConfigError, lora_slots
+from jpaged.core.config import ConfigError, lora_slots, sections
 from jpaged.core.kv_layout import KVLayout, kv_layout
 from jpaged.core.lora_adapters import parse_lora_modules
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.swap_space import HostSwapSpace, swap_capacity_blocks
-from jpaged.core.xla_options import parse_xla_options
 from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.lora_manager import LoraManager
 from jpaged.engine.output_processor import OutputProcessor
@@ -85,35 +84,17 @@ def build_components(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Engin
     swap_space = HostSwapSpace(swap_capacity(cfg, block_bytes, cfg.preemption_mode),
                                block_shape(model.model_config, cfg.block_size, kv_dtype, layout.layers_per_page),
                                kv_dtype)
-    runner = ModelRunner(model.graphdef, model.params, model.model_config,
-                         num_blocks=num_blocks, block_size=cfg.block_size,
-                         kv_dtype=kv_dtype, layers_per_page=layout.layers_per_page,
-                         kv_groups=layout.num_groups,
-                         attention_impl=attention_impl,
-                         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                         max_num_batched_tokens=cfg.max_num_batched_tokens,
-                         buckets_per_octave=cfg.buckets_per_octave, swap_space=swap_space,
-                         logprobs_mode=cfg.logprobs_mode,
-                         mesh=mesh, program_cache_dir=program_cache_dir(cfg),
-                         chained=cfg.async_scheduling,
-                         num_speculative_tokens=cfg.num_speculative_tokens
-                         if cfg.speculative_method != "none" else 0,
-                         lora_slots=lora_slots(cfg), max_lora_rank=cfg.max_lora_rank,
-                         scan_layers=scan_layers,
-                         compiler_options=parse_xla_options(cfg.xla_step_options),
-                         flat_weights=cfg.flat_weights)
+    engine = sections(cfg).resolved(num_blocks=num_blocks, attention_impl=attention_impl, scan_layers=scan_layers)
+    runner = ModelRunner(model.graphdef, model.params, model.model_config, engine, layout=layout, mesh=mesh,
+                         swap_space=swap_space, program_cache_dir=program_cache_dir(cfg))
     lora = LoraManager(runner, model.loaded.config, num_slots=lora_slots(cfg),
                        max_rank=cfg.max_lora_rank, tensor_parallel=tensor_parallel_size(mesh))
     for name, path in parse_lora_modules(cfg.lora_modules).items():
         lora.load(name, path)
     speculator = build_speculator(cfg, model.model_config, model.tokenizer, num_blocks)
     outputs = OutputProcessor(model.tokenizer, max_model_len=cfg.max_model_len)
-    scheduler = Scheduler(block_manager, policy=cfg.scheduler,
-                          max_num_seqs=cfg.max_num_seqs,
-                          max_num_batched_tokens=cfg.max_num_batched_tokens,
-                          preemption_mode=cfg.preemption_mode, swap_space=swap_space,
-                          token_buckets=runner.token_buckets, stats=step_stats.totals,
-                          stops=outputs)
+    scheduler = Scheduler(block_manager, engine.scheduler, swap_space=swap_space, token_buckets=runner.token_buckets,
+                          stats=step_stats.totals, stops=outputs)
     grammars = (GrammarCompiler(model.tokenizer, model.model_config.vocab_size)
                 if model.tokenizer is not None else None)
     inputs = InputProcessor(model.tokenizer, vocab_size=model.model_config.vocab_size,

@@ -26,24 +26,18 @@ from jpaged.models.base import split_model
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.dummy_weights import load_dummy
 from jpaged.core.kv_layout import KVLayout, kv_layout
-from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for
+from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for, pool_dtype
 from jpaged.layers.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
                                      tensor_parallel_size)
 
 log = logging.getLogger(__name__)
 
 
-# The pool dtype of each kv_cache_dtype but "auto"; int8 and float8_e4m3fn pools are
-# quantized (a scale per row: pallas_kernels.reference.quantize_rows).
-_KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
-              "fp8_e4m3": jnp.float8_e4m3fn}
-
-
 def resolve_kv_cache_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
     """The KV pool's dtype: "auto" follows the model dtype."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
-    return dtype if name == "auto" else jnp.dtype(_KV_DTYPES[name])
+    return dtype if name == "auto" else pool_dtype(name)
 
 
 def resolve_attention_impl(name: str) -> tuple[str, str]:

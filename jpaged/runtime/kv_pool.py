@@ -41,6 +41,16 @@ from jpaged.core.rounding import cdiv, next_pow2
 from pallas_kernels.reference import check_page_layout, page_rows
 
 
+# The pool dtype of each kv_cache_dtype but "auto"; int8 and float8_e4m3fn pools are
+# quantized (a scale per row: pallas_kernels.reference.quantize_rows).
+POOL_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def pool_dtype(kv_cache_dtype: str) -> jnp.dtype:
+    """The pool's dtype for a resolved kv_cache_dtype (not "auto")."""
+    return jnp.dtype(POOL_DTYPES[kv_cache_dtype])
+
+
 def block_shape(cfg: ModelConfig, block_size: int, dtype: jnp.dtype,
                 layers_per_page: int | None = None) -> tuple[int, ...]:
     """One block of the pool (K and V of every layer, or of `layers_per_page` layers

@@ -40,8 +40,10 @@ from flax import nnx
 from jpaged.runtime.step import run_step
 from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key, shape_specs
 from jpaged.runtime.distributed import broadcast_step
-from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, scatter_blocks
+from jpaged.runtime.kv_pool import copy_blocks, create_kv_pool, gather_blocks, pool_dtype, scatter_blocks
 from jpaged.layers.lora import LoraWeights, create_lora_weights, write_slot
+from jpaged.core.config import EngineConfig
+from jpaged.core.kv_layout import KVLayout
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
 from jpaged.core.scheduler import ScheduledSeq, SchedulerOutput
@@ -49,7 +51,6 @@ from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.layers.sharding import Mesh, pool_sharding, put, replicated
 from jpaged.runtime.step_inputs import StepInputs, StepResult, build_step_inputs, padding_step_inputs
 from jpaged.core.swap_space import HostSwapSpace
-from jpaged.core.xla_options import OptionValue
 
 # StepResult lives with StepInputs (the step's pytrees in and out); importable from here too.
 __all__ = ["ModelRunner", "PendingStep", "StepResult", "StepTiming", "token_buckets"]
@@ -125,73 +126,63 @@ class PendingStep:
 
 
 class ModelRunner:
-    """`mesh` (a (1, tp) jax.sharding.Mesh, or None for one device): params must
-    already be sharded on it (jpaged.layers.sharding.shard_params); the pool is split on
-    its kv-head axis and every step's inputs and outputs have fixed shardings.
-    `compiler_options`: XLA options every step program is compiled with
-    (config.xla_step_options, parsed by jpaged.core.xla_options).
+    """`config`: the engine's sections, resolved (EngineConfig.resolved): the pool
+    (cache), the step ladder (scheduler), the compiled step (runtime), the LoRA
+    slots and the drafts' width.  `mesh` (a (1, tp) Mesh, or None for one device):
+    params are already sharded on it; the pool is split on its kv-head axis and
+    every step's inputs and outputs have fixed shardings.
 
-    `flat_weights` (config.flat_weights): a step passes the weights to its
-    program as one flat list of arrays, kept from one step to the next, with
-    their tree structure closed over in the program, instead of the (nnx.State,
-    LoraWeights) tree, which the call would flatten every step (hundreds of
-    leaves in custom pytree nodes: on a 2-core CPU VM, SmolLM2 unrolled (273
-    leaves), a call took a median 22.5 ms with the tree, 1.4 ms with the list).
-    The list is rebuilt when `params` or `lora` is replaced (update_params,
-    LoRA slots, sleep mode)."""
+    runtime.flat_weights: a step hands its program the weights as one flat list of
+    arrays kept between steps (their tree structure closed over), not the
+    (nnx.State, LoraWeights) tree every call flattens (SmolLM2 unrolled, 273
+    leaves, 2-core CPU VM: a median 22.5 ms a call with the tree, 1.4 ms with the
+    list); rebuilt when `params` or `lora` is replaced."""
 
-    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, *,
-                 num_blocks: int, block_size: int, kv_dtype: jnp.dtype, attention_impl: str,
-                 layers_per_page: int | None = None, kv_groups: int = 1,
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 buckets_per_octave: int = 8, swap_space: HostSwapSpace | None = None, logprobs_mode: str = "raw",
-                 mesh: Mesh | None = None, program_cache_dir: pathlib.Path | None = None,
-                 chained: bool = False, num_speculative_tokens: int = 0, lora_slots: int = 0,
-                 max_lora_rank: int = 16, scan_layers: bool = False,
-                 compiler_options: dict[str, OptionValue] | None = None, flat_weights: bool = False):
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, config: EngineConfig,
+                 *, layout: KVLayout | None = None, mesh: Mesh | None = None, swap_space: HostSwapSpace | None = None,
+                 program_cache_dir: pathlib.Path | None = None):
+        cache, sched, runtime = config.cache, config.scheduler, config.runtime
+        if not cache.num_blocks or "auto" in (cache.kv_cache_dtype, runtime.attention_impl, runtime.layer_loop):
+            raise ValueError("ModelRunner takes a resolved config (EngineConfig.resolved): no 'auto', num_blocks set")
         self.params = params
         # LoRA adapters' device slots (jpaged.layers.lora); None: adapters off.
-        dtype = jax.tree.leaves(params)[0].dtype
-        self.lora = (create_lora_weights(model_cfg, lora_slots, max_lora_rank, dtype, stacked=scan_layers,
-                                         mesh=mesh) if lora_slots else None)
-        self.num_speculative_tokens = num_speculative_tokens  # the drafts' width K (speculative decoding)
-        self.mesh = mesh
-        self.block_size = block_size
-        self.table_width = cdiv(max_model_len, block_size)
-        self.kv_groups = kv_groups  # block tables per sequence (jpaged.core.kv_layout)
-        self.max_num_seqs = max_num_seqs
+        dtype, scan_layers = jax.tree.leaves(params)[0].dtype, runtime.layer_loop == "scan"
+        self.lora = (create_lora_weights(model_cfg, config.lora.slots, config.lora.max_lora_rank, dtype,
+                                         stacked=scan_layers, mesh=mesh) if config.lora.slots else None)
+        self.num_speculative_tokens = config.speculative.width  # the drafts' width K (speculative decoding)
+        self.mesh, self.swap_space = mesh, swap_space
+        self.block_size = block_size = cache.block_size
+        self.table_width = cdiv(sched.max_model_len, block_size)
+        self.kv_groups = layout.num_groups if layout else 1  # block tables per sequence (jpaged.core.kv_layout)
+        self.max_num_seqs = sched.max_num_seqs
         self.vocab_size = model_cfg.vocab_size  # the logit masks' width
-        self.token_buckets = token_buckets(max_num_batched_tokens, max_num_seqs, buckets_per_octave)
-        self._new_pool = functools.partial(create_kv_pool, model_cfg, num_blocks, block_size, kv_dtype,
+        self.token_buckets = token_buckets(sched.max_num_batched_tokens, sched.max_num_seqs, sched.buckets_per_octave)
+        self._new_pool = functools.partial(create_kv_pool, model_cfg, cache.num_blocks, block_size,
+                                           pool_dtype(cache.kv_cache_dtype),
                                            sharding=None if mesh is None else pool_sharding(mesh),
-                                           layers_per_page=layers_per_page)
+                                           layers_per_page=layout.layers_per_page if layout else None)
         self.kv_pool = self._new_pool()
-        self.swap_space = swap_space
-        # Asynchronous scheduling: each step reads the tokens the previous one sampled
-        # from its token buffer ([S] padded to the largest S), on the device.
-        self.chained = chained
-        self._token_buffer = self._new_token_buffer() if chained else None
+        # Asynchronous scheduling: each step reads the previous one's sampled tokens from a device buffer ([S]).
+        self.chained = sched.async_scheduling
+        self._token_buffer = self._new_token_buffer() if self.chained else None
         self._last_launched: StepResult | None = None
         self._last_collected = 0.0  # perf_counter when the last step's result arrived
         # One jitted step; each structure of its StepInputs is a program of its own.
-        static = dict(attention_impl=attention_impl, num_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
-        self._weights_treedef = jax.tree.structure(self.weights) if flat_weights else None
+        static = dict(attention_impl=runtime.attention_impl, num_logprobs=MAX_LOGPROBS,
+                      logprobs_mode=runtime.logprobs_mode)
+        self._weights_treedef = jax.tree.structure(self.weights) if runtime.flat_weights else None
         self._step = self._jit(functools.partial(_weighted_step, graphdef, self._weights_treedef, **static))
         self._programs = StepPrograms(
             self._step, self.step_weights(), self.kv_pool, model_config=model_cfg, mesh=mesh,
-            cache_dir=program_cache_dir,
-            mesh_context=self._mesh_context, compiler_options=compiler_options,
+            cache_dir=program_cache_dir, mesh_context=self._mesh_context, compiler_options=runtime.compiler_options,
             static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
-                    "graphdef": graphdef, "num_speculative_tokens": num_speculative_tokens,
+                    "graphdef": graphdef, "num_speculative_tokens": self.num_speculative_tokens,
                     "weights_treedef": self._weights_treedef})
         self._programs.preload()  # a warm start: every program this engine built before, before any step
         self.timing = StepTiming()
         # Sleep mode (release/restore): 0 awake, else the level; what restore() puts back.
         self.sleep_level = 0
-        self._host_params: Any = None
-        self._host_lora: LoraWeights | None = None
-        self._asleep_specs: Any = None
-        self._lora_specs: LoraWeights | None = None
+        self._host_params = self._host_lora = self._asleep_specs = self._lora_specs = None
 
     @property
     def weights(self) -> Weights:

@@ -291,6 +291,16 @@ class EngineConfig(pydantic.BaseModel):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
+    def resolved(self, *, num_blocks: int, attention_impl: str, scan_layers: bool) -> EngineConfig:
+        """This config with the engine's decisions in place of its "auto"s and 0s:
+        the pool's size, the KV dtype (auto: dtype), the attention kernel that runs
+        and the layer loop.  What the model runner takes."""
+        kv_cache_dtype = self.load.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype
+        cache = {**self.cache.model_dump(), "num_blocks": num_blocks, "kv_cache_dtype": kv_cache_dtype}
+        runtime = {**self.runtime.model_dump(), "attention_impl": attention_impl,
+                   "layer_loop": "scan" if scan_layers else "unroll"}
+        return self.model_copy(update={"cache": CacheConfig(**cache), "runtime": RuntimeConfig(**runtime)})
+
     @model_validator(mode="after")
     def _batch_invariant_runs(self) -> EngineConfig:
         if not self.runtime.batch_invariant:
