@@ -1,17 +1,12 @@
-"""Block manager: reference-counted physical blocks, automatic prefix caching, copy-on-write,
-over a free list (BlockAllocator) and per-sequence block tables (BlockTable).
+"""Block manager: the block pool (jpaged.core.block_pool: reference counts, cached
+blocks and their eviction, copy-on-write) plus automatic prefix caching and the
+per-sequence block tables (BlockTable, jpaged.core.block_table) of every layer group.
+NULL_BLOCK, NoFreeBlocksError and BlockAllocator (jpaged.core.block_allocator),
+BlockTable and PrefixHit (jpaged.core.prefix_hit) are importable from here too.
 Host bookkeeping only: the device pool these block ids index is jpaged.runtime.kv_pool's.
 
-API (the scheduler is its only writer):
+API (the scheduler is its only writer), besides the pool's allocate / free / share / cow:
 
-  allocate() -> block      a block with refcount 1: a free one, else the
-                           least recently used cached one is evicted
-  free(block)              refcount - 1; at 0 a cached block stays cached
-                           (evictable), an uncached one returns to the free list
-  share(block)             refcount + 1 (revives a cached block at refcount 0)
-  cow(block) -> block      the block itself if the caller may write into it,
-                           else a private copy (the device copy is queued;
-                           take_copies() hands the step's copies to the runner)
   match(seq)               the longest run of cached full blocks for seq's tokens
   cache_full_blocks(seq)   registers seq's newly filled, computed blocks
 
@@ -31,224 +26,40 @@ the blocks that the first recomputed token's window reaches (`find_hit`).
   fork(leader, child)                the child shares every block of the leader
   release(seq)                       gives back every group's blocks
   swap_out(seq) / swap_in(seq, ...)  blocks to copy to host and back
-
-A block may be written only when its refcount is 1 and it is not in the prefix
-index: cached content is immutable, so a request whose whole prompt is cached
-copies its last block before recomputing the last prompt token (for its
-logits) instead of writing into the shared block.
-
-Eviction: blocks at refcount 0 that are cached sit in one OrderedDict in
-release order; eviction pops its head (least recently used).  A sequence
-releases its blocks last-to-first, so among blocks released together the
-deepest (end of the longest prefix) is evicted first.  Every operation is O(1):
-nothing scans the pool.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 from typing import Any
 
+from jpaged.core.block_allocator import NULL_BLOCK, BlockAllocator, NoFreeBlocksError
+from jpaged.core.block_pool import BlockPool, GroupKey
+from jpaged.core.block_table import BlockTable
 from jpaged.core.kv_layout import KVLayout
-from jpaged.core.prefix_cache import ROOT, make_index
+from jpaged.core.prefix_cache import ROOT
+from jpaged.core.prefix_hit import PrefixHit, usable_prefix
 from jpaged.core.rounding import cdiv
 from jpaged.core.stats import EngineStats
 
-NULL_BLOCK = 0  # padding in block tables and step arrays; never handed out
+__all__ = ["NULL_BLOCK", "BlockAllocator", "BlockManager", "BlockTable", "NoFreeBlocksError", "PrefixHit"]
 
 
-class NoFreeBlocksError(RuntimeError):
-    """The pool has no free block left."""
+class BlockManager(BlockPool):
+    """The block pool plus prefix matching and each sequence's tables of every layer group."""
 
-
-class BlockAllocator:
-    """O(1) free-list allocator over physical blocks 1..num_blocks-1."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
-        self._in_use = bytearray(num_blocks)  # 1: allocated
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise NoFreeBlocksError("KV pool exhausted: no free block")
-        block = self._free.popleft()
-        self._in_use[block] = True
-        return block
-
-    def free(self, block: int) -> None:
-        if block == NULL_BLOCK or not self._in_use[block]:
-            raise ValueError(f"block {block} is not allocated (double free?)")
-        self._in_use[block] = False
-        self._free.append(block)
-
-    def is_allocated(self, block: int) -> bool:
-        return bool(self._in_use[block])
-
-
-@dataclasses.dataclass
-class BlockTable:
-    """One sequence's map from logical block to physical block (grown and copied
-    by the BlockManager, which owns the block size)."""
-
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    start: int = 0  # entries before it are the null block (a sliding group's, before its window)
-
-    def release(self, allocator: "BlockAllocator | BlockManager") -> None:
-        """Frees every block, last first (so that the deepest is evicted first);
-        null entries (a sliding group's blocks before its window) hold nothing."""
-        for block in reversed(self.block_ids):
-            if block != NULL_BLOCK:
-                allocator.free(block)
-        self.block_ids.clear()
-        self.start = 0
-
-
-@dataclasses.dataclass
-class PrefixHit:
-    """A usable cached prefix: num_blocks full blocks.  `tables`: each group's
-    blocks for them (null where a sliding group needs none), `handles`: group
-    0's prefix-index handles."""
-    num_blocks: int = 0
-    handles: list = dataclasses.field(default_factory=list)
-    tables: list[list[int]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GroupKey:
-    """A cached block of group > 0: found by group 0's handle of the same logical block."""
-    group: int
-    handle: Any
-
-
-class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  index: str = "hash", allocator: BlockAllocator | None = None,
                  stats: EngineStats | None = None, layout: KVLayout | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.index_kind = index
         self.layout = layout if layout is not None else KVLayout(1, ((0,),), (None,))
-        self.stats = stats if stats is not None else EngineStats()  # shared with the engine
-        self.reset(num_blocks, allocator=allocator)
-
-    def reset(self, num_blocks: int | None = None, *, allocator: BlockAllocator | None = None) -> None:
-        """Empties the manager in place (no sequence may hold blocks): a fresh free
-        list of num_blocks blocks (default: as many as now) and an empty prefix cache."""
-        self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks or self.num_blocks)
-        self.num_blocks = self.allocator.num_blocks
-        self.index = make_index(self.index_kind)
-        self._group_index: dict[_GroupKey, int] = {}  # groups > 0: cached blocks by group 0's handle
-        self.refcount = [0] * self.num_blocks
-        self._handle: dict[int, Any] = {}  # block -> its index handle, for cached blocks
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._copies: list[tuple[int, int]] = []
-        self.num_shared_blocks = 0  # blocks with refcount > 1
-
-    # ------------------------------------------------------------- accounting
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocate() can return: free ones plus evictable cached ones."""
-        return self.allocator.num_free_blocks + len(self._evictable)
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks referenced by at least one sequence."""
-        return self.num_blocks - 1 - self.num_free_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._handle)
+        super().__init__(num_blocks, index=index, allocator=allocator, stats=stats)
 
     @property
     def num_groups(self) -> int:
         return self.layout.num_groups
 
-    @property
-    def num_evictable_blocks(self) -> int:
-        return len(self._evictable)
-
-    def evictable_blocks(self) -> list[int]:
-        """Evictable blocks, next victim first (for tests and debugging)."""
-        return list(self._evictable)
-
-    # -------------------------------------------------------------- block API
-    def allocate(self) -> int:
-        if self.allocator.num_free_blocks == 0:
-            if not self._evictable:
-                raise NoFreeBlocksError("KV pool exhausted: no free or evictable block")
-            self._evict_one()
-        block = self.allocator.allocate()
-        self.refcount[block] = 1
-        return block
-
-    def _evict_one(self) -> None:
-        block, _ = self._evictable.popitem(last=False)
-        handle = self._handle.pop(block)
-        if isinstance(handle, _GroupKey):
-            del self._group_index[handle]
-        else:
-            self.index.remove(handle, block)
-        self.allocator.free(block)
-        self.stats.evictions += 1
-
-    def drop_cached(self) -> int:
-        """Evicts every cached block no sequence holds; returns how many."""
-        n = len(self._evictable)
-        while self._evictable:
-            self._evict_one()
-        return n
-
-    def free(self, block: int) -> None:
-        rc = self.refcount[block]
-        if block == NULL_BLOCK or rc <= 0:
-            raise ValueError(f"block {block} is not referenced (double free?)")
-        rc -= 1
-        self.refcount[block] = rc
-        if rc == 1:
-            self.num_shared_blocks -= 1
-        elif rc == 0:
-            if block in self._handle:
-                self._evictable[block] = None  # most recently used end
-            else:
-                self.allocator.free(block)
-
-    def share(self, block: int) -> None:
-        rc = self.refcount[block]
-        if rc == 0:
-            if block not in self._evictable:
-                raise ValueError(f"block {block} is neither referenced nor cached")
-            del self._evictable[block]
-        elif rc == 1:
-            self.num_shared_blocks += 1
-            self.stats.shared_blocks_peak = max(self.stats.shared_blocks_peak, self.num_shared_blocks)
-        self.refcount[block] = rc + 1
-
-    def needs_cow(self, block: int) -> bool:
-        return self.refcount[block] > 1 or block in self._handle
-
-    def cow(self, block: int) -> int:
-        """A block the caller may write: `block` itself when it holds the only
-        reference to an uncached block, else a fresh copy (refcount moved)."""
-        if not self.needs_cow(block):
-            return block
-        new = self.allocate()  # cannot evict `block`: its refcount is >= 1
-        self._copies.append((block, new))
-        self.free(block)
-        self.stats.cow_copies += 1
-        return new
-
+    # ------------------------------------------------------------ table writes
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens tokens."""
         return cdiv(num_tokens, self.block_size)
@@ -263,11 +74,6 @@ class BlockManager:
         table to `end`.  False, changing nothing, when the pool cannot provide
         the blocks."""
         return self._prepare([table], [0], start, end)
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) block copies to run on the device before the next forward."""
-        copies, self._copies = self._copies, []
-        return copies
 
     # ---------------------------------------------------------- prefix cache
     def _block_tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
@@ -314,7 +120,7 @@ class BlockManager:
             keys.append(handle)
             for g, group_table in enumerate(groups, start=1):
                 block = group_table.block_ids[i] if i < len(group_table.block_ids) else NULL_BLOCK
-                key = _GroupKey(g, handle)
+                key = GroupKey(g, handle)
                 if block != NULL_BLOCK and block not in self._handle and key not in self._group_index:
                     self._group_index[key] = block
                     self._handle[block] = key
@@ -399,27 +205,12 @@ class BlockManager:
         handles, blocks = self.match(seq)
         if self.num_groups == 1 or not blocks:
             return PrefixHit(len(blocks), handles, [blocks] + [[] for _ in range(self.num_groups - 1)])
-        found = [[self._group_index.get(_GroupKey(g, h)) for h in handles] for g in range(1, self.num_groups)]
-        # last_missing[g][j]: the last logical block <= j that group g does not hold (-1: none)
-        last_missing = []
-        for row in found:
-            marks, last = [], -1
-            for j, block in enumerate(row):
-                last = j if block is None else last
-                marks.append(last)
-            last_missing.append(marks)
-        h = len(blocks)
-        while h > 0:
-            computed = min(h * self.block_size, seq.num_tokens - 1)
-            if all(marks[h - 1] < self._first_needed(g + 1, computed) for g, marks in enumerate(last_missing)):
-                break
-            h -= 1
-        computed = min(h * self.block_size, seq.num_tokens - 1)
-        tables = [blocks[:h]]
-        for g, row in enumerate(found, start=1):
-            first = min(self._first_needed(g, computed), h)
-            tables.append([NULL_BLOCK] * first + row[first:h])
-        return PrefixHit(h, handles[:h], tables)
+        found = [[self._group_index.get(GroupKey(g, h)) for h in handles] for g in range(1, self.num_groups)]
+
+        def first_needed(group: int, num_hit_blocks: int) -> int:  # the first recomputed token's window
+            return self._first_needed(group, min(num_hit_blocks * self.block_size, seq.num_tokens - 1))
+
+        return usable_prefix(handles, blocks, found, first_needed)
 
     def admit(self, seq, hit: PrefixHit, computed: int, end: int) -> bool:
         """Gives seq the hit's blocks (computed tokens of them) and makes positions
@@ -486,25 +277,3 @@ class BlockManager:
         s.prompt_tokens += num_tokens
         s.cached_prompt_tokens += num_cached_tokens
         s.cache_hit_blocks += num_hit_blocks
-
-    def check_invariants(self) -> None:
-        """Slow consistency check for tests: every block is exactly one of free,
-        referenced, or cached at refcount 0."""
-        free = set(self.allocator._free)
-        assert len(free) == len(self.allocator._free), "duplicate in free list"
-        assert NULL_BLOCK not in free and self.refcount[NULL_BLOCK] == 0
-        shared = 0
-        for b in range(1, self.num_blocks):
-            rc = self.refcount[b]
-            assert rc >= 0
-            shared += rc > 1
-            if b in free:
-                assert rc == 0 and b not in self._handle and b not in self._evictable, b
-                assert not self.allocator.is_allocated(b)
-            else:
-                assert self.allocator.is_allocated(b), b
-                assert rc > 0 or b in self._evictable, f"leaked block {b}"
-            if b in self._evictable:
-                assert rc == 0 and b in self._handle
-        assert shared == self.num_shared_blocks
-        assert len(self.index) + len(self._group_index) == len(self._handle)
