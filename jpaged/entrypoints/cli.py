@@ -14,7 +14,7 @@ from typing import Any, Callable, NoReturn, TypeVar
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from jpaged.core.config import DEPRECATED_FIELDS, ConfigError, apply_overrides, default_config
+from jpaged.core.config import DEPRECATED_FIELDS, ConfigError, apply_overrides, config_help, default_config
 from jpaged.entrypoints import cli_config
 
 # The config without --config: a file of the package (so an installed `jpaged` finds it
@@ -114,7 +114,7 @@ def define_config_flag() -> flags.FlagHolder:
             "config", CONFIG_DEFAULT, "Engine config file: a Python file whose get_config() returns the "
             "config (start from jpaged.core.config.default_config()). Default: the package's "
             "jpaged/entrypoints/cli_config.py, the embedded SmolLM2-135M-Instruct. Every field can be "
-            "overridden as --config.<field>=<value>.")
+            "overridden as --config.<field>=<value>.\n\n" + config_help())
     except (KeyError, AttributeError, TypeError, ValueError) as e:  # config_flags applies overrides here
         exit_usage(misspelt_override(sys.argv) or f"--config.* overrides: {str(e).splitlines()[0]}")
 
