@@ -32,7 +32,7 @@ from absl import app, flags
 
 import harness as bench  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged.engine.llm import LLM
-from jpaged.core.request_parsing import ParsedRequest, read_request_file
+from jpaged.entrypoints.batch_requests import ParsedRequest, read_request_file
 
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 2000, "Request lines in all.")
 _BAD_FRACTION = flags.DEFINE_float("bad_fraction", 0.1, "Share of bad lines.")

@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-from jpaged.core.request_parsing import parse_request
+from jpaged.entrypoints.batch_requests import parse_request
 from jpaged.core.sequence import SamplingParams
 from jpaged.entrypoints import batch
 from jpaged.entrypoints.cli import UsageError

@@ -325,7 +325,7 @@ def test_batch_lines_name_their_adapter(engine_config, served, tmp_path, keep_si
     records = {r["index"]: r for r in map(json.loads, output.read_text().splitlines())}
     assert records[0]["text"] == expected["chat", "a1"] and records[0]["error"] is None
     assert records[1]["finish_reason"] == "error" and records[1]["token_ids"] == []
-    assert records[1]["error"].startswith("line 2: model 'nope' does not exist"), records[1]["error"]
+    assert records[1]["error"] == "line 2: The model `nope` does not exist.", records[1]["error"]
     assert records[2]["text"] == records[3]["text"] == expected["chat", None]
 
 

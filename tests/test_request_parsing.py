@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged.core.request_parsing import (CHAT_ROLES, REQUEST_FIELDS, UNSUPPORTED_FIELDS, parse_line, parse_request,
-                                         read_request_file)
 from jpaged.core.sequence import SamplingParams
+from jpaged.entrypoints.batch_requests import parse_line, parse_request, read_request_file
+from jpaged.entrypoints.openai.request_fields import CHAT_ROLES, REQUEST_FIELDS, UNSUPPORTED_FIELDS
 
 DEFAULT = SamplingParams(max_tokens=4)
 
@@ -46,13 +46,13 @@ def line(obj) -> bytes:
     (b'{"prompt": "hi", "seed": 1.5}', ["seed"]),
     (b'{"prompt": "hi", "max_tokens": true}', ["max_tokens"]),
     (b'{"prompt": "hi", "max_tokens": 0}', ["max_tokens"]),
-    (b'{"prompt": "hi", "n": "2"}', ["n must"]),
+    (b'{"prompt": "hi", "n": "2"}', ["n: ", "integer"]),
     (b'{"prompt": "hi", "stop_token_ids": 5}', ["stop_token_ids"]),
     (b'{"prompt": "hi", "stop_token_ids": [1, "a"]}', ["stop_token_ids"]),
     (b'{"prompt": "hi", "stop": 5}', ["stop must"]),
     (b'{"prompt": "hi", "stop": [".", 3]}', ["stop must"]),
     (b'{"prompt": "hi", "stop": {"a": 1}}', ["stop must"]),
-    (b'{"prompt": "hi", "stop": [' + b", ".join([b'"x"'] * 17) + b"]}", ["stop must", "at most 16"]),
+    (b'{"prompt": "hi", "stop": [' + b", ".join([b'"x"'] * 17) + b"]}", ["stop takes at most 16"]),
     (b'{"prompt": "hi", "cache_salt": 7}', ["cache_salt", "string"]),
     (b'{"prompt": "hi", "cache_salt": ["a"]}', ["cache_salt", "string"]),
     (b'{"prompt": "hi", "ignore_eos": "yes"}', ["ignore_eos"]),
@@ -122,9 +122,30 @@ def test_neutral_values_of_unimplemented_fields_pass_without_a_warning():
 @pytest.mark.parametrize("role", ["wizard", "user<|im_end|>", "assistant\n<|im_start|>system", "USER", ""])
 def test_chat_roles_are_openai_roles(role):
     r = parse_line(line({"messages": [{"role": "user", "content": "a"}, {"role": role, "content": "b"}]}), DEFAULT, 0)
-    assert r.prompt is None and r.error.startswith("line 1: messages[1].role must be one of"), r.error
+    assert r.prompt is None and r.error.startswith("line 1: messages[1].role: must be one of"), r.error
     for role in CHAT_ROLES:
-        assert parse_line(line({"messages": [{"role": role, "content": "b"}]}), DEFAULT, 0).error is None
+        call_id = {"tool_call_id": "call_1"} if role == "tool" else {}
+        assert parse_line(line({"messages": [{"role": role, "content": "b", **call_id}]}), DEFAULT, 0).error is None
+
+
+def test_a_tool_message_names_the_call_it_answers():
+    """OpenAI requires tool_call_id on a "tool" message; a batch line as the server."""
+    messages = [{"role": "user", "content": "a"}, {"role": "tool", "content": "42"}]
+    error = parse_line(line({"messages": messages}), DEFAULT, 0).error
+    assert error == "line 1: messages[1].tool_call_id is required", error
+
+
+def test_a_line_reads_as_the_server_reads_a_body():
+    """One model for both: a batch line's fields are BatchRequest's, and its error is the
+    text of the server's 400 for the same body, prefixed with the line."""
+    from jpaged.entrypoints.openai.errors import RequestError
+    from jpaged.entrypoints.openai.protocol import BatchRequest, parse_generate
+    assert set(BatchRequest.model_fields) == set(REQUEST_FIELDS)
+    for body in ({"prompt": "hi", "temperature": "hot"}, {"messages": [{"role": "wizard", "content": "x"}]},
+                 {"prompt": "hi", "min_p": 0.5}, {"prompt": "hi", "messages": []}, [1]):
+        with pytest.raises(RequestError) as e:
+            parse_generate(body, DEFAULT, "base")
+        assert parse_line(line(body), DEFAULT, 3).error == f"line 4: {e.value.message}"
 
 
 @pytest.mark.parametrize("obj, words", [
@@ -147,13 +168,15 @@ def test_python_objects_of_other_types_are_errors_not_crashes(obj, words):
 
 
 def test_model_names_a_lora_adapter_or_the_base():
-    """"model": the base model's name (or absent, or null) runs the base; another name is
-    a LoRA adapter's (whether it is loaded is the engine's to say); a non-string is an error."""
-    assert [parse_line(line({"prompt": "hi", **extra}), DEFAULT, 0, base_model="base").params.lora
+    """"model": the base model's name (or absent, or null) runs the base; an adapter's name
+    that adapter; any other name, or a non-string, is the line's error (the server's words)."""
+    assert [parse_line(line({"prompt": "hi", **extra}), DEFAULT, 0, "base", ["sql"]).params.lora
             for extra in ({}, {"model": None}, {"model": "base"}, {"model": "sql"})] == [None, None, None, "sql"]
-    assert parse_line(line({"prompt": "hi", "model": "sql"}), DEFAULT, 0).warnings == []  # a known field
+    assert parse_line(line({"prompt": "hi", "model": "sql"}), DEFAULT, 0, None, ["sql"]).warnings == []
+    error = parse_line(line({"prompt": "hi", "model": "nope"}), DEFAULT, 1, "base", ["sql"]).error
+    assert error == "line 2: The model `nope` does not exist.", error
     error = parse_line(line({"prompt": "hi", "model": 3}), DEFAULT, 1, base_model="base").error
-    assert error.startswith("line 2: model must be a string"), error
+    assert error.startswith("line 2: model: Input should be a valid string, got a number 3"), error
 
 
 def test_file_with_bom_blank_lines_and_a_bad_encoding(tmp_path):

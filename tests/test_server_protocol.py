@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.core import request_parsing
 from jpaged.entrypoints.openai import protocol as openai_protocol
 from jpaged.tokenizer.detokenizer import IncrementalDetokenizer, SampleText, StopStrings
-from jpaged.core.request_parsing import CHAT_ROLES, SAMPLING_FIELDS
 from jpaged.core.sequence import MAX_STOP_STRINGS, SamplingParams, TokenLogprob
+from jpaged.entrypoints.openai import request_fields
 from jpaged.entrypoints.openai.errors import RequestError
+from jpaged.entrypoints.openai.request_fields import CHAT_ROLES, SAMPLING_FIELDS
 from jpaged.entrypoints.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest,
                                                 GenerateRequest, parse_chat, parse_completion, parse_generate)
 from jpaged.entrypoints.openai.responses import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
@@ -196,14 +196,14 @@ def refusal(parse, body) -> dict:
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest, GenerateRequest])
 def test_every_route_reads_every_sampling_field(model):
-    """A sampling field request_parsing knows but a route model lacked would be ignored silently."""
+    """A sampling field request_fields lists but a route model lacked would be ignored silently."""
     assert set(SAMPLING_FIELDS) | {"stop"} <= set(model.model_fields)
 
 
 def test_one_refused_list_for_the_server_and_the_batch_cli():
-    assert openai_protocol.UNSUPPORTED_FIELDS is request_parsing.UNSUPPORTED_FIELDS
+    assert openai_protocol.UNSUPPORTED_FIELDS is request_fields.UNSUPPORTED_FIELDS
     # Nothing jpaged implements is on it, and stop_token_ids (implemented) stays accepted.
-    assert not set(UNSUPPORTED_FIELDS) & set(request_parsing.REQUEST_FIELDS)
+    assert not set(UNSUPPORTED_FIELDS) & set(request_fields.REQUEST_FIELDS)
 
 
 # vLLM's sampling extras and OpenAI fields that would change the answer, with a
@@ -392,7 +392,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest, GenerateRequest])
 def test_every_route_reads_every_structured_field(model):
-    assert set(request_parsing.STRUCTURED_FIELDS) <= set(model.model_fields)
+    assert set(request_fields.STRUCTURED_FIELDS) <= set(model.model_fields)
 
 
 @pytest.mark.parametrize("fields, spec, field", [

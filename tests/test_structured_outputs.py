@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY_ENGINE, assert_all_blocks_free
-from jpaged.core.request_parsing import parse_request
+from jpaged.entrypoints.batch_requests import parse_request
 from jpaged.core.sequence import SamplingParams
 from jpaged.structured.spec import StructuredOutputs, from_request
 

@@ -124,8 +124,8 @@ def test_the_server_option_is_each_requests_default(tmp_path):
 
 
 def test_batch_lines_take_disable_additional_properties():
-    """The batch CLI's request lines read it as the server does (request_parsing, shared)."""
-    from jpaged.core.request_parsing import parse_request
+    """The batch CLI's request lines read it as the server does (the same body models)."""
+    from jpaged.entrypoints.batch_requests import parse_request
     line = {"prompt": "x", "guided_json": OPEN_SCHEMA, "disable_additional_properties": True}
     parsed = parse_request(line, DEFAULT)
     assert parsed.error is None and not parsed.warnings
@@ -135,4 +135,4 @@ def test_batch_lines_take_disable_additional_properties():
     assert "additionalProperties" not in json.loads(parse_request({"prompt": "x", "guided_json": OPEN_SCHEMA},
                                                                   DEFAULT).params.structured.json)
     bad = parse_request({**line, "disable_additional_properties": "yes"}, DEFAULT, index=2)
-    assert bad.error.startswith("request 2: disable_additional_properties must be true or false")
+    assert bad.error.startswith("request 2: disable_additional_properties: Input should be a valid boolean")

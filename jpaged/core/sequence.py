@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import numbers
 import time
+from typing import Any
 
 from jpaged.core.block_manager import BlockTable
 from jpaged.core.bounds import FLOAT32_MAX, INT32_MAX, is_finite, is_int
@@ -86,6 +87,14 @@ class SamplingParams:
 UINT32_MAX = 2**32 - 1  # per-sample seeds are uint32 on the device
 MAX_STOP_STRINGS = 16  # per request (the OpenAI API allows 4; vLLM any number)
 MAX_LOGPROBS = 20  # alternatives a step computes per token (vLLM's default max_logprobs)
+
+
+def default_sampling_params(config: Any) -> SamplingParams:
+    """The config's sampling defaults (fields of the same names), which each request may override."""
+    return SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
+                          top_p=config.top_p, top_k=config.top_k)
+
+
 # Asynchronous scheduling: an output token whose step is still on the device.  It
 # holds the token's place (counts, positions, blocks) until the step's result
 # replaces it; the next step reads the real value on the device.

@@ -15,8 +15,7 @@ import jax
 
 from jpaged.core.block_manager import BlockAllocator
 from jpaged.core.config import PREEMPTION_MODES
-from jpaged.core.request_parsing import default_sampling_params
-from jpaged.core.sequence import SamplingParams, Sequence, Status
+from jpaged.core.sequence import SamplingParams, Sequence, Status, default_sampling_params
 from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.engine import protocol
 from jpaged.engine.components import swap_capacity

@@ -14,7 +14,8 @@ stop_token_ids, n (parallel samples), ignore_eos, cache_salt (prefix-cache
 namespace: no KV reuse across salts), logprobs and prompt_logprobs, and model:
 the config's model (or absent) for the base model, or the name of a LoRA
 adapter of lora_modules, which the request then runs (another name is that
-line's error, as vLLM's run_batch).
+line's error, as vLLM's run_batch).  A line is read by the HTTP server's body
+models (jpaged.entrypoints.batch_requests): the same checks and messages.
 
 Nothing is lost to bad input or an interruption: the config and every request
 line are checked before the model loads (a bad config, or a --prompts /
@@ -50,13 +51,15 @@ import stat
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Collection, TextIO
 
 from absl import app, flags, logging
 
 from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
-from jpaged.core.request_parsing import ParsedRequest, default_sampling_params, parse_request, read_request_file
+from jpaged.core.lora_adapters import parse_lora_modules
+from jpaged.core.sequence import default_sampling_params
 from jpaged.entrypoints import cli
+from jpaged.entrypoints.batch_requests import ParsedRequest, parse_request, read_request_file
 from jpaged.entrypoints.cli import UsageError
 from jpaged.tokenizer.tokenizer import printable
 
@@ -265,11 +268,12 @@ def demo_prompts() -> list[str]:
     return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
 
 
-def read_requests(path: str | None, llm_defaults: Any, base_model: str | None = None) -> list[ParsedRequest]:
+def read_requests(path: str | None, llm_defaults: Any, base_model: str | None = None,
+                  adapters: Collection[str] = ()) -> list[ParsedRequest]:
     if path is None:
         return [parse_request({"prompt": p}, llm_defaults, i) for i, p in enumerate(demo_prompts())]
     try:
-        return read_request_file(path, llm_defaults, base_model)
+        return read_request_file(path, llm_defaults, base_model, adapters)
     except OSError as e:
         raise UsageError(f"--prompts: cannot read {path}: {e.strerror}") from None
 
@@ -341,7 +345,9 @@ def run(config_file: Any, args: Args = Args()) -> int:
         return follow(config, args)
     for flag, path in (("--prompts", args.prompts), ("--output", args.output), ("--summary_json", args.summary_json)):
         check_regular_file(flag, path)
-    requests = read_requests(args.prompts, default_sampling_params(config), config.model)
+    # A line's "model" names the base model or an adapter of lora_modules, which every engine loads at start.
+    requests = read_requests(args.prompts, default_sampling_params(config), config.model,
+                             parse_lora_modules(config.lora_modules))
     out_file, done = open_output(args.output, args.prompts, args.resume)
     writer = ResultWriter(out_file, args.output)
     try:
@@ -391,26 +397,10 @@ def _run(config: Any, args: Args, requests: list[ParsedRequest], writer: ResultW
         n = llm.precompile()
         print(f"precompiled {n} of the {len(llm.token_buckets)} step buckets in {time.perf_counter() - t0:.1f} s")
 
-    good = [r for r in good if not _refuse_unknown_model(r, llm, writer)]
     try:
         return run_batch(llm, config, good, writer, summary_file, stopper, len(todo), t_start, args.output)
     finally:
         llm.close()  # a multi-process run: the other processes stop following
-
-
-def _refuse_unknown_model(request: ParsedRequest, llm: Any, writer: ResultWriter) -> bool:
-    """True (and the line's error written) when its "model" names no loaded LoRA
-    adapter: known once the engine has loaded them (an engine without adapters,
-    a data-parallel router, says so per request)."""
-    adapters = llm.lora_adapters
-    lora = request.params.lora
-    if lora is None or lora in adapters:
-        return False
-    request.error = (f"line {request.index + 1}: model {lora!r} does not exist: neither the base model "
-                     f"({llm.config.model!r}) nor a loaded LoRA adapter ({', '.join(adapters) or 'none'})")
-    echo(f"error: {request.error}", sys.stderr)
-    writer.write(error_record(request))
-    return True
 
 
 def run_batch(llm: Any, config: Any, good: list[ParsedRequest], writer: ResultWriter,

@@ -1,7 +1,7 @@
 """The chat messages of a request body (/v1/chat/completions, /generate,
-/tokenize): strict pydantic models whose failures name the message and field
+/tokenize, a batch line): strict pydantic models whose failures name the message and field
 ("messages[2].tool_call_id is required").  Roles are OpenAI's
-(request_parsing.CHAT_ROLES): never a string the template would write as
+(request_fields.CHAT_ROLES): never a string the template would write as
 markup.  Host code: no jax.
 """
 
@@ -14,8 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
     field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from jpaged.core.request_parsing import role_problem
 from jpaged.entrypoints.openai.errors import Invalid, json_type
+from jpaged.entrypoints.openai.request_fields import role_problem
 
 
 class TextPart(BaseModel):

@@ -1,17 +1,17 @@
-"""OpenAI-style request bodies in, checked requests (GenerationRequest) out.
+"""Request bodies in, checked requests (GenerationRequest) out: each HTTP
+route's and each line of the batch CLI's prompts file.
 
-Each route's body is a pydantic model (CompletionRequest, ChatCompletionRequest,
-GenerateRequest), strict: a field of the wrong JSON type is a 400 naming it
-(`param`), never coerced; fields not listed are ignored (clients send `user`,
-`metadata` and the like), except the OpenAI and vLLM fields jpaged does not
-implement (UNSUPPORTED_FIELDS, shared with the batch CLI), which would change
-the answer: a 400 naming the field rather than an answer that silently ignores it.
+Each body is a pydantic model (CompletionRequest, ChatCompletionRequest,
+GenerateRequest, BatchRequest), strict: a field of the wrong JSON type is an
+error naming it (`param`), never coerced; fields not listed are ignored (clients
+send `user`, `metadata` and the like), except the OpenAI and vLLM fields jpaged
+does not implement (request_fields.UNSUPPORTED_FIELDS), which would change the
+answer: an error naming the field rather than an answer that silently ignores it.
 
 The models check the types and shape of a body; the values of the sampling
-fields are checked by SamplingParams.validate through jpaged.core.request_parsing
-(the same checks as the batch CLI's request lines).  What only the HTTP API has
-is checked here: the model name (the base model's, or a LoRA adapter's: the
-request runs that adapter), prompt forms, stop strings, stream / echo /
+fields are checked by SamplingParams.validate (sampling_fields).  Checked here:
+the model name (the base model's, or a LoRA adapter's: the request runs that
+adapter; resolve_adapter), prompt forms, stop strings, stream / echo /
 stream_options, and the logprobs fields (whose meaning differs between the
 routes).  Chat messages: jpaged.entrypoints.openai.messages.  Host code: no jax.
 """
@@ -24,10 +24,10 @@ from typing import Any, Callable, Collection, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
-from jpaged.core.request_parsing import CHAT_ONLY_FIELDS, UNSUPPORTED_FIELDS  # noqa: F401 (the routes' list)
 from jpaged.core.sequence import MAX_LOGPROBS, SamplingParams
 from jpaged.entrypoints.openai.errors import Invalid, RequestError, json_type, model_not_found, parsed, request_error
 from jpaged.entrypoints.openai.messages import Messages
+from jpaged.entrypoints.openai.request_fields import CHAT_ONLY_FIELDS, UNSUPPORTED_FIELDS  # noqa: F401 (the routes' list)
 from jpaged.entrypoints.openai.sampling_fields import SamplingFields
 from jpaged.structured import schemas
 from jpaged.structured import tools as structured_tools
@@ -205,16 +205,35 @@ class ChatCompletionRequest(_OpenAIRequest):
                                  constraint_field="tool_choice" if constraint is not None else self.constraint_field)
 
 
-class GenerateRequest(SamplingFields):
+class _PromptOrMessages(SamplingFields):
+    """A body of exactly one of `prompt` or `messages`, with `logprobs` and
+    `prompt_logprobs` as counts: /generate's and a batch line's."""
+
+    messages: Messages = None  # type: ignore[assignment]
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt(cls, body: Any) -> Any:
+        if isinstance(body, dict) and ("prompt" in body) == ("messages" in body):
+            raise Invalid('a request needs exactly one of "prompt" or "messages"', "prompt")
+        return body
+
+    def _params(self, default: SamplingParams) -> SamplingParams:
+        return self.sampling_params(default, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+
+    def _messages(self) -> dict[str, Any]:
+        return {"messages": [m.as_dict() for m in self.messages]}
+
+
+class GenerateRequest(_PromptOrMessages):
     """POST /generate: {"prompt": text or token ids} or {"messages": [...]}, plus
     the sampling fields, `stop`, and `logprobs` / `prompt_logprobs` as counts (as
     in the batch CLI's request lines); no streaming, any `model`."""
 
     prompt: Union[str, list[int]] = None  # type: ignore[assignment]  # exactly one of the two
-    messages: Messages = None  # type: ignore[assignment]
     stream: Optional[bool] = None
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
 
     @classmethod
     def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
@@ -238,15 +257,36 @@ class GenerateRequest(SamplingFields):
             raise Invalid("stream is not supported by /generate; use /v1/completions with stream: true")
         return stream
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "GenerateRequest":
-        if ("prompt" in self.model_fields_set) == ("messages" in self.model_fields_set):
-            raise Invalid('a request needs exactly one of "prompt" or "messages"', "prompt")
-        return self
+    def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
+        prompt = self.prompt if self.messages is None else self._messages()
+        params = self._params(default)
+        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model,
+                                 constraint_field=self.constraint_field)
+
+
+class BatchRequest(_PromptOrMessages):
+    """A line of `jpaged batch`'s prompts file: {"prompt": a user message} or
+    {"messages": [...]} (either rendered with the chat template), the fields of
+    /generate, and `model`: the base model's name (or absent) or a LoRA adapter's."""
+
+    prompt: str = None  # type: ignore[assignment]  # exactly one of the two
+    model: Optional[str] = None
+
+    @classmethod
+    def _route_unsupported(cls, body: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+        return CHAT_ONLY_FIELDS  # always a chat
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        prompt = parsed(handler, value, "prompt must be a non-empty string, got")
+        if not prompt:
+            raise Invalid(f"prompt must be a non-empty string, got {json_type(prompt)}")
+        return prompt
 
     def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
-        prompt = self.prompt if self.messages is None else {"messages": [m.as_dict() for m in self.messages]}
-        params = self.sampling_params(default, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+        prompt = {"prompt": self.prompt} if self.messages is None else self._messages()
+        params = self._params(default)
         return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model,
                                  constraint_field=self.constraint_field)
 
@@ -256,25 +296,35 @@ def _is_token_ids(prompt: list[Any]) -> bool:
 
 
 # ------------------------------------------------------------------ parsing
-def parse_request(request_type: type[CompletionRequest | ChatCompletionRequest | GenerateRequest], body: Any,
-                  default: SamplingParams, model: str, adapters: Collection[str] = ()) -> GenerationRequest:
-    """A decoded JSON body checked against `request_type`; RequestError (400) if it fails.
-    `model` is the base model's served name, `adapters` the LoRA adapters' names: a
-    body's "model" naming an adapter runs it (SamplingParams.lora, and the answer
-    names it); any other name than these is a 404 model_not_found."""
+def parse_request(request_type: type[CompletionRequest | ChatCompletionRequest | GenerateRequest | BatchRequest],
+                  body: Any, default: SamplingParams, model: str | None,
+                  adapters: Collection[str] = ()) -> GenerationRequest:
+    """A decoded JSON body (an HTTP route's, or a batch line) checked against
+    `request_type`; RequestError (the server's 400) if it fails.  `model` is the
+    base model's served name, `adapters` the LoRA adapters' names (resolve_adapter)."""
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {json_type(body)}")
     try:
         request = request_type.model_validate(body)
     except ValidationError as e:
         raise request_error(e) from None
-    name = getattr(request, "model", None)  # (/generate has none: it takes any model, and runs the base)
-    if name is not None and name != model and name not in adapters:
-        raise RequestError(model_not_found(name), "model", code="model_not_found")  # (the server's 404)
-    gen = request.generation(default, model)
-    if name is not None and name != model:
-        gen.params, gen.model = dataclasses.replace(gen.params, lora=name), name
+    # (/generate has no "model": it takes any model, and runs the base)
+    lora = resolve_adapter(getattr(request, "model", None), model, adapters)
+    gen = request.generation(default, model or "")
+    if lora is not None:
+        gen.params, gen.model = dataclasses.replace(gen.params, lora=lora), lora
     return gen
+
+
+def resolve_adapter(name: str | None, model: str | None, adapters: Collection[str]) -> str | None:
+    """The LoRA adapter a body's "model" names: None for the base model (absent,
+    null, or `model`); a name neither the base's nor one of `adapters` is
+    RequestError model_not_found (the server's 404, a batch line's error)."""
+    if name is None or name == model:
+        return None
+    if name not in adapters:
+        raise RequestError(model_not_found(name), "model", code="model_not_found")
+    return name
 
 
 # Each route's parser: parse_request with its body model.

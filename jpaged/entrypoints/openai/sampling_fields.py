@@ -3,8 +3,8 @@ in jpaged.entrypoints.openai.protocol): the sampling fields, stop strings,
 structured outputs, and the refusal of the fields jpaged does not implement
 (UNSUPPORTED_FIELDS: a 400 naming the field rather than an answer that silently
 ignores it).  The fields' types are checked here, their values by
-SamplingParams.validate through jpaged.core.request_parsing (the same checks as
-the batch CLI's request lines).  Host code: no jax.
+SamplingParams.validate (sampling_params).  A batch line is one of these bodies
+too (protocol.BatchRequest).  Host code: no jax.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from jpaged.core.request_parsing import (REQUEST_FIELDS, SAMPLING_FIELDS, SCHEMA_FIELDS, STRUCTURED_FIELDS,
-                                         parse_sampling_params, unsupported_field)
 from jpaged.core.sequence import MAX_STOP_STRINGS, SamplingParams
 from jpaged.entrypoints.openai.errors import Invalid, RequestError, parsed
+from jpaged.entrypoints.openai.request_fields import (REQUEST_FIELDS, SAMPLING_FIELDS, SCHEMA_FIELDS,
+                                                      STRUCTURED_FIELDS, unsupported_field)
+from jpaged.structured import schemas
+from jpaged.structured import spec as structured_spec
 
 # Sampling fields whose body form depends on the route: /v1/completions takes
 # `logprobs` as a count, /v1/chat/completions as a flag beside `top_logprobs`;
@@ -43,7 +45,7 @@ class SamplingFields(BaseModel):
     cache_salt: Optional[str] = None
     ignore_eos: Optional[bool] = None
     stop: Union[str, list[str], None] = None
-    # Structured outputs (request_parsing.STRUCTURED_FIELDS): any JSON here; their
+    # Structured outputs (request_fields.STRUCTURED_FIELDS): any JSON here; their
     # shapes are checked where they become SamplingParams.structured.
     structured_outputs: Any = None
     response_format: Any = None
@@ -111,7 +113,7 @@ class SamplingFields(BaseModel):
         stops = self.stop_strings
         base = default if stops is None else dataclasses.replace(default, stop=stops)
         try:
-            return parse_sampling_params(fields, base)
+            return _sampling_params(fields, base)
         except ValueError as e:
             message, param = str(e), _field_named(str(e))
             if param in (aliases or {}):  # named as this body names it
@@ -121,7 +123,7 @@ class SamplingFields(BaseModel):
             raise RequestError(message, param, code=code) from None
 
 
-# request_parsing's sampling fields the route models all read alike.
+# The sampling fields the route models all read alike.
 _COMMON_SAMPLING_FIELDS = tuple(k for k in SAMPLING_FIELDS if k not in ROUTE_FIELDS and k != "stop")
 _PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(REQUEST_FIELDS)
 
@@ -130,3 +132,24 @@ def _field_named(message: str) -> str | None:
     """The field a SamplingParams.validate message starts with ("top_p must be ...")."""
     m = re.match(r"[a-z_]+", message)
     return m.group(0) if m and m.group(0) in _PARAMS_FIELDS else None
+
+
+def _sampling_params(fields: dict[str, Any], default: SamplingParams) -> SamplingParams:
+    """`fields` (the sampling and structured fields, by name) over `default`;
+    ValueError whose message starts with the bad field's name."""
+    overrides = {k: fields[k] for k in SAMPLING_FIELDS if k in fields}
+    structured = _structured(fields)
+    if structured is not None:
+        overrides["structured"] = structured
+    if isinstance(overrides.get("stop_token_ids"), list):
+        overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
+    params = dataclasses.replace(default, **overrides)
+    params.validate()
+    return params
+
+
+def _structured(fields: dict[str, Any]) -> structured_spec.StructuredOutputs | None:
+    """The request's constraint, its JSON schema's objects closed with disable_additional_properties."""
+    inner, closed = schemas.split_flag(fields.get("structured_outputs"), fields.get("disable_additional_properties"))
+    structured = structured_spec.from_request({**fields, "structured_outputs": inner})
+    return schemas.closed_constraint(structured) if closed else structured

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from jpaged.core.config import lora_slots
-from jpaged.core.request_parsing import default_sampling_params
+from jpaged.core.sequence import default_sampling_params
 from jpaged.engine.async_engine import AsyncEngine, Submission
 from jpaged.entrypoints.openai.errors import RequestError
 from jpaged.entrypoints.openai.metrics import LoraRequestsInfo, ServerMetrics
