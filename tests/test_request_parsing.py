@@ -85,6 +85,13 @@ def test_stop_is_a_string_or_a_list_of_strings_as_in_openai(stop, expected):
     assert r.params.stop == expected and isinstance(r.params.stop, tuple)
 
 
+def test_a_null_field_is_the_default_as_over_http():
+    """As the server's bodies (and OpenAI's API): null is the default, not a value."""
+    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop_token_ids", "ignore_eos")
+    r = parse_line(line({"prompt": "hi", **{k: None for k in fields}}), DEFAULT, 0)
+    assert r.error is None and not r.warnings and r.params == DEFAULT
+
+
 def test_unknown_fields_warn_with_the_nearest_name():
     r = parse_line(line({"prompt": "hi", "temprature": 0.5, "id": "abc"}), DEFAULT, 4)
     assert r.error is None
