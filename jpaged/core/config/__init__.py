@@ -14,6 +14,8 @@ and takes milliseconds, so a bad setting fails before minutes of weight
 conversion.  `sections(cfg)` is a checked config's typed view.
 """
 
+from typing import Any, Mapping
+
 from jpaged.core.config.checks import auto_load_format, model_path, readable_formats
 from jpaged.core.config.errors import ConfigError
 from jpaged.core.config.flat import (DEPRECATED_FIELDS, FIELDS, FieldSpec, apply_overrides, default_config,
@@ -28,7 +30,7 @@ from jpaged.core.config.sections import (ATTENTION_IMPLS, DTYPES, EMBEDDED_FILE,
 from jpaged.core.kv_layout import KV_LAYOUTS
 
 
-def lora_slots(cfg) -> int:
+def lora_slots(cfg: Mapping[str, Any]) -> int:
     """Adapter slots the engine keeps on the device (0: adapters off), of a flat config."""
     return lora_slot_count(cfg["max_loras"], cfg["lora_modules"])
 
