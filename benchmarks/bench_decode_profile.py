@@ -149,7 +149,7 @@ def run_request(llm: Any, clock: Clock, prompt: list[int]) -> tuple[list[dict], 
         # Decode steps only, and none that a program build (in any thread) slowed down.
         if st.prefill_steps == prefills and st.tokens_scheduled - sched == 1 and llm.compile_seconds == builds:
             steps.append({**parts, "step_wall": wall, "engine_device": st.device_seconds - dev})
-        tokens += [t for s in finished if s.seq_id == rid for t in s.output_token_ids]
+        tokens += [t for d in finished if d.finished and d.request_id == rid for t in d.output.token_ids]
     return steps, tokens
 
 

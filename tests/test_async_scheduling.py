@@ -122,9 +122,7 @@ def test_abort_keeps_the_tokens_already_launched(engines, abort_after):
         llm.abort([ids[1]])
         done = {}
         while llm.has_unfinished_requests():
-            for seq in llm.step():
-                if seq.group[0] is seq:
-                    done[seq.seq_id] = llm.request_output(seq)
+            done.update({d.request_id: d.output for d in llm.step() if d.finished})
         outs[llm.async_scheduling] = [(done[i].finish_reason, done[i].token_ids) for i in ids]
         assert all(PLACEHOLDER not in t for _, t in outs[llm.async_scheduling])
         assert_all_blocks_free(llm)

@@ -78,11 +78,14 @@ def test_finish_sample_ends_one_sample_and_frees_its_blocks(llm):
     first = group[0]
     assert (first.finish_reason, first.error, len(first.output_token_ids)) == ("stop", None, 1)
     assert llm.block_manager.num_used_blocks < used  # its own blocks are free now, not at max_tokens
-    assert first in llm.step() and not group[1].is_done  # returned as finished; the sibling goes on
+    assert llm.step() == [] and not group[1].is_done  # sample 0 has ended; the request goes on
     llm.abort([rid])  # sample 0 has left the engine's books: the abort still reaches sample 1
     assert group[1].finish_reason == "abort" and llm.block_manager.num_used_blocks == 0
     assert llm.has_unfinished_requests()  # until step() has returned it
-    assert llm.step() == [group[1]] and not llm.has_unfinished_requests()
+    (delta,) = llm.step()
+    assert delta.request_id == rid and not llm.has_unfinished_requests()
+    assert [s["finish_reason"] for s in delta.output.samples] == ["stop", "abort"]
+    assert len(delta.output.samples[0]["token_ids"]) == 1
 
 
 def test_step_returns_each_aborted_request_once(llm):
@@ -100,9 +103,8 @@ def test_step_returns_each_aborted_request_once(llm):
             llm.update_params(llm.params, in_flight="abort")
         returned = []
         while llm.has_unfinished_requests():
-            returned += llm.step()
-        assert sorted(s.seq_id for s in returned) == ids, how
-        reasons = [s.finish_reason for s in sorted(returned, key=lambda s: s.seq_id)]
+            returned += [d.output for d in llm.step()]  # (final outputs: one delta per request)
+        assert sorted(o.request_id for o in returned) == ids, how
+        reasons = [o.finish_reason for o in sorted(returned, key=lambda o: o.request_id)]
         assert reasons == (["abort", "abort", "length"] if how == "abort" else ["abort"] * 3), how
-        assert llm.request_output(returned[0]).finish_reason == "abort"
         assert llm.get_sequence(ids[0]) is None and llm.block_manager.num_used_blocks == 0

@@ -31,10 +31,10 @@ def run(llm) -> dict[int, object]:
     """Steps until nothing can run; each finished request's first sample by id (once each)."""
     done = {}
     while llm.has_unfinished_requests():
-        for seq in llm.step():
-            if seq.group[0] is seq:
-                assert seq.seq_id not in done, "a request finished twice"
-                done[seq.seq_id] = llm.request_output(seq)
+        for delta in llm.step():
+            if delta.finished:
+                assert delta.request_id not in done, "a request finished twice"
+                done[delta.request_id] = delta.output
     return done
 
 
@@ -145,10 +145,10 @@ def test_update_params_from_a_path(llm, new_params, tiny_llama_dir, tmp_path):
 def test_a_request_that_ends_in_the_step_pause_completes_is_returned(llm):
     """pause() completes the step in flight: what finished in it comes back from the next step()."""
     rid = llm.add_request(PROMPTS[0], greedy(2))
-    finished = [seq for _ in range(2) for seq in llm.step()]  # (sync: it ends in the second)
+    finished = [d for _ in range(2) for d in llm.step() if d.finished]  # (sync: it ends in the second)
     llm.pause("keep")
     done = run(llm)
-    done.update({seq.seq_id: llm.request_output(seq) for seq in finished})
+    done.update({d.request_id: d.output for d in finished})
     llm.resume()
     done.update(run(llm))
     assert list(done) == [rid] and len(done[rid].token_ids) == 2

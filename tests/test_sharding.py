@@ -169,12 +169,12 @@ def test_data_parallel_engine_speaks_global_request_ids(tiny_llama_dir, one_devi
     dp.finish_sample(ids[1], 0)
     finished = {}
     while dp.has_unfinished_requests():
-        finished.update({s.seq_id: s for s in dp.step()})
+        finished.update({d.request_id: d.output for d in dp.step() if d.finished})
     assert set(finished) == set(ids) and finished[ids[0]].finish_reason == "abort"
     assert dp.get_sequence(ids[0]) is None and dp.replicas[homes[ids[0]]].get_sequence(ids[0]) is None
-    assert finished[ids[1]].finish_reason == "stop" and len(finished[ids[1]].output_token_ids) <= 2
+    assert finished[ids[1]].finish_reason == "stop" and len(finished[ids[1]].token_ids) <= 2
     for i in ids[2:]:
-        assert finished[i].output_token_ids[:16] == expected[i].token_ids
+        assert finished[i].token_ids[:16] == expected[i].token_ids
     assert not dp._requests and dp.snapshot().used_blocks == 0
     outputs = dp.generate(PROMPTS, GREEDY)  # ids go on from where add_request left them
     assert sorted(o.request_id for o in outputs) == list(range(len(PROMPTS), 2 * len(PROMPTS)))

@@ -3,6 +3,8 @@ where its text first holds one, ends it in that step and frees its blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers import assert_all_blocks_free
@@ -57,3 +59,43 @@ def test_bad_stop_values_are_refused():
     for stop in ("abc", (1,), ("a",) * 17):
         with pytest.raises(ValueError, match="stop"):
             SamplingParams(stop=stop).validate()
+
+
+def stream(llm, params: SamplingParams) -> tuple[list, object]:
+    """One request run with output_kind "delta": its deltas, and the output its last one holds."""
+    rid = llm.add_request(*llm.prepare_prompt(PROMPT, params))
+    deltas = []
+    while llm.has_unfinished_requests():
+        deltas += [d for d in llm.step() if d.request_id == rid]
+    return deltas, deltas[-1].output
+
+
+@pytest.mark.parametrize("stop", [(), (".",)])
+def test_streamed_deltas_add_up_to_the_librarys_output(smollm_llm, stop):
+    """step()'s deltas: each sample's pieces of text, tokens and logprobs add up to
+    what generate() returns for the same request, and only the last delta is final."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, n=2, stop=stop, logprobs=1)
+    want = smollm_llm.generate([PROMPT], params)[0]
+    deltas, output = stream(smollm_llm, dataclasses.replace(params, output_kind="delta"))
+    assert len(deltas) > 2 and [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    for i, sample in enumerate(want.samples):
+        pieces = [d.samples[i] for d in deltas]
+        assert "".join(p.text for p in pieces) == sample["text"] == output.samples[i]["text"]
+        assert [t for p in pieces for t in p.token_ids] == sample["token_ids"]
+        assert [lp.token_id for p in pieces for lp in p.logprobs] == sample["token_ids"]
+        assert pieces[-1].finish_reason == sample["finish_reason"]
+        # A sample's finish reason appears once it has ended, and stays.
+        reasons = [p.finish_reason for p in pieces]
+        assert None not in reasons[reasons.index(sample["finish_reason"]):]
+    assert_all_blocks_free(smollm_llm)
+
+
+def test_a_final_request_gets_one_delta_holding_everything(smollm_llm, unstopped):
+    deltas, output = stream(smollm_llm, SamplingParams(max_tokens=48))
+    assert len(deltas) == 1 and deltas[0].samples[0].text == unstopped.text == output.text
+    assert deltas[0].samples[0].token_ids == unstopped.token_ids
+
+
+def test_a_bad_output_kind_is_refused():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="cumulative").validate()

@@ -25,6 +25,10 @@ class Status(enum.Enum):
     DONE = enum.auto()
 
 
+# SamplingParams.output_kind's choices.
+OUTPUT_KINDS = ("final", "delta")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding controls (vLLM semantics: top_k <= 0 disables top-k)."""
@@ -49,6 +53,11 @@ class SamplingParams:
     # A constraint on the output (JSON schema, regex, choice, grammar): every
     # sample's tokens are masked to those the constraint allows next.
     structured: StructuredOutputs | None = None
+    # What step() returns for the request (jpaged.engine.request_output): "final", one
+    # delta holding everything once it has finished (generate()); "delta", one per
+    # step it ran in, with each sample's new tokens, text and logprobs (a server
+    # that streams).
+    output_kind: str = "final"
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field: its type, range and, for
@@ -77,6 +86,8 @@ class SamplingParams:
             if not isinstance(self.structured, StructuredOutputs):
                 raise ValueError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
             self.structured.validate()
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.lora is not None and not isinstance(self.lora, str):
             raise ValueError(f"lora must be an adapter's name (a string) or null, got {self.lora!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
@@ -158,9 +169,15 @@ class Sequence:
         # prompt token (None for the first, which nothing predicts).
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
-        # Stop strings: the output's text as it grows (a SampleText, made by the
-        # engine's output processor on the first token of a sample with params.stop).
-        self.stop_text = None
+        # The output's text as it grows, for stop strings and streaming (a SampleText,
+        # made by the engine's output processor on the sample's first token when it
+        # has params.stop or streams); None: decoded once at the end.
+        self.text = None
+        # Output deltas (jpaged.engine.request_output): tokens handed out so far, and
+        # whether the prompt logprobs and (first sample) the request's output were.
+        self.num_emitted = 0
+        self.prompt_logprobs_emitted = False
+        self.output_emitted = False
         # Structured outputs: this sample's grammar matcher (jpaged.structured.grammar),
         # advanced by each of its tokens; None when unconstrained.
         self.grammar = None

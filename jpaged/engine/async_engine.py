@@ -3,9 +3,10 @@
 `LLM.step()` is synchronous and not thread-safe, so one background thread owns
 the engine.  The server's coroutines never touch it: they put requests and
 aborts into a thread-safe inbox, which the thread drains at the top of each
-step, and read per-step deltas (the tokens each sample appended, and how it
-finished) from an asyncio queue per HTTP request, fed with
-`loop.call_soon_threadsafe`.  When nothing is queued or running the thread
+step, and read per-step deltas (the tokens, text and logprobs each sample
+appended, and how it finished: the engine's own `RequestDelta`s, its requests
+being submitted with output_kind "delta") from an asyncio queue per HTTP
+request, fed with `loop.call_soon_threadsafe`.  When nothing is queued or running the thread
 blocks on the inbox's condition variable: an idle server uses no CPU.  Other
 calls that change the engine (loading a LoRA adapter) go through the same
 inbox (`AsyncEngine.call`): they run on the thread, between two steps and in
@@ -25,9 +26,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, TypeVar
 
-from jpaged.core.sequence import SamplingParams, Sequence, Status, TokenLogprob
+from jpaged.core.sequence import SamplingParams, TokenLogprob
 from jpaged.core.stats import EngineSnapshot
 from jpaged.engine.protocol import Engine
+from jpaged.engine.request_output import RequestDelta
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class Delta:
     index: int                        # the request's position in its Submission
     new_token_ids: list[list[int]]    # per sample
     finish_reasons: list[str | None]  # per sample: stop | length | error | abort, None while running
+    new_text: list[str]               # per sample: the text those tokens released (the engine's)
     error: str | None = None
     num_cached_tokens: int = 0
     time: float = 0.0                 # perf_counter() when the step that made it returned
@@ -75,11 +78,9 @@ class EngineRequest:
         self.arrival_time = time.perf_counter()
         # Owned by the engine thread from here on.
         self.engine_id: int | None = None
-        self.samples: list[Sequence] = []
-        self.num_sent: list[int] = []
-        self.last_token_time: list[float | None] = []
+        self.last_token_time: list[float | None] = []  # per sample
+        self.first_token_time: float | None = None    # the engine's, of its first token
         self.queued = True     # counts against max_queued_requests until a sample starts
-        self.prompt_logprobs_sent = False
         self.finished = False
 
 
@@ -253,64 +254,55 @@ class AsyncEngine:
                 self.llm.abort([request.engine_id])
 
     def _add(self, request: EngineRequest) -> None:
+        params = dataclasses.replace(request.params, output_kind="delta")
         try:
-            rid = self.llm.add_request(request.prompt_token_ids, request.params, prompt=request.prompt)
+            rid = self.llm.add_request(request.prompt_token_ids, params, prompt=request.prompt)
         except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone
             log.exception("add_request failed")
             self._finish_unstarted(request, "error", f"internal error: {type(e).__name__}: {e}")
             return
-        seq = self.llm.get_sequence(rid)
         request.engine_id = rid
-        request.samples = list(seq.group)
-        request.num_sent = [0] * len(request.samples)
-        request.last_token_time = [None] * len(request.samples)
+        request.last_token_time = [None] * params.n
         self._tracked[rid] = request
         self.metrics.on_admitted(request)
 
     def _step(self) -> None:
+        """One engine step; its deltas go to their requests."""
         try:
-            self.llm.step()
+            deltas = self.llm.step()
         except Exception as e:  # noqa: BLE001 - e.g. EngineStalled: the engine failed the requests
             log.error("engine step failed: %s: %s", type(e).__name__, e)
+            return
+        now = time.perf_counter()
+        for engine_delta in deltas:
+            request = self._tracked.get(engine_delta.request_id)
+            if request is not None:
+                self._deliver(request, engine_delta, now)
+
+    def _deliver(self, request: EngineRequest, engine_delta: RequestDelta, now: float) -> None:
+        """Hands one engine delta to its HTTP request (and the metrics)."""
+        samples = engine_delta.samples
+        request.first_token_time = engine_delta.first_token_time
+        for i, sample in enumerate(samples):
+            if sample.token_ids:
+                last = request.last_token_time[i]
+                self.metrics.on_tokens(request, len(sample.token_ids), None if last is None else now - last,
+                                       first=last is None and i == 0)
+                request.last_token_time[i] = now
+        if engine_delta.started:
+            self._dequeue(request)
+        delta = Delta(request.index, [s.token_ids for s in samples], [s.finish_reason for s in samples],
+                      [s.text for s in samples], engine_delta.error, engine_delta.num_cached_tokens, now,
+                      [s.logprobs for s in samples], engine_delta.prompt_logprobs)
+        if delta.finished:
+            del self._tracked[request.engine_id]
+            self._mark_finished(request, delta, now)
+        elif any(delta.new_token_ids) or any(delta.new_text):
+            request.submission.deliver(delta)
 
     def _publish(self) -> None:
-        """Sends each tracked request the tokens and finishes of the last step."""
-        now = time.perf_counter()
-        for rid, request in list(self._tracked.items()):
-            delta = self._delta_of(request, now)
-            if request.queued and any(s.status is not Status.WAITING for s in request.samples):
-                self._dequeue(request)
-            if delta.finished:
-                del self._tracked[rid]
-                self._mark_finished(request, delta, now)
-            elif any(delta.new_token_ids):
-                request.submission.deliver(delta)
+        """The engine's gauges, after each step, to the metrics."""
         self.metrics.on_snapshot(self._snapshot())
-
-    def _delta_of(self, request: EngineRequest, now: float) -> Delta:
-        new, new_logprobs, reasons = [], [], []
-        for i, seq in enumerate(request.samples):
-            sent = request.num_sent[i]
-            # (only tokens the host knows: not a PLACEHOLDER of a step still on the device)
-            known = seq.num_known_tokens - len(seq.prompt_token_ids)
-            tokens = seq.output_token_ids[sent:known]
-            if tokens:
-                first = sent == 0 and i == 0
-                gap = None if request.last_token_time[i] is None else now - request.last_token_time[i]
-                self.metrics.on_tokens(request, len(tokens), gap, first)
-                request.num_sent[i] += len(tokens)
-                request.last_token_time[i] = now
-            new.append(list(tokens))
-            new_logprobs.append(seq.logprobs[sent:sent + len(tokens)])  # [] unless asked for
-            reasons.append(seq.finish_reason if seq.is_done and known == len(seq.output_token_ids) else None)
-        error = next((s.error for s in request.samples if s.error), None)
-        delta = Delta(request.index, new, reasons, error, request.samples[0].num_cached_tokens, now,
-                      new_logprobs)
-        if request.params.prompt_logprobs is not None and any(new) and not request.prompt_logprobs_sent:
-            # Complete once a sample has a token: its whole prompt has been computed.
-            delta.prompt_logprobs = list(request.samples[0].prompt_logprobs)
-            request.prompt_logprobs_sent = True
-        return delta
 
     def _dequeue(self, request: EngineRequest) -> None:
         if request.queued:
@@ -328,7 +320,7 @@ class AsyncEngine:
 
     def _finish_unstarted(self, request: EngineRequest, reason: str, error: str | None) -> None:
         n = request.params.n
-        delta = Delta(request.index, [[] for _ in range(n)], [reason] * n, error, 0, time.perf_counter())
+        delta = Delta(request.index, [[] for _ in range(n)], [reason] * n, [""] * n, error, 0, time.perf_counter())
         self._mark_finished(request, delta, delta.time)
 
     def _abort_all(self) -> None:
@@ -347,9 +339,9 @@ class AsyncEngine:
         now = time.perf_counter()
         for rid, request in list(self._tracked.items()):
             del self._tracked[rid]
-            reasons = [s.finish_reason if s.is_done and s.finish_reason != "abort" else "error"
-                       for s in request.samples]
-            self._mark_finished(request, Delta(request.index, [[] for _ in reasons], reasons, error, 0, now), now)
+            n = len(request.last_token_time)
+            self._mark_finished(request, Delta(request.index, [[] for _ in range(n)], ["error"] * n, [""] * n,
+                                               error, 0, now), now)
 
     def _snapshot(self) -> EngineSnapshot:
         """The engine's snapshot, with the requests still in the inbox as waiting."""

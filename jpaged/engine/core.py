@@ -1,8 +1,8 @@
-"""The engine core: requests in, one step at a time, finished sequences out (vLLM V1's
+"""The engine core: requests in, one step at a time, request deltas out (vLLM V1's
 `EngineCore`).
 
 `EngineCore.step()` is schedule -> launch -> collect -> `Scheduler.update_from_output`
--> what finished.  Around that loop it owns the requests, recovery from a failed
+-> the output processor's deltas.  Around that loop it owns the requests, recovery from a failed
 step, pause/resume, sleep/wake, update_params and the LoRA verbs.  Its
 collaborators are built once by `components` (config, weights, pool size):
 `InputProcessor` (checked token ids), `Scheduler` and `BlockManager` (which tokens
@@ -13,7 +13,6 @@ and `StepStats`.  `jpaged.engine.llm.LLM` is the façade users call.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -30,32 +29,15 @@ from jpaged.core.scheduler import SchedulerOutput
 from jpaged.core.sequence import SamplingParams, Sequence, Status
 from jpaged.core.step_output import StepOutput
 from jpaged.engine.lora_manager import UnknownLoraError
+from jpaged.engine.recovery import fail_step
+from jpaged.engine.request_output import RequestDelta
 from jpaged.engine.components import build_components
-from jpaged.engine.setup import engine_mesh, params_from_path
-from jpaged.models.merged import merge_params
-from jpaged.runtime.model_runner import PendingStep
-from jpaged.runtime.params import check_finite_params, check_same_structure
-from jpaged.layers.sharding import Mesh, tensor_parallel_size
+from jpaged.engine.setup import engine_mesh
+from jpaged.engine.started_step import PAUSE_MODES, StartedStep
+from jpaged.engine.weights_update import incoming_params
+from jpaged.layers.sharding import Mesh
 
 log = logging.getLogger(__name__)
-
-
-# EngineCore.pause's modes (see there).
-PAUSE_MODES = ("abort", "keep", "wait")
-
-
-@dataclasses.dataclass
-class StartedStep:
-    """A step between EngineCore.start_step() and finish_step()."""
-    out: SchedulerOutput
-    pending: PendingStep | None
-    error: Exception | None
-    start: float
-    prefill: bool = False  # a prompt chunk ran in it (the step's statuses change when it launches)
-    # What finished in the step before it, completed first because a constrained
-    # sample's next mask needed its token (finish_step returns them too).
-    finished: list[Sequence] = dataclasses.field(default_factory=list)
-    paused: bool = False  # the engine is paused: nothing was scheduled (EngineCore.pause)
 
 
 class EngineCore:
@@ -87,10 +69,10 @@ class EngineCore:
         self._next_child_id = 0  # samples 1..n-1 get negative ids
         self.weights_version = 0  # update_params() count: part of every prefix-cache key
         self._active: dict[int, Sequence] = {}
+        self._touched: list[Sequence] = []  # ran in a step completed since step() last returned
         # async_scheduling: the step on the device whose tokens the host does not have yet.
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: StartedStep | None = None
-        self._last_completed = 0.0  # perf_counter when the last step completed
         # pause(): its mode while paused, and the requests added meanwhile (scheduled on resume).
         self._pause: str | None = None
         self._held: list[Sequence] = []
@@ -199,48 +181,24 @@ class EngineCore:
     def update_params(self, params: nnx.State | str | os.PathLike | None = None, *,
                       lora: dict[str, dict] | None = None, in_flight: str = "abort",
                       check_finite: bool = True) -> None:
-        """Swaps in new weights: the same tree, shapes, dtypes and shardings as
-        `self.params` (else ValueError), so no step recompiles; with `check_finite`
-        (one reduction per array) NonFiniteParamsError names an array holding NaN/Inf.
-
-        The prefix cache is dropped: its K/V came from the old weights (new
-        requests key the cache by a new weights version, so nothing computed
-        before can be shared with them).  `in_flight` says what happens to
-        unfinished requests: "abort" ends them (finish_reason "abort"); "keep"
-        lets them go on with the new weights on top of the K/V computed so far
-        with the old ones (vLLM's behaviour: an old-policy prefix); "recompute"
-        lets them go on too, but drops their K/V (swapped-out copies included) so
-        that their prompt and output so far are prefilled again under the new
-        weights.  The engine keeps a reference to `params`: a trainer
-        that donates them to its own update step deletes the engine's weights too.
-
-        `params` may also be a path a trainer saved the weights to: an orbax
-        checkpoint of the params tree (`ocp.StandardCheckpointer().save(path,
-        params)`), or a HF checkpoint directory or .gguf file of the same model
-        (jpaged.engine.setup.params_from_path); the same checks apply.
-        With merge_projections on, `self.params` holds wqkv (bqkv) and w_gate_up;
-        a tree with the separate wq/wk/wv (bq/bk/bv) and w_gate/w_up in their place
-        is taken too, merged on the devices into arrays of the engine's own
-        (jpaged.models.merged.merge_params; its other arrays are kept by reference).
-
-        `lora` updates loaded adapters alone, the base weights untouched (params
-        may then be None): adapter name -> {target: (A [L, in, r], B [L, r, out])}
-        (targets "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"; the scale
-        folded into B; a target left out becomes zero).  Only those adapters'
-        requests are aborted (or kept), and only their cached K/V is retired.
-        """
+        """Swaps in new weights without recompiling anything (docs/rl.md): `params` has
+        the tree, shapes, dtypes and shardings of `self.params` (else ValueError;
+        with merge_projections, the separate q/k/v and gate/up weights are merged),
+        or is a path (an orbax checkpoint of the tree, or a HF directory or .gguf
+        file of the same model); `check_finite` names an array holding NaN/Inf
+        (NonFiniteParamsError).  The engine keeps a reference to `params`.  The
+        prefix cache is dropped.  Unfinished requests: `in_flight` "abort" ends
+        them, "keep" goes on over the K/V computed with the old weights (as vLLM),
+        "recompute" prefills them again under the new ones.  `lora` updates loaded
+        adapters alone: name -> {target: (A [L, in, r], B [L, r, out])}, the scale
+        folded into B; only their requests and cached K/V are affected."""
         if in_flight not in ("abort", "keep", "recompute"):
             raise ValueError(f"in_flight must be 'abort', 'keep' or 'recompute', got {in_flight!r}")
         if params is None and lora is None:
             raise ValueError("update_params needs params, lora, or both")
-        if isinstance(params, (str, os.PathLike)):
-            params = params_from_path(params, self.config, self.loaded.config, self.params, self.mesh,
-                                      self.scan_layers)
         if params is not None:
-            params = merge_params(params, self.params, tensor_parallel_size(self.mesh))
-            check_same_structure(self.params, params)
-            if check_finite:
-                check_finite_params(params)
+            params = incoming_params(params, self.params, self.config, self.loaded.config, self.mesh,
+                                     self.scan_layers, check_finite)
         for name in lora or {}:
             self.lora.binding(name)  # UnknownLoraError before anything changes
         if in_flight == "abort":
@@ -258,16 +216,12 @@ class EngineCore:
 
     # ------------------------------------------------------- pause and resume
     def pause(self, mode: str = "keep") -> None:
-        """Stops the engine taking on work, e.g. while a trainer swaps the weights.
-
-        mode "abort": every unfinished request ends now (finish_reason "abort"; the
-        next step() returns it with its partial output).  "keep": they freeze where
-        they are, K/V and all, until resume().  "wait": the requests added before
-        the pause run to their end.  In every mode, requests added while paused
-        wait for resume(); step() still returns what finished, and
-        has_unfinished_requests() turns False once step() can run nothing (a loop
-        on it ends rather than spins).  Pausing a paused engine changes its mode.
-        """
+        """Stops the engine taking on work, e.g. while a trainer swaps the weights
+        (docs/rl.md).  Unfinished requests: mode "abort" ends them now, "keep"
+        freezes them (K/V and all) until resume(), "wait" lets them run to their
+        end.  Requests added while paused wait for resume(); step() still returns
+        what finished, and has_unfinished_requests() turns False once step() can
+        run nothing.  Pausing a paused engine changes its mode."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         # No step stays in flight: what it finishes, the next step() returns.
@@ -323,19 +277,11 @@ class EngineCore:
 
     # ------------------------------------------------------------- sleep mode
     def sleep(self, level: int = 1) -> None:
-        """Frees this engine's accelerator memory between rollouts, for a trainer in
-        the same process (vLLM's LLM.sleep).  Level 1: the KV pool is released and
-        the weights (and LoRA slots) go to host memory; wake_up() puts them back.
-        Level 2: the weights are dropped too (the LoRA slots still go to host):
-        call update_params(params) while asleep, checked against the old weights'
-        shapes, dtypes and shardings, and wake_up() installs those.  Weights the
-        caller still references (update_params keeps the trainer's arrays, not a
-        copy) stay allocated: their memory is the caller's.
-
-        The prefix cache is dropped with the pool that held its K/V.  Nothing
-        recompiles: wake_up() rebuilds the same shapes and shardings.  ValueError
-        while requests are unfinished (or a step is in flight); while asleep
-        add_request raises RuntimeError.  Sleeping again is a no-op, as in vLLM."""
+        """Frees this engine's accelerator memory between rollouts (vLLM's LLM.sleep;
+        docs/rl.md).  Level 1: the pool is released, the weights and LoRA slots go
+        to host memory.  Level 2: the weights are dropped too; update_params()
+        while asleep gives the next ones.  Nothing recompiles; the prefix cache
+        goes with the pool.  ValueError with unfinished requests; a no-op when asleep."""
         if self.is_sleeping:
             return
         self.check_can_sleep()
@@ -369,14 +315,15 @@ class EngineCore:
             raise RuntimeError("the engine is asleep: call wake_up() first")
 
     # ---------------------------------------------------------------- steps
-    def step(self) -> list[Sequence]:
-        """Runs one scheduled step; returns sequences that finished (with
-        finish_reason "error" for those a failed step took down).  With
-        async_scheduling the step is launched and the previous one, still on the
-        device until now, is completed: what returns is what finished in it.
+    def step(self) -> list[RequestDelta]:
+        """Runs one scheduled step; returns the requests' deltas (jpaged.engine.request_output):
+        each "delta" request it ran, and each request that finished, its output
+        in its last delta (finish_reason "error" for those a failed step took
+        down).  With async_scheduling the step is launched and the previous one,
+        still on the device until now, is completed: the deltas are of that one.
 
         An exception inside the step fails only the sequences it involved (their
-        blocks are freed) and the engine stays usable; see `_recover`.  A step
+        blocks are freed) and the engine stays usable (jpaged.engine.recovery).  A step
         that can make no progress while requests wait raises EngineStalled."""
         return self.finish_step(self.start_step())
 
@@ -411,11 +358,18 @@ class EngineCore:
         self.scheduler.on_launched(out)
         return StartedStep(out, pending, None, t0, prefill, early)
 
-    def finish_step(self, started: StartedStep) -> list[Sequence]:
+    def finish_step(self, started: StartedStep) -> list[RequestDelta]:
         """step()'s second half: waits for the device, then puts the sampled tokens
-        in, applies stop conditions and frees what finished (returned).  With
-        async_scheduling a step with a forward stays on the device until the next
-        call: this one completes the step launched before it."""
+        in, applies stop conditions, frees what finished and returns the deltas.
+        With async_scheduling a step with a forward stays on the device until the
+        next call: this one completes the step launched before it."""
+        finished = self._finish(started)
+        touched, self._touched = self._touched, []
+        requests = dict.fromkeys(s.group[0] for s in (*touched, *finished))
+        return self.outputs.deltas(requests, is_active=lambda s: self._active.get(s.seq_id) is s)
+
+    def _finish(self, started: StartedStep) -> list[Sequence]:
+        """finish_step's completion of a step: the sequences that finished."""
         if started.paused:  # what finished before the pause, and what it aborted
             return started.finished + self._take_finished()
         if not self.async_scheduling:
@@ -446,19 +400,20 @@ class EngineCore:
         """Waits for a launched step and applies its output; returns what finished."""
         output = self._collect(started)
         self.scheduler.update_from_output(started.out, output)
+        self._touched += (s.seq for s in started.out.scheduled)
         self._record(started)
         finished = self._take_finished()
         self.progress.after_step(started.out, finished)
         return finished
 
     def _collect(self, started: StartedStep) -> StepOutput:
-        """The step's output on the host; a failed step fails its sequences (_recover)."""
+        """The step's output on the host; a failed step fails its sequences (fail_step)."""
         try:
             if started.error is not None:
                 raise started.error
             output = StepOutput.of(self.runner.collect(started.pending))
         except Exception as e:  # noqa: BLE001 - one bad step must not poison the engine
-            self._recover(started.out, e, started.pending)
+            fail_step(self.scheduler, self.runner, self.block_manager, started.out, e, started.pending)
             return StepOutput.empty()
         if output.nan_rows is not None and output.nan_rows.any():
             log.warning("NaN logits in this step for requests %s: their tokens are garbage (NaN weights?)",
@@ -467,12 +422,8 @@ class EngineCore:
         return output
 
     def _record(self, started: StartedStep) -> None:
-        """The step's statistics.  Its wall: since it began, or (a step launched while
-        the one before ran) since that one completed, so overlapped steps are not
-        counted twice."""
-        pending, now = started.pending, time.perf_counter()
-        step_seconds, self._last_completed = now - max(started.start, self._last_completed), now
-        self.step_stats.record(started.out, prefill=started.prefill, step_seconds=step_seconds,
+        pending = started.pending
+        self.step_stats.record(started.out, prefill=started.prefill, started_at=started.start,
                                timing=pending.timing if pending is not None else self.runner.timing,
                                block_manager=self.block_manager,
                                token_slots=pending.token_slots if pending is not None else 0,
@@ -488,22 +439,3 @@ class EngineCore:
             del self._active[seq.seq_id]
             self.speculator.release(seq)
         return finished
-
-    def _recover(self, out: SchedulerOutput, error: Exception, pending: PendingStep | None = None) -> None:
-        """Fails every sequence the step involved and frees their blocks.  If the
-        exception struck after the donated pool was consumed, the pool is rebuilt
-        empty: the prefix cache is dropped and the other running sequences
-        recompute their K/V (as after a recompute preemption)."""
-        message = f"step failed: {type(error).__name__}: {error}"
-        log.error("%s (failing %d sequences)", message, len(out.scheduled))
-        for s in out.scheduled:
-            self.scheduler.drop_unknown(s)
-        involved = [s.seq for s in out.scheduled] + [r.seq for r in (*out.swap_out, *out.swap_in)]
-        for seq in dict.fromkeys(involved):
-            if not seq.is_done:
-                self.scheduler.fail(seq, message)
-        if self.runner.restore_pool(pending):
-            log.error("the KV pool was lost with the failed step: recomputing %d running sequences",
-                      len(self.scheduler.running))
-            self.scheduler.requeue_running()
-            self.block_manager.reset()

@@ -107,10 +107,6 @@ class LLM(EngineCore):
                          lora_slot=slot, lora_key=key)
         return self.block_manager.find_hit(probe).num_blocks * self.config.block_size
 
-    def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput:
-        """The RequestOutput of a finished request (seq: its first sample)."""
-        return self.outputs.request_output(seq, index)
-
     def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int:
         """Builds, before a workload arrives, the greedy step of the power-of-two
         buckets of the step-size ladder up to max_num_tokens tokens, and the

@@ -4,15 +4,17 @@ they share (`generate_iter`, `generate`).
 
 Callers (the HTTP server's AsyncEngine, the batch CLI, the run summary) take
 an `Engine` and use nothing else: request ids are the engine's own (a router
-hands out global ones), `step()` returns finished `Sequence`s whose
-`group[0].seq_id` is the request id `add_request` returned (every request
-once, whether it ran to the end, failed, or was aborted: `abort` ends a
-request now and the next `step()` returns it with finish_reason "abort"), and
-`snapshot()` is the one look at gauges and counters.
+hands out global ones), `step()` returns `RequestDelta`s
+(jpaged.engine.request_output) whose `request_id` is the id `add_request`
+returned, and each request's last delta carries its `RequestOutput` (every
+request once, whether it ran to the end, failed, or was aborted: `abort` ends
+a request now and the next `step()` returns it with finish_reason "abort"),
+and `snapshot()` is the one look at gauges and counters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
@@ -23,7 +25,7 @@ from jpaged.core.sequence import SamplingParams, Sequence
 from jpaged.core.stats import EngineSnapshot, EngineStats
 
 if TYPE_CHECKING:  # the engine's modules import jax; this one stays light
-    from jpaged.engine.output_processor import RequestOutput
+    from jpaged.engine.request_output import RequestDelta, RequestOutput
     from jpaged.loading.peft import PeftFiles
 
 Prompts = Iterable[Any]
@@ -59,10 +61,9 @@ class Engine(Protocol):
     def get_sequence(self, request_id: int) -> Sequence | None: ...
     def abort(self, request_ids: Iterable[int]) -> None: ...
     def finish_sample(self, request_id: int, index: int, reason: str = "stop") -> None: ...
-    def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput: ...
 
     # Steps
-    def step(self) -> list[Sequence]: ...
+    def step(self) -> list[RequestDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def precompile(self, max_num_tokens: int | None = None, *, background: bool = False) -> int: ...
     def drain(self) -> None: ...  # completes the step left in flight (asynchronous scheduling)
@@ -143,19 +144,16 @@ def generate_iter(engine: Engine, prompts: Prompts, sampling_params: PerPrompt =
     engine.begin_generate()
     index = {engine.add_request(*engine.prepare_prompt(p, sp)): i
              for i, (p, sp) in enumerate(zip(prompts, sampling_params))}
-    pending = {rid: len(engine.get_sequence(rid).group) for rid in index}
+    pending = set(index)
     try:
         with tqdm.tqdm(total=len(index), desc="requests", disable=not use_tqdm) as bar:
             while pending and not (stop is not None and stop.is_set()):
-                for seq in engine.step():
-                    rid = seq.group[0].seq_id
-                    if rid not in pending:
-                        continue  # a request added through add_request by someone else
-                    pending[rid] -= 1
-                    if not pending[rid]:
-                        del pending[rid]
+                for delta in engine.step():
+                    # (a request added through add_request by someone else is not ours)
+                    if delta.finished and delta.request_id in pending:
+                        pending.discard(delta.request_id)
                         bar.update(1)
-                        yield engine.request_output(seq.group[0], index[rid])
+                        yield dataclasses.replace(delta.output, index=index[delta.request_id])
     finally:
         # Closed early, or an exception: nothing stays queued.  The aborted requests
         # are returned by the engine's next step() (any later loop skips them).

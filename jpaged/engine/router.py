@@ -28,6 +28,7 @@ from jpaged.core.sequence import SamplingParams, Sequence
 from jpaged.core.stats import EngineSnapshot, EngineStats
 from jpaged.engine import protocol
 from jpaged.engine.llm import LLM, RequestOutput
+from jpaged.engine.request_output import RequestDelta
 from jpaged.engine.protocol import Engine
 from jpaged.layers.sharding import make_mesh, replica_meshes
 
@@ -45,7 +46,7 @@ class ReplicaLoad:
     requests: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prefix-cache hits seen when routing
-    output_tokens: int = 0         # of finished samples
+    output_tokens: int = 0         # returned by step()
 
 
 class DataParallelLLM:
@@ -67,8 +68,8 @@ class DataParallelLLM:
         self.attention_impl, self.attention_note = first.attention_impl, first.attention_note
         self.kv_dtype, self.grammars = first.kv_dtype, first.grammars  # (replicas share compiled constraints)
         self._next_id = 0
-        # Unfinished requests: id -> [replica, samples not returned by step() yet].
-        self._requests: dict[int, list[int]] = {}
+        # Unfinished requests: id -> its replica.
+        self._requests: dict[int, int] = {}
 
     # -------------------------------------------------------------- routing
     def route(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int, int]:
@@ -94,12 +95,12 @@ class DataParallelLLM:
         rid = self._next_id
         self._next_id += 1
         self.replicas[i].add_request(ids, params, prompt=prompt, error=error, request_id=rid)
-        self._requests[rid] = [i, len(self.replicas[i].get_sequence(rid).group)]
+        self._requests[rid] = i
         return rid
 
     def _replica(self, request_id: int) -> LLM | None:
-        entry = self._requests.get(request_id)
-        return self.replicas[entry[0]] if entry is not None else None
+        i = self._requests.get(request_id)
+        return self.replicas[i] if i is not None else None
 
     def get_sequence(self, request_id: int) -> Sequence | None:
         replica = self._replica(request_id)
@@ -117,9 +118,6 @@ class DataParallelLLM:
         if replica is not None:
             replica.finish_sample(request_id, index, reason)
 
-    def request_output(self, seq: Sequence, index: int = 0) -> RequestOutput:
-        return self.replicas[0].request_output(seq, index)  # the replicas' output processors are alike
-
     def default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].default_sampling_params()
 
@@ -134,30 +132,27 @@ class DataParallelLLM:
         return self.replicas[0].check_request(prompt_token_ids, params)
 
     # ---------------------------------------------------------------- steps
-    def step(self) -> list[Sequence]:
-        """One step of every replica, launched together: the sequences that finished.
-        An idle replica's step schedules nothing and costs no device work, but it
-        still returns requests that failed at admission.  Every launched step is
+    def step(self) -> list[RequestDelta]:
+        """One step of every replica, launched together: their deltas.  An idle
+        replica's step schedules nothing and costs no device work, but it still
+        returns requests that failed at admission.  Every launched step is
         finished before an exception of one (EngineStalled) is raised."""
         started = [r.start_step() for r in self.replicas]
-        finished, error = [], None
+        deltas, error = [], None
         for i, (r, s) in enumerate(zip(self.replicas, started)):
             try:
                 done = r.finish_step(s)
             except Exception as e:  # noqa: BLE001 - raised once the other replicas are done
                 error = error or e
                 continue
-            for seq in done:
-                self.loads[i].output_tokens += len(seq.output_token_ids)
-                entry = self._requests.get(seq.group[0].seq_id)
-                if entry is not None:
-                    entry[1] -= 1
-                    if not entry[1]:
-                        del self._requests[seq.group[0].seq_id]
-            finished += done
+            for delta in done:
+                self.loads[i].output_tokens += sum(len(sample.token_ids) for sample in delta.samples)
+                if delta.finished:
+                    self._requests.pop(delta.request_id, None)
+            deltas += done
         if error is not None:
             raise error
-        return finished
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

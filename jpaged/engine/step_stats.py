@@ -7,6 +7,7 @@ preemptions) into the same object; this adds what only the step loop sees.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from jpaged.core.block_manager import BlockManager
@@ -23,6 +24,7 @@ class StepStats:
         self.block_size = block_size
         self.totals = EngineStats()
         self._window_start = EngineStats()
+        self._last_completed = 0.0  # perf_counter when the last step completed
 
     def begin_window(self) -> None:
         """Starts the window that `window` reports (generate() calls it)."""
@@ -33,11 +35,15 @@ class StepStats:
     def window(self) -> EngineStats:
         return self.totals.since(self._window_start)
 
-    def record(self, out: SchedulerOutput, *, prefill: bool, step_seconds: float, timing: Any,
+    def record(self, out: SchedulerOutput, *, prefill: bool, started_at: float, timing: Any,
                token_slots: int, block_manager: BlockManager, running: list[Sequence],
                swap_space: HostSwapSpace) -> None:
-        """One step: `timing` is the runner's StepTiming of it, `token_slots` the
-        bucket it ran in (0 when it computed nothing)."""
+        """One step, completed now: `timing` is the runner's StepTiming of it,
+        `token_slots` the bucket it ran in (0 when it computed nothing).  Its wall:
+        since it began (`started_at`), or (a step launched while the one before
+        ran) since that one completed, so overlapped steps are not counted twice."""
+        now = time.perf_counter()
+        step_seconds, self._last_completed = now - max(started_at, self._last_completed), now
         s = self.totals
         s.steps += bool(out.scheduled)
         s.prefill_steps += prefill

@@ -108,6 +108,8 @@ class SampleText:
         self._stops = StopStrings(stops)
         self.token_ids: list[int] = []
         self.text = ""
+        self._taken = 0         # characters of text handed out by take()
+        self._finished = False
 
     @property
     def num_tokens(self) -> int:
@@ -129,11 +131,17 @@ class SampleText:
         return self._emit("".join(out))
 
     def finish(self) -> str:
-        """The rest of the text once the engine finished the sample."""
-        if self.stopped:
+        """The rest of the text once the engine finished the sample ("" when called again)."""
+        if self.stopped or self._finished:
             return ""
+        self._finished = True
         tail = self._stops.feed(self._detok.flush())
         return self._emit(tail + self._stops.flush())
+
+    def take(self) -> str:
+        """The text released since the last take()."""
+        out, self._taken = self.text[self._taken:], len(self.text)
+        return out
 
     def _emit(self, piece: str) -> str:
         self.text += piece

@@ -66,7 +66,7 @@ class ServerMetrics(EngineMetrics):
 
     def on_tokens(self, request: EngineRequest, num_tokens: int, gap: float | None, first: bool) -> None:
         self.generation_tokens.labels(self.model_name).inc(num_tokens)
-        first_token_time = request.samples[0].first_token_time
+        first_token_time = request.first_token_time
         if first and first_token_time is not None:
             self.ttft.labels(self.model_name).observe(first_token_time - request.arrival_time)
         if gap is not None:

@@ -1,16 +1,16 @@
 """The generation routes' work (/v1/completions, /v1/chat/completions,
 /generate): a body parsed and checked, its prompts tokenized, submitted to the
-engine, and the engine's per-step deltas turned into the choices' text (and
-logprobs), answered whole or streamed as server-sent events (`data: {json}` per
+engine, and the engine's per-step deltas (each choice's new text and logprobs)
+gathered into choices, answered whole or streamed as server-sent events (`data: {json}` per
 chunk, `data: [DONE]` at the end).  How each route shapes its answer (an
 Answer): jpaged.entrypoints.openai.answers.
 
 The engine runs in one background thread (jpaged.engine.async_engine); the
 model's host work (JSON parsing, chat templating, tokenizing, building a whole
 answer's body) runs in the state's host thread pool, never on the event loop.
-Deltas are detokenized per sample (jpaged.tokenizer.detokenizer, which also
-holds back the start of a stop string); stop strings travel in
-SamplingParams.stop and the engine ends a sample in the step its text hits one.
+The text is the engine's (its output processor detokenizes, holds back the
+start of a stop string and ends a sample in the step its text hits one), so a
+streamed answer's text equals the library's by construction.
 A client that goes away, mid-stream or while waiting for a whole answer, has
 its requests aborted; a request that fails inside the engine fails alone.
 Logprobs travel with the text: each streamed chunk carries those of the tokens
@@ -36,9 +36,19 @@ from jpaged.entrypoints.openai.guard import (REFUSALS, ClientGone, check_prompt_
 from jpaged.entrypoints.openai.protocol import GenerationRequest, parse_chat
 from jpaged.entrypoints.openai.responses import new_id, usage
 from jpaged.entrypoints.openai.state import ServerState
-from jpaged.tokenizer.detokenizer import SampleText
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ChoiceText:
+    """One choice's text so far, and the tokens it took."""
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclasses.dataclass
@@ -59,7 +69,7 @@ class GenerationRun:
                  gen: GenerationRequest, request: Request):
         self.engine, self.submission, self.gen = engine, submission, gen
         self.n = gen.params.n
-        self.samples = [SampleText(state.decode, gen.stop) for _ in range(len(submission.requests) * self.n)]
+        self.samples = [ChoiceText() for _ in range(len(submission.requests) * self.n)]
         self.finish_reasons: list[str | None] = [None] * len(self.samples)
         # Per choice, of the tokens its text consumed (SamplingParams.logprobs); per prompt, its own.
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in self.samples]
@@ -118,23 +128,20 @@ class GenerationRun:
             if self.finish_reasons[c] is not None:
                 continue  # finished (the engine ends a sample in the step its text hits a stop string)
             logprobs = delta.new_logprobs[j] if delta.new_logprobs else []
-            update = self._advance_sample(c, delta.new_token_ids[j], logprobs, delta.finish_reasons[j])
+            update = self._advance_sample(c, delta.new_token_ids[j], delta.new_text[j], logprobs,
+                                          delta.finish_reasons[j])
             if update is not None:
                 updates.append(update)
         return updates
 
-    def _advance_sample(self, c: int, token_ids: list[int], logprobs: list[TokenLogprob],
-                        engine_reason: str | None) -> ChoiceUpdate | None:
+    def _advance_sample(self, c: int, token_ids: list[int], text: str, logprobs: list[TokenLogprob],
+                        reason: str | None) -> ChoiceUpdate | None:
         """The choice's update for these new tokens, or None while it has no new
         text and goes on (its tokens' logprobs then wait for the next update)."""
         sample = self.samples[c]
-        consumed = sample.num_tokens
-        text = sample.push(token_ids)
-        self.logprobs[c] += logprobs[:sample.num_tokens - consumed]  # none past a stop string
-        reason = "stop" if sample.stopped else engine_reason
-        if reason is not None and not sample.stopped:
-            text += sample.finish()
-            reason = "stop" if sample.stopped else reason
+        sample.text += text
+        sample.token_ids += token_ids
+        self.logprobs[c] += logprobs
         self.finish_reasons[c] = reason
         if not text and reason is None:
             return None
