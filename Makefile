@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/smollm2_135m.py
 
-.PHONY: install serve test bench-kernels kernels-sm90 device-check gpu-prepare gpu-probe clean
+.PHONY: install serve test test-fast bench-kernels kernels-sm90 device-check gpu-prepare gpu-probe clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -26,6 +26,20 @@ serve-http: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The host tier: scheduler, block bookkeeping, config sections, import layers,
+# tokenizers, tool-call parsing, request protocol, GGUF writing; no engine is built
+# (one tiny-engine case in test_block_allocator aside).  ~50 s on 2 cores in one
+# process (-n 0).
+FAST_TESTS = tests/core/test_scheduler.py tests/core/test_config_sections.py \
+	tests/core/test_layers.py tests/core/test_block_allocator.py \
+	tests/tokenizer/test_gguf_tokenizers.py tests/tokenizer/test_tokenizer_trust.py \
+	tests/structured/test_tool_calls.py tests/entrypoints/test_tool_protocol.py \
+	tests/entrypoints/test_server_protocol.py tests/entrypoints/test_bad_input.py \
+	tests/engine/test_ngram_proposer.py tests/engine/test_engine_recovery.py \
+	tests/loading/test_gguf_families.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 0 $(FAST_TESTS)
 
 bench-kernels: $(STAMP)
 	$(PY) benchmarks/bench_kernels.py $(ARGS)

@@ -83,7 +83,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "benchmarks" / "results" / 
 _BUDGET = flags.DEFINE_float("budget_s", 470.0, "Whole run's deadline (s): a part that would start "
                              "after it is skipped, subprocess caps shrink to fit it.")
 _TESTS = flags.DEFINE_list("kernel_tests", ["tests/kernels/test_gpu.py",
-                                            "tests/test_engine_kernels.py::"
+                                            "tests/runtime/test_engine_kernels.py::"
                                             "test_greedy_tokens_match_reference[pallas_gpu]"],
                            "pytest targets of part 2 (run with -n 0: one GPU).")
 _TESTS_CAP = flags.DEFINE_float("kernel_tests_timeout_s", 100.0, "Time cap of part 2 (s).")

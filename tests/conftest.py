@@ -29,7 +29,7 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_TEST_XLA_
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Four simulated CPU devices for the sharding tests (tests/test_sharding.py), set
+# Four simulated CPU devices for the sharding tests (tests/runtime/test_sharding.py), set
 # before jax initialises its backend in any test worker; everything else runs on
 # the first device as before.
 jax.config.update("jax_num_cpu_devices", 4)

@@ -2,8 +2,8 @@
 
 A block that a test runs (every ```python block; a ```bash block whose command a test
 runs as written) has, on the line above its fence, a marker naming that test:
-`<!-- tested: tests/test_x.py::test_name -->`.  The test asks for its
-blocks by its own name (`marked_blocks(page, "test_name")`), and tests/test_docs.py
+`<!-- tested: tests/<area>/test_x.py::test_name -->`.  The test asks for its
+blocks by its own name (`marked_blocks(page, "test_name")`), and tests/e2e/test_docs.py
 checks that every python block has a marker whose test exists and reads that page."""
 
 from __future__ import annotations

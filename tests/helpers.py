@@ -24,7 +24,7 @@ def import_torch():
 # so does the power-of-two ladder (buckets_per_octave=1: a few programs per engine;
 # tests of the finer default ladder ask for it).
 # Prefix caching is off so that these tests exercise plain paging (tests turn it on
-# where they mean to; tests/test_prefix_cache.py covers it in depth).
+# where they mean to; tests/core/test_prefix_cache.py covers it in depth).
 TINY_ENGINE = dict(load_format="hf", max_model_len=128, block_size=16, num_blocks=64,
                    max_num_seqs=8, max_num_batched_tokens=128, attention_impl="reference",
                    enable_prefix_caching=False, buckets_per_octave=1)

@@ -38,7 +38,7 @@ class Engine(Protocol):
     (jpaged.entrypoints: serve, the server package openai/ and its routes, batch,
     metrics) and the AsyncEngine read off an engine: the server never probes for
     a member (getattr / hasattr), so every verb its routes call is here.
-    tests/test_server_data_parallel.py checks that both engines have every
+    tests/entrypoints/test_server_data_parallel.py checks that both engines have every
     member and that the entry points read no other."""
 
     config: Any

@@ -15,7 +15,7 @@ callable (the server's, which also serves models without a tokenizer); it has no
 flush, so a character cut off by the end of generation is never shown where the
 full decode shows U+FFFD; and it raises "Invalid prefix encountered" when byte-
 fallback tokens (SentencePiece `<0xNN>`) that already decoded turn into an invalid
-UTF-8 sequence, which a model can emit (tests/test_gguf_tokenizers.py).
+UTF-8 sequence, which a model can emit (tests/tokenizer/test_gguf_tokenizers.py).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ LogprobsMode = Literal["raw", "processed"]
 # "auto" (pallas_kernels.default_impl() picks by backend) or a name of pallas_kernels.IMPLS,
 # the attention backends' registry, which is the one vocabulary: get_backend takes these
 # names.  Written out because jpaged/core must not import jax (pallas_kernels does);
-# tests/test_config_validation.py checks ATTENTION_IMPLS == ("auto", *pallas_kernels.IMPLS).
+# tests/core/test_config_validation.py checks ATTENTION_IMPLS == ("auto", *pallas_kernels.IMPLS).
 AttentionImpl = Literal["auto", "reference", "cpu", "pallas_gpu", "pallas_tpu"]
 LayerLoop = Literal["auto", "scan", "unroll"]
 SpeculativeMethod = Literal["none", "ngram", "draft"]

@@ -6,10 +6,10 @@ routes, each asked one request whose answer is checked against the library's.
 One row per configuration, on the tiny Llama with a byte-level tokenizer and the
 suite's tiny engine shapes (helpers.TINY_ENGINE: the step programs come from the
 suite's compilation cache).  Speculative decoding (speculative_method=ngram) is
-started this way in tests/test_server.py (scripts/serve.py) and
-tests/test_serve_batch.py (scripts/serve_batch.py), the same main() as `jpaged
+started this way in tests/entrypoints/test_server.py (scripts/serve.py) and
+tests/entrypoints/test_serve_batch.py (scripts/serve_batch.py), the same main() as `jpaged
 serve` / `jpaged batch`; `jpaged batch` over two processes (tensor_parallel_size=4) in
-tests/test_multihost.py.
+tests/runtime/test_multihost.py.
 """
 
 from __future__ import annotations

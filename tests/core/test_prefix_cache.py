@@ -110,7 +110,7 @@ def test_no_reuse_across_cache_salts(llm, ref_llm):
     assert llm.generate([prompt], salted("tenant-b"))[0].num_cached_tokens == 0
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
     assert llm.generate([prompt], salted("tenant-a"))[0].num_cached_tokens == 20
-    # (LoRA adapters are part of the key as well: tests/test_lora.py.)
+    # (LoRA adapters are part of the key as well: tests/models/test_lora.py.)
     want = ref_llm.generate([prompt], GREEDY)[0].token_ids
     assert llm.generate([prompt], salted("tenant-b"))[0].token_ids == want
 

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HOST_PACKAGES = ("core", "structured", "speculative")  # every module in these imports no device stack
 LOADER_PACKAGES = ("loading", "tokenizer")  # nor do these, unless the orbax cache is used
 DEVICE_PACKAGES = ("jax", "flax", "pallas_kernels")

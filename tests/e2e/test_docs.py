@@ -1,7 +1,7 @@
 """The README and the docs/ pages stay true where a test can hold them to it:
 
 - every ```python block is run by a test: the line above it names the test
-  (`<!-- tested: tests/test_x.py::test_name -->`), which must exist and read that page;
+  (`<!-- tested: tests/<area>/test_x.py::test_name -->`), which must exist and read that page;
 - every way of starting jpaged that a ```bash block shows (`jpaged batch`, `jpaged serve`,
   `python scripts/serve_batch.py`, `python scripts/serve.py`, `make serve`, `make serve-http`,
   the Ray Serve command) is started by a test: some test that starts that command names each
@@ -49,7 +49,7 @@ MAKE_RECIPES = {"serve": "jpaged batch --config $(CONFIG)", "serve-http": "jpage
 @functools.cache
 def sources_of_tests() -> dict[str, str]:
     """{path: source} of every test module but this one (which names the commands it looks for)."""
-    return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(TESTS.glob("test_*.py"))
+    return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(TESTS.rglob("test_*.py"))
             if p.name != pathlib.Path(__file__).name}
 
 
@@ -65,7 +65,7 @@ def page_name(block: Block) -> str:
 def marker_problem(b: Block) -> str | None:
     """Why `b`'s marker does not show a test that runs it, or None."""
     if b.marker is None:
-        return f"{b.where()}: no `<!-- tested: tests/test_x.py::test_name -->` above the block"
+        return f"{b.where()}: no `<!-- tested: tests/<area>/test_x.py::test_name -->` above the block"
     path, name = b.marker
     if not (ROOT / path).is_file():
         return f"{b.where()}: {path} does not exist"
@@ -94,9 +94,9 @@ def test_a_missing_or_wrong_marker_is_caught():
     """The checks above can fail: no marker, a test that does not exist, one that reads another page."""
     page = ROOT / "docs" / "rl.md"
     assert "no `<!--" in marker_problem(Block(page, 1, "python", "", None))
-    assert "has no test" in marker_problem(Block(page, 1, "python", "", ("tests/test_readme.py", "test_nope")))
+    assert "has no test" in marker_problem(Block(page, 1, "python", "", ("tests/e2e/test_readme.py", "test_nope")))
     assert "does not read" in marker_problem(Block(ROOT / "docs" / "lora.md", 1, "python", "",
-                                                   ("tests/test_readme.py", "test_docs_python_api_example")))
+                                                   ("tests/e2e/test_readme.py", "test_docs_python_api_example")))
 
 
 # ---------------------------------------------------------------- ways of starting jpaged

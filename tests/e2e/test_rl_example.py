@@ -16,7 +16,7 @@ import sys
 
 from helpers import cached_compiles_env
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "rl_example.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "rl_example.py"
 
 
 def test_rl_example_tiny_smoke(tmp_path):

@@ -30,7 +30,7 @@ from jpaged.tokenizer.tokenizer import Tokenizer
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 T = gguf.TokenType
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 
@@ -233,7 +233,7 @@ def test_no_ids_past_the_file_vocabulary(gemma):
 
 def test_gemma_chat(gemma):
     """The chat template renders and tokenizes as transformers does; special-token
-    strings in content stay text (tests/test_tokenizer_trust.py's rules)."""
+    strings in content stay text (tests/tokenizer/test_tokenizer_trust.py's rules)."""
     tok, hf, _ = gemma
     messages = [{"role": "user", "content": "hello the world"},
                 {"role": "model", "content": " café\n"}, {"role": "user", "content": "日本"}]

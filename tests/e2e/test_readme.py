@@ -1,6 +1,6 @@
 """The Python examples of the README and the docs/ pages that run in-process: each
 runs, and its answer is right (the blocks are marked with the test that runs
-them; see tests/doc_examples.py and tests/test_docs.py)."""
+them; see tests/doc_examples.py and tests/e2e/test_docs.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,5 @@
 """Structured outputs and tool calls over HTTP: a real server subprocess on the
-embedded SmolLM2 and the real `openai` client (as tests/test_server.py).
+embedded SmolLM2 and the real `openai` client (as tests/entrypoints/test_server.py).
 Every constrained answer is checked for what its constraint promises: JSON
 that validates with `jsonschema`, tool calls whose arguments validate against
 their function's parameters, regex and choice answers that conform."""

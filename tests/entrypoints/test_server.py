@@ -28,7 +28,7 @@ from jpaged.core.sequence import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 # Small enough that the step programs compile quickly; room for 12 queued requests in test 3.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, max_queued_requests=24,
@@ -327,7 +327,7 @@ def test_a_stop_string_ends_its_samples_in_the_engine(ready):
 
 
 def test_a_stop_string_cuts_the_answer_where_the_library_does(ready, llm):
-    """The same request as the batch CLI's stop line (tests/test_serve_batch.py)."""
+    """The same request as the batch CLI's stop line (tests/entrypoints/test_serve_batch.py)."""
     question = "Write three short sentences about the sea."
     whole = llm.generate([{"prompt": question}], SamplingParams(max_tokens=48))[0]
     assert "." in whole.text

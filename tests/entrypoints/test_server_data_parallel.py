@@ -4,7 +4,7 @@ asked over HTTP.  Greedy answers are the single engine's tokens, requests
 reach both replicas, and /metrics reads the combined snapshot.  Both engines
 offer every member of the Engine protocol, and the entry points read no other.
 (`jpaged serve` and `jpaged batch` start a data-parallel engine in
-tests/test_startup_matrix.py.)"""
+tests/entrypoints/test_startup_matrix.py.)"""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_entry_points_read_only_protocol_members():
     """What serve, the server package (jpaged.entrypoints.openai: its routes too),
     batch, metrics, ray_serve and the AsyncEngine read off an engine is in the
     protocol: a data-parallel engine has it too (the check below)."""
-    package = pathlib.Path(__file__).resolve().parents[1] / "jpaged"
+    package = pathlib.Path(__file__).resolve().parents[2] / "jpaged"
     modules = [*sorted((package / "entrypoints").rglob("*.py")), package / "engine" / "async_engine.py"]
     reads = {str(m.relative_to(package)): engine_reads(m.read_text()) for m in modules}
     assert {"kv_dtype", "loaded", "num_blocks"} <= reads["entrypoints/serve.py"]  # the walk does see the reads

@@ -12,7 +12,7 @@ import time
 
 from helpers import cached_compiles_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
        "--config.max_model_len=256", "--config.num_blocks=48", "--config.attention_impl=reference",
        "--config.buckets_per_octave=1"]

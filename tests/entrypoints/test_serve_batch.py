@@ -14,7 +14,7 @@ import pytest
 from helpers import cached_compiles_env
 from jpaged.core.sequence import SamplingParams
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUESTS = [
     {"prompt": "What is 2 + 2?"},
     {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a color."}],
@@ -100,7 +100,7 @@ def test_served_tokens_match_the_library(served, smollm_llm):
 
 def test_a_stop_string_ends_the_answer_at_the_first_period(served, smollm_llm):
     """The batch file's "stop" field cuts the text where the library's full answer
-    has its first period (tests/test_server.py checks the same request over HTTP)."""
+    has its first period (tests/entrypoints/test_server.py checks the same request over HTTP)."""
     _, lines, _ = served
     whole = smollm_llm.generate([{"prompt": REQUESTS[3]["prompt"]}], SamplingParams(max_tokens=48))[0]
     assert "." in whole.text

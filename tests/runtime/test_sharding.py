@@ -103,7 +103,7 @@ def test_heads_that_do_not_divide_fail_at_start(make_tiny_llm):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_tp(make_tiny_llm, expected, mode):
     # 12 blocks of 16 tokens for 5 sequences growing to 56+ tokens: they must preempt.
-    # Preemption leaves the tokens as they are (tests/test_preemption.py): one device's
+    # Preemption leaves the tokens as they are (tests/engine/test_preemption.py): one device's
     # unpreempted run is the reference.
     settings = dict(num_blocks=12, preemption_mode=mode, swap_space_gb=0.01)
     llm = make_tiny_llm(tensor_parallel_size=2, **settings)

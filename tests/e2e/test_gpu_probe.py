@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_probe.py"
 PARTS = ("environment", "gemm_chain", "anatomy", "trace", "command_buffers", "attention_sweep",
          "quantized_pools")

@@ -4,7 +4,7 @@ give their blocks back behind the window (jpaged.core.kv_layout).
 The tiny Gemma 2 (4 layers: window 8 alternating with global) and Gemma 3
 (3 layers: 2 sliding, 1 global) checkpoints of conftest run with 2 and 3 layer
 groups; HF parity of their greedy tokens with the hybrid layout (the default)
-is tests/test_hf_parity.py's.
+is tests/models/test_hf_parity.py's.
 """
 
 from __future__ import annotations

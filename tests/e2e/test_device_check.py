@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "device_check.py"
 ROW_FIELDS = ("batch", "context", "bucket", "buckets_run", "bucket_ok", "decode_steps_timed", "median_step_ms",
               "decode_tok_per_s", "floor_ms", "floor_ms@copy", "step / floor", "device_ms", "host_ms",

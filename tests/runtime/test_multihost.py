@@ -17,7 +17,7 @@ from helpers import TINY_ENGINE, free_port
 from jpaged.engine.llm import LLM
 from jpaged.core.sequence import SamplingParams
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = ["hello there", "paged attention splits the cache into blocks", "a", "four devices, two hosts"]
 MAX_TOKENS = 12
 

@@ -44,7 +44,7 @@ from jpaged.formats.gguf import read_gguf
 from jpaged.loading.weight_cache import CacheEntryDamaged, read_cache, remove_stale_tmp_dirs
 from jpaged.loading.weights import load_gguf, load_hf_dir, load_weights
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

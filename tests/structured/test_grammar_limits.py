@@ -6,13 +6,15 @@ either is remembered as that constraint's error; in `jpaged batch` such a line
 is that line's error, and --output is locked against a second run.
 
 The compiler tests use a byte-level tokenizer (no model); the batch test runs
-the tiny Llama in this process, as tests/test_batch_robustness.py does."""
+the tiny Llama in this process, as tests/entrypoints/test_batch_robustness.py does."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import random
+import sys
 import threading
 import types
 
@@ -29,8 +31,11 @@ from jpaged.structured.grammar import GrammarCompiler
 from jpaged.structured.spec import StructuredOutputs, from_request
 
 from helpers import TINY_ENGINE, serve_in_thread
-from test_serve_batch_failures import assert_one_line_error, run as run_cli
-from test_server import http
+
+# The CLI and HTTP helpers live with the entrypoint tests, a sibling folder.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "entrypoints"))
+from test_serve_batch_failures import assert_one_line_error, run as run_cli  # noqa: E402
+from test_server import http  # noqa: E402
 
 N = 3000  # the issue's repros
 

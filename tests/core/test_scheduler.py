@@ -266,8 +266,8 @@ def test_small_pool_preempts_and_recovers(window):
 def test_runs_without_jax():
     """The scheduler core needs no device stack: run the fixed workload in a fresh
     interpreter (pytest's has long since imported jax) and check jax never loaded."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    code = ("import sys\nsys.path.insert(0, 'tests')\nimport test_scheduler\n"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = ("import sys\nsys.path.insert(0, 'tests/core')\nimport test_scheduler\n"
             "test_scheduler.test_small_pool_preempts_and_recovers(5)\n"
             "loaded = {m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'pallas_kernels'}\n"
             "assert sys.modules['jpaged'].__file__.startswith(sys.argv[1]), sys.modules['jpaged'].__file__\n"
