@@ -38,7 +38,6 @@ class GenerationRequest:
 
     prompts: list[Any]          # raw strings, token-id lists, or {"messages": [...]} (chat)
     params: SamplingParams      # params.stop: the request's stop strings
-    stop: list[str]             # the same, as a list
     stream: bool = False
     echo: bool = False
     include_usage: bool = False
@@ -126,7 +125,7 @@ class CompletionRequest(_OpenAIRequest):
         echo = bool(self.echo)
         params = self.sampling_params(default, logprobs=self.logprobs,
                                       prompt_logprobs=self.logprobs if echo else None)
-        return GenerationRequest(prompts=self.prompts, params=params, stop=list(params.stop),
+        return GenerationRequest(prompts=self.prompts, params=params,
                                  stream=bool(self.stream), echo=echo, include_usage=self.include_usage,
                                  model=model, constraint_field=self.constraint_field)
 
@@ -198,7 +197,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         prompt: dict[str, Any] = {"messages": [m.as_dict() for m in self.messages]}
         if functions is not None:
             prompt["tools"] = self.tools
-        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), stream=bool(self.stream),
+        return GenerationRequest(prompts=[prompt], params=params, stream=bool(self.stream),
                                  include_usage=self.include_usage, model=model,
                                  declared_tools=(structured_tools.declared_tools(functions, self.tool_choice)
                                                  if functions is not None and self.tool_choice != "none" else None),
@@ -260,7 +259,7 @@ class GenerateRequest(_PromptOrMessages):
     def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
         prompt = self.prompt if self.messages is None else self._messages()
         params = self._params(default)
-        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model,
+        return GenerationRequest(prompts=[prompt], params=params, model=model,
                                  constraint_field=self.constraint_field)
 
 
@@ -287,7 +286,7 @@ class BatchRequest(_PromptOrMessages):
     def generation(self, default: SamplingParams, model: str) -> GenerationRequest:
         prompt = {"prompt": self.prompt} if self.messages is None else self._messages()
         params = self._params(default)
-        return GenerationRequest(prompts=[prompt], params=params, stop=list(params.stop), model=model,
+        return GenerationRequest(prompts=[prompt], params=params, model=model,
                                  constraint_field=self.constraint_field)
 
 
