@@ -370,7 +370,7 @@ def test_random_bodies_get_a_request_or_a_400_naming_a_field_of_theirs(route, bo
         json.dumps(e.body(), allow_nan=False)  # a valid JSON body
         return
     req.params.validate()
-    assert req.prompts and req.stop == list(req.params.stop)
+    assert req.prompts and isinstance(req.params.stop, tuple)
 
 
 @pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "a"}), (parse_generate, {"prompt": "a"})])
