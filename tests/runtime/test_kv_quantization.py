@@ -238,17 +238,18 @@ def test_copy_on_write_copies_a_quantized_block_with_its_codes(dtype):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_and_prefix_cache_on_an_int8_pool(make_tiny_llm, mode):
+def test_preemption_and_prefix_cache_on_an_int8_pool(make_tiny_llm, int8_llm, mode):
     """An oversubscribed int8 pool with shared prefixes: every request completes with
-    the tokens of a pool large enough never to preempt (swap moves the bytes;
-    recompute rewrites the same rows), and the pool is empty at the end."""
+    the tokens of a pool large enough never to preempt (the module's int8 engine,
+    whose programs are built already: swap moves the bytes; recompute rewrites the
+    same rows), and the pool is empty at the end."""
     system = random_prompts([16], seed=99)[0]
     prompts = [(system + p)[:48] for p in random_prompts([3, 9, 20, 30, 12, 25], seed=5)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    common = dict(kv_cache_dtype="int8", block_size=8, max_num_seqs=6, max_num_batched_tokens=64,
-                  enable_prefix_caching=True)
-    want = make_tiny_llm(**common, num_blocks=80).generate(prompts, params)
-    small = make_tiny_llm(**common, num_blocks=13, preemption_mode=mode, swap_space_gb=0.01)
+    want = int8_llm.generate(prompts, params)
+    assert int8_llm.stats.preemptions == 0
+    small = make_tiny_llm(kv_cache_dtype="int8", block_size=8, max_num_seqs=6, max_num_batched_tokens=64,
+                          enable_prefix_caching=True, num_blocks=13, preemption_mode=mode, swap_space_gb=0.01)
     got = small.generate(prompts, params)
     assert small.stats.preemptions > 0 and small.totals.cache_hit_blocks > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

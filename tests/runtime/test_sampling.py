@@ -154,7 +154,7 @@ def test_temperature_zero_rows_are_greedy():
     arrays = _arrays(8, temperature=0.0)
     arrays = SamplingArrays(temperature=jnp.array([0, 1, 0, 1, 0, 1, 0, 1], jnp.float32),
                             top_k=arrays.top_k, top_p=arrays.top_p, seed=arrays.seed, step=arrays.step)
-    got = np.asarray(sample(logits, arrays))
+    got = np.asarray(_sample(logits, arrays))   # jitted: one program, not op-by-op dispatches
     want = np.argmax(np.asarray(logits), axis=-1)
     np.testing.assert_array_equal(got[::2], want[::2])
     np.testing.assert_array_equal(np.asarray(decode_sample(logits, None)), want)
@@ -223,6 +223,10 @@ def test_sampler_draws_softmax_of_processed_logits(temperature, top_k, top_p):
     assert wrong > chi2.isf(1e-6, dof), wrong
 
 
+# Only called with _uniform patched (test_inverse_cdf_edges_...): its own jit cache.
+_sample_given_u = jax.jit(lambda logits, arrays: sample(logits, arrays))
+
+
 @pytest.mark.parametrize("u", [1.0, 1e-30, 0.0])
 def test_inverse_cdf_edges_draw_positive_probability_tokens(monkeypatch, u):
     """u at the ends of its range (1.0 is reachable; 0 is excluded by construction,
@@ -230,14 +234,16 @@ def test_inverse_cdf_edges_draw_positive_probability_tokens(monkeypatch, u):
     never a filtered token before or after it, whatever the rounding of the sums."""
     import jpaged.runtime.sampling as sampling
 
-    monkeypatch.setattr(sampling, "_uniform", lambda seed, step: jnp.float32(u))
+    # u comes in as the seed's bits, so every u runs through one jitted program.
+    monkeypatch.setattr(sampling, "_uniform", lambda seed, step: jax.lax.bitcast_convert_type(seed, jnp.float32))
     logits = _big_logits()
     logits[[0, V - 1]] = -10.0  # filtered out by top-k 20: zeros at both ends of the CDF
     kept = np.sort(np.argsort(-logits)[:20])
     rows = jnp.asarray(np.stack([logits, logits]))
-    arrays = SamplingArrays(temperature=jnp.ones(2), seed=jnp.zeros(2, jnp.uint32), step=jnp.zeros(2, jnp.int32),
+    seed = np.full(2, u, np.float32).view(np.uint32)
+    arrays = SamplingArrays(temperature=jnp.ones(2), seed=jnp.asarray(seed), step=jnp.zeros(2, jnp.int32),
                             top_k=jnp.array([20, 0], jnp.int32), top_p=jnp.ones(2))
-    drawn = np.asarray(sampling.sample(rows, arrays))
+    drawn = np.asarray(_sample_given_u(rows, arrays))
     assert drawn[0] == (kept[-1] if u == 1.0 else kept[0])
     assert drawn[1] == (V - 1 if u == 1.0 else 0)  # unfiltered: every token has weight > 0
 
