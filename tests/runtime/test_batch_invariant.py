@@ -91,21 +91,26 @@ def test_equal_to_decode_score(alone):
     np.testing.assert_array_equal(batched[:len(ids) - 1], scored)
 
 
-def test_score_gradient(alone, make_tiny_llm):
+def test_score_gradient(alone, tiny_llm):
     """score stays differentiable: the kernels' VJPs are XLA's ops, and agree with
-    the default mode's gradient."""
+    the default mode's gradient (tiny_llm: the same weights, default mode)."""
     llm, want = alone
-    plain = make_tiny_llm()
+    plain = tiny_llm
     ids = jnp.array([TARGET + want.token_ids])
     lens = jnp.array([ids.shape[1]])
 
     def loss(graphdef):
         return lambda params: decode.score(graphdef, params, ids, lens).sum()
 
-    g_inv = jax.grad(loss(llm.graphdef))(llm.params)
-    g_ref = jax.grad(loss(plain.graphdef))(plain.params)
+    # Jitted: one program per mode, not hundreds of op-by-op dispatches.
+    g_inv = jax.jit(jax.grad(loss(llm.graphdef)))(llm.params)
+    g_ref = jax.jit(jax.grad(loss(plain.graphdef)))(plain.params)
     for a, b in zip(jax.tree.leaves(g_inv), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4)
+
+
+# Jitted as the engine runs it: one program per shape, not op-by-op dispatches.
+_matmul = jax.jit(batch_invariant.matmul, static_argnames=("transpose_w", "soft_cap"))
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (64, 13), (7, 1), (33, 200)])
@@ -115,12 +120,12 @@ def test_matmul_rows_do_not_depend_on_the_batch(shape, transpose):
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((N, K) if transpose else (K, N)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((150, K)), jnp.float32)
-    full = np.asarray(batch_invariant.matmul(x, w, transpose_w=transpose))
+    full = np.asarray(_matmul(x, w, transpose_w=transpose))
     np.testing.assert_allclose(full, np.asarray(x @ (w.T if transpose else w)), rtol=1e-5, atol=1e-5)
     for m in (1, 5, 6, 7, 48, 145):
-        np.testing.assert_array_equal(np.asarray(batch_invariant.matmul(x[:m], w, transpose_w=transpose)), full[:m])
+        np.testing.assert_array_equal(np.asarray(_matmul(x[:m], w, transpose_w=transpose)), full[:m])
     perm = rng.permutation(150)
-    np.testing.assert_array_equal(np.asarray(batch_invariant.matmul(x[perm], w, transpose_w=transpose)), full[perm])
+    np.testing.assert_array_equal(np.asarray(_matmul(x[perm], w, transpose_w=transpose)), full[perm])
 
 
 @pytest.mark.parametrize("fields, name", [(dict(attention_impl="reference"), "attention_impl"),
