@@ -9,7 +9,7 @@ import pytest
 
 from helpers import random_prompts
 from jpaged.decode import sample as decode_sample
-from jpaged.runtime.sampling import SamplingArrays, _filter_rows, sample
+from jpaged.runtime.sampling import SamplingArrays, _filter_rows, processed_logits, sample, sample_processed
 from jpaged.core.sequence import SamplingParams
 
 PROMPTS = random_prompts([7, 20, 33, 4, 50, 12], seed=31)
@@ -176,9 +176,22 @@ def _big_logits() -> np.ndarray:
     return logits
 
 
-def _draw_big(logits: np.ndarray, n: int = 10000, **kw) -> np.ndarray:
-    rows = jnp.broadcast_to(jnp.asarray(logits), (n, V))
-    return np.asarray(_sample_many(rows, _arrays(n, seeds=np.arange(n) + 10**6, **kw)))
+_processed_logits = jax.jit(processed_logits)
+_sample_processed = jax.jit(sample_processed)
+
+
+def _draw_big(logits: np.ndarray, n: int = 10000, check_rows: int = 256, **kw) -> np.ndarray:
+    """n seeded draws from one row of logits.  sample is sample_processed after
+    processed_logits: the row is processed (temperature, top-k / top-p) once and its
+    n copies drawn from, since the filter over 10000 identical rows is most of the
+    cost; the first check_rows draws must be, bit for bit, sample's on the raw rows."""
+    seeds = np.arange(n) + 10**6
+    processed = _processed_logits(jnp.asarray(logits)[None], _arrays(1, **kw))
+    draws = np.asarray(_sample_processed(jnp.broadcast_to(processed, (n, V)), _arrays(n, seeds=seeds, **kw)))
+    raw = jnp.broadcast_to(jnp.asarray(logits), (check_rows, V))
+    np.testing.assert_array_equal(np.asarray(_sample_many(raw, _arrays(check_rows, seeds=seeds[:check_rows], **kw))),
+                                  draws[:check_rows])
+    return draws
 
 
 def _chi2_binned(draws: np.ndarray, probs: np.ndarray, bins: np.ndarray) -> tuple[float, int]:
