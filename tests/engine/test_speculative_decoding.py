@@ -59,10 +59,10 @@ def results(outs) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(make_tiny_llm):
-    """Every test's expected tokens: the engine without speculation, no preemption."""
-    llm = make_tiny_llm()
-    return results(llm.generate(PROMPTS, greedy_params()))
+def reference(tiny_llm):
+    """Every test's expected tokens: the engine without speculation, no preemption
+    (the session's TINY_ENGINE engine)."""
+    return results(tiny_llm.generate(PROMPTS, greedy_params()))
 
 
 def check_drafting(llm, accepted: bool = True) -> None:
@@ -111,8 +111,8 @@ def sampled_params() -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def sampled_reference(make_tiny_llm):
-    return results(make_tiny_llm().generate(PROMPTS, sampled_params()))
+def sampled_reference(tiny_llm):
+    return results(tiny_llm.generate(PROMPTS, sampled_params()))
 
 
 def test_seeded_sampled_tokens_equal_without_speculation(make_tiny_llm, sampled_reference):

@@ -92,7 +92,7 @@ def test_mixed_steps_equal_each_request_alone(make_tiny_llm):
     assert llm.stats.padding_ratio < 1.5
 
 
-def test_shared_prefix_engine_hits_and_matches(make_tiny_llm):
+def test_shared_prefix_engine_hits_and_matches(make_tiny_llm, tiny_llm):
     """In the engine: requests admitted together that share an uncached prefix
     compute it once (the later ones hit the cache) and give the same tokens."""
     prefix = random_prompts([48], seed=4)[0]
@@ -101,5 +101,5 @@ def test_shared_prefix_engine_hits_and_matches(make_tiny_llm):
     llm = make_tiny_llm(enable_prefix_caching=True)
     outs = llm.generate(prompts, params)
     assert llm.stats.cached_prompt_tokens >= 2 * 48
-    plain = make_tiny_llm().generate(prompts, params)
+    plain = tiny_llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

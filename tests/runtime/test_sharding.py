@@ -26,8 +26,8 @@ LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def one_device(make_tiny_llm):
-    return make_tiny_llm()
+def one_device(tiny_llm):
+    return tiny_llm
 
 
 @pytest.fixture(scope="module")
