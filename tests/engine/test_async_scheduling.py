@@ -95,27 +95,35 @@ def test_async_equals_sync_under_preemption(engines, mode, caching):
         assert llm.swap_space.num_used_blocks == 0
 
 
-def test_async_equals_sync_with_stop_strings(tiny_llama_tok_dir):
+@pytest.fixture(scope="module")
+def default_engines(tiny_llama_tok_dir):
+    """(synchronous, asynchronous) TINY_ENGINE engines that take text, built once for
+    the tests below (each leaves them idle, with every block free)."""
+    return tuple(LLM(**{**TINY_ENGINE, "model": tiny_llama_tok_dir, "async_scheduling": mode})
+                 for mode in (False, True))
+
+
+def test_async_equals_sync_with_stop_strings(default_engines):
     """Stop strings are matched on the text as tokens arrive; the output stops at
     the same token in both modes, and nothing past it is returned."""
     prompts = ["hello there", "a b c d", "zzz", "the quick brown fox"]
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, stop=tuple("aeiounrst"), ignore_eos=True)
     outs = {}
-    for mode in (False, True):
-        llm = LLM(**{**TINY_ENGINE, "model": tiny_llama_tok_dir, "async_scheduling": mode})
-        outs[mode] = [(o.finish_reason, o.token_ids, o.text) for o in llm.generate(prompts, params)]
+    for llm in default_engines:
+        outs[llm.async_scheduling] = [(o.finish_reason, o.token_ids, o.text) for o in llm.generate(prompts, params)]
         assert_all_blocks_free(llm)
     assert outs[True] == outs[False]
     assert any(r == "stop" for r, _, _ in outs[False])
 
 
 @pytest.mark.parametrize("abort_after", [1, 2, 5])
-def test_abort_keeps_the_tokens_already_launched(engines, abort_after):
+def test_abort_keeps_the_tokens_already_launched(default_engines, abort_after):
     """An abort after k step() calls: both modes have launched k steps, and the
     aborted request keeps every token those steps sample (asynchronously, the
     last one arrives after the abort) and nothing else."""
     outs = {}
-    for llm in engines():
+    for llm in default_engines:
+        assert not llm.has_unfinished_requests()
         ids = [llm.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS[:4]]
         for _ in range(abort_after):
             llm.step()
