@@ -27,6 +27,9 @@ ADAPTERS = {
 }
 LOGIT_ATOL = 1e-4
 NEW_TOKENS = 12
+# decode.score jitted (the graphdef static): one program per shape instead of its ops
+# run one by one, eagerly (several seconds a call, its gradient more).
+_score = jax.jit(score, static_argnums=0)
 
 
 def make_adapter(hf_model, root, name: str, seed: int):
@@ -71,16 +74,16 @@ def test_logprobs_match_merged_adapter(family):
     lens = np.array([len(p) for p in prompts], np.int32)
     weights, slots = llm.lora_weights()
     for name, model in merged.items():
-        got = score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens), lora=weights,
-                    lora_slots=jnp.full(len(prompts), slots[name], jnp.int32))
+        got = _score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens), lora=weights,
+                     lora_slots=jnp.full(len(prompts), slots[name], jnp.int32))
         for i, p in enumerate(prompts):
             with torch.no_grad():
                 logits = model(torch.tensor([p])).logits[0].double()
             want = torch.log_softmax(logits, -1)[torch.arange(len(p) - 1), torch.tensor(p[1:])].numpy()
             np.testing.assert_allclose(np.asarray(got)[i, :len(p) - 1], want, atol=LOGIT_ATOL, err_msg=name)
-    base = score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens))
-    with_minus_one = score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens), lora=weights,
-                           lora_slots=jnp.full(len(prompts), -1, jnp.int32))
+    base = _score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens))
+    with_minus_one = _score(llm.graphdef, llm.params, jnp.asarray(ids), jnp.asarray(lens), lora=weights,
+                            lora_slots=jnp.full(len(prompts), -1, jnp.int32))
     np.testing.assert_array_equal(np.asarray(base), np.asarray(with_minus_one))
 
 
@@ -244,7 +247,7 @@ def test_score_is_differentiable_in_the_adapter(family):
     def loss(lora):
         return score(llm.graphdef, llm.params, ids, jnp.array([10]), lora=lora,
                      lora_slots=jnp.array([slots["qv16"]])).sum()
-    grads = jax.grad(loss)(weights)
+    grads = jax.jit(jax.grad(loss))(weights)  # one program, not the backward op by op
     b_wq = np.asarray(grads.b["wq"][0])  # layer 0's [N, R, out]
     assert np.isfinite(b_wq).all() and np.abs(b_wq[slots["qv16"]]).max() > 0
     others = [s for n, s in slots.items() if n != "qv16"]
