@@ -53,24 +53,31 @@ def test_paged_equals_contiguous(make_tiny_llm, contiguous, block_size):
     assert_all_blocks_free(llm)
 
 
+@pytest.fixture(scope="module")
+def batched(make_tiny_llm):
+    """{policy: (its engine, the batch's outputs, the steps they took)}: 3 seats
+    for the 7 requests, under each scheduler."""
+    runs = {}
+    for policy in ("continuous", "static"):
+        llm = make_tiny_llm(scheduler=policy, max_num_seqs=3)
+        outs = llm.generate(PROMPTS, PARAMS)
+        runs[policy] = llm, outs, llm.stats.steps
+    return runs
+
+
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_batching_equals_alone(make_tiny_llm, alone, policy):
-    llm = make_tiny_llm(scheduler=policy, max_num_seqs=3)
-    outs = llm.generate(PROMPTS, PARAMS)
+def test_batching_equals_alone(batched, alone, policy):
+    llm, outs, _ = batched[policy]
     for i, (o, want) in enumerate(zip(outs, alone)):
         assert o.finish_reason == "length"
         assert o.token_ids == want, f"request {i} under {policy} batching"
     assert_all_blocks_free(llm)
 
 
-def test_continuous_refills_slots(make_tiny_llm):
+def test_continuous_refills_slots(batched):
     """Continuous batching admits a waiting request as soon as a slot frees up;
     static waits for the whole batch: it must take strictly more steps."""
-    steps = {}
-    for policy in ("continuous", "static"):
-        llm = make_tiny_llm(scheduler=policy, max_num_seqs=3, max_num_batched_tokens=256)
-        llm.generate(PROMPTS, PARAMS)
-        steps[policy] = llm.stats.steps
+    steps = {policy: run[2] for policy, run in batched.items()}
     assert steps["continuous"] < steps["static"], steps
 
 
