@@ -47,6 +47,8 @@ def padded(prompts):
 
 
 _generate = jax.jit(generate, static_argnums=0, static_argnames=("max_new_tokens",))
+# decode.score as one program per model, not its ops one by one (seconds a call, eagerly).
+_score = jax.jit(score, static_argnums=0)
 
 
 def test_interleave_lays_columns_out_per_shard():
@@ -73,7 +75,7 @@ def test_merged_model_matches_separate_weights(request, kind, scan):
         assert ({"wqkv", "w_gate_up"} <= names) == merged and ("wq" in names) != merged
         assert ("bqkv" in names) == (merged and loaded.config.attention_bias)
         tokens, _ = _generate(graphdef, params, ids, lens, max_new_tokens=6)
-        results.append((np.asarray(score(graphdef, params, ids, lens)), np.asarray(tokens)))
+        results.append((np.asarray(_score(graphdef, params, ids, lens)), np.asarray(tokens)))
     (want_lp, want_tokens), (got_lp, got_tokens) = results
     np.testing.assert_allclose(got_lp, want_lp, atol=LOGPROB_ATOL)
     np.testing.assert_array_equal(got_tokens, want_tokens)
@@ -192,7 +194,7 @@ def test_lora_on_merged_targets(make_tiny_llm, adapter, overrides):
                for m in (False, True)]
     ids, lens = padded(PROMPTS)
     slots = jnp.asarray([0, -1, 0], jnp.int32)
-    scores = [np.asarray(score(e.graphdef, e.params, ids, lens, lora=e.lora_weights()[0], lora_slots=slots))
+    scores = [np.asarray(_score(e.graphdef, e.params, ids, lens, lora=e.lora_weights()[0], lora_slots=slots))
               for e in engines]
     np.testing.assert_allclose(scores[1], scores[0], atol=LOGPROB_ATOL)
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1, lora=n)
