@@ -49,10 +49,11 @@ def test_an_unavailable_cpu_kernel_is_reported_not_hidden(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def bf16_reference(make_tiny_llm):
-    """kv_cache_dtype=bfloat16 under fp32 activations: half the pool bytes; the
-    reference attention's tokens on it (once for every kernel)."""
-    fp32 = make_tiny_llm(attention_impl="reference", max_num_seqs=3)
+def bf16_reference(make_tiny_llm, tiny_llm):
+    """kv_cache_dtype=bfloat16 under fp32 activations: half the pool bytes (of the
+    session's fp32 engine: the same blocks); the reference attention's tokens on it
+    (once for every kernel)."""
+    fp32 = tiny_llm
     bf16 = make_tiny_llm(attention_impl="reference", max_num_seqs=3, kv_cache_dtype="bfloat16")
     assert str(bf16.runner.kv_pool.dtype) == "bfloat16" and str(fp32.runner.kv_pool.dtype) == "float32"
     assert 2 * bf16.kv_pool_bytes == fp32.kv_pool_bytes
