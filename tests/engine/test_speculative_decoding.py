@@ -73,9 +73,16 @@ def check_drafting(llm, accepted: bool = True) -> None:
     assert s.spec_decode_num_accepted_tokens > 0 or not accepted
 
 
+@pytest.fixture(scope="module")
+def ngram_llm(make_tiny_llm):
+    """TINY_ENGINE with n-gram drafts (asynchronous scheduling, the default), shared by
+    the tests below that run it as is: each checks the stats of its own generate()."""
+    return make_tiny_llm(async_scheduling=True, **NGRAM)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_greedy_tokens_equal_without_speculation(make_tiny_llm, reference, async_scheduling):
-    llm = make_tiny_llm(async_scheduling=async_scheduling, **NGRAM)
+def test_greedy_tokens_equal_without_speculation(make_tiny_llm, ngram_llm, reference, async_scheduling):
+    llm = ngram_llm if async_scheduling else make_tiny_llm(async_scheduling=False, **NGRAM)
     assert results(llm.generate(PROMPTS, greedy_params())) == reference
     check_drafting(llm)
     assert_all_blocks_free(llm)
@@ -115,12 +122,12 @@ def sampled_reference(tiny_llm):
     return results(tiny_llm.generate(PROMPTS, sampled_params()))
 
 
-def test_seeded_sampled_tokens_equal_without_speculation(make_tiny_llm, sampled_reference):
+def test_seeded_sampled_tokens_equal_without_speculation(ngram_llm, sampled_reference):
     """Sampled rows draw each position's token exactly as without drafts (the
     row's uniform for that position) and keep the drafts that equal it: the
     same seeded tokens whether or not, and however much, a step drafted; also
     in another batch order, where other steps draft."""
-    llm = make_tiny_llm(**NGRAM)
+    llm = ngram_llm
     params = sampled_params()
     assert results(llm.generate(PROMPTS, params)) == sampled_reference
     check_drafting(llm, accepted=False)  # (sampled tokens rarely repeat the prompt's)
@@ -187,8 +194,8 @@ def test_bad_speculative_config_names_its_field(fields, field):
     assert e.value.field == field
 
 
-def test_summary_reports_acceptance(make_tiny_llm):
-    llm = make_tiny_llm(**NGRAM)
+def test_summary_reports_acceptance(ngram_llm):
+    llm = ngram_llm
     outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=20, ignore_eos=True))
     summary = summarize(outs, llm, 1.0)
     s = llm.stats
