@@ -119,7 +119,6 @@ def test_score_is_differentiable(llm):
 
 
 # ----------------------------------------------------------------- update_params
-@jax.jit  # one program for the whole tree, not an eager normal() per leaf shape
 def perturbed(params, scale: float = 0.05, seed: int = 0):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
