@@ -92,12 +92,25 @@ class Submission:
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.requests: list[EngineRequest] = []
 
-    def deliver(self, delta: Delta) -> None:
-        """From the engine thread: hands a delta to the coroutine waiting on the queue."""
+
+
+def deliver_all(outbox: list[tuple[Submission, Delta]]) -> None:
+    """From the engine thread: a step's deltas to the coroutines waiting on their
+    queues, with one wake-up per event loop (not one per request: each wake-up
+    is a write to the loop's self-pipe and a turn of the loop)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
+    for submission, delta in outbox:
+        by_loop.setdefault(submission.loop, []).append((submission.queue, delta))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
             pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
+    for queue, delta in batch:
+        queue.put_nowait(delta)
 
 
 class EngineCall:
@@ -150,6 +163,7 @@ class AsyncEngine:
         self._num_unfinished = 0  # requests submitted and not finished (guarded by _cond)
         self._closing = False
         self._tracked: dict[int, EngineRequest] = {}  # engine thread only: by engine request id
+        self._outbox: list[tuple[Submission, Delta]] = []  # engine thread only: deltas not yet handed over
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
 
     # ------------------------------------------------------------ event-loop side
@@ -232,6 +246,8 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - the loop must outlive any request
                 log.exception("engine loop error")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
+            finally:
+                self._flush()
 
     def _wait_for_work(self) -> tuple[list[tuple[str, Any]], bool]:
         """Blocks while there is nothing to do; then takes the whole inbox."""
@@ -298,7 +314,7 @@ class AsyncEngine:
             del self._tracked[request.engine_id]
             self._mark_finished(request, delta, now)
         elif any(delta.new_token_ids) or any(delta.new_text):
-            request.submission.deliver(delta)
+            self._outbox.append((request.submission, delta))
 
     def _publish(self) -> None:
         """The engine's gauges, after each step, to the metrics."""
@@ -316,7 +332,11 @@ class AsyncEngine:
         with self._cond:
             self._num_unfinished -= 1
         self.metrics.on_finished(request, delta.finish_reasons, now)
-        request.submission.deliver(delta)
+        self._outbox.append((request.submission, delta))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        deliver_all(outbox)
 
     def _finish_unstarted(self, request: EngineRequest, reason: str, error: str | None) -> None:
         n = request.params.n
