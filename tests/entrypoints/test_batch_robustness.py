@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from helpers import TINY_ENGINE
 from jpaged.entrypoints import batch
 
 from test_serve_batch_failures import ROOT, assert_one_line_error, run as run_cli
@@ -23,8 +24,9 @@ from test_serve_batch_failures import ROOT, assert_one_line_error, run as run_cl
 
 @pytest.fixture
 def config(tiny_llama_tok_dir):
-    return dict(model=tiny_llama_tok_dir, load_format="hf", max_model_len=64, num_blocks=12, max_num_seqs=2,
-                attention_impl="reference", max_tokens=3, compilation_cache=False)
+    # The suite's tiny engine (helpers.TINY_ENGINE): its step programs come from the
+    # suite's compilation cache rather than compiling a set of their own.
+    return dict(model=tiny_llama_tok_dir, **TINY_ENGINE, max_tokens=3, compilation_cache=False)
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.core.sequence import SamplingParams
@@ -232,27 +232,39 @@ def alone(smollm_llm):
     return outs
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(bad=st.lists(json_values | st.dictionaries(st.sampled_from(REQUEST_FIELDS), json_values, max_size=4),
-                    min_size=1, max_size=4),
-       order=st.randoms(use_true_random=False))
-def test_bad_lines_beside_good_ones(smollm_llm, alone, tmp_path_factory, bad, order):
-    lines = [(i, json.dumps(obj).encode()) for i, obj in enumerate(GOOD)]
-    lines += [(None, json.dumps(obj, allow_nan=True).encode()) for obj in bad]
-    order.shuffle(lines)
-    path = tmp_path_factory.mktemp("req") / "p.jsonl"
-    path.write_bytes(b"\n".join(raw for _, raw in lines) + b"\n")
-    reqs = read_request_file(path, DEFAULT)
-    assert len(reqs) == len(lines)  # one result per line, errors included
-    runnable = [r for r in reqs if r.error is None]
-    for r in runnable:  # a random line may be valid: keep it short
-        if lines[r.index][0] is None:
+bad_lines = st.lists(json_values | st.dictionaries(st.sampled_from(REQUEST_FIELDS), json_values, max_size=4),
+                     min_size=1, max_size=4)
+
+
+def test_bad_lines_beside_good_ones(smollm_llm, alone, tmp_path):
+    """Hypothesis writes 12 files of the good lines among random ones, shuffled; each file
+    reads as one result per line, and all the files' runnable lines then run in one
+    generate (one engine run, not one per example: each good line still has random
+    neighbours, more of them), where every good line's tokens are its tokens alone."""
+    files: list[tuple[list, list]] = []  # (lines, their requests) per example
+
+    @settings(max_examples=12, deadline=None, database=None)
+    @given(bad=bad_lines, order=st.randoms(use_true_random=False))
+    def write_and_read(bad, order):
+        lines = [(i, json.dumps(obj).encode()) for i, obj in enumerate(GOOD)]
+        lines += [(None, json.dumps(obj, allow_nan=True).encode()) for obj in bad]
+        order.shuffle(lines)
+        path = tmp_path / f"p{len(files)}.jsonl"
+        path.write_bytes(b"\n".join(raw for _, raw in lines) + b"\n")
+        reqs = read_request_file(path, DEFAULT)
+        assert len(reqs) == len(lines)  # one result per line, errors included
+        files.append((lines, reqs))
+
+    write_and_read()
+    runnable = [(lines[r.index][0], r) for lines, reqs in files for r in reqs if r.error is None]
+    for good, r in runnable:  # a random line may be valid: keep it short
+        if good is None:
             r.params = dataclasses.replace(r.params, max_tokens=min(r.params.max_tokens, 4))
-    outs = smollm_llm.generate([r.prompt for r in runnable], [r.params for r in runnable])
-    for r, out in zip(runnable, outs):
-        good = lines[r.index][0]
+    assert sum(good is not None for good, _ in runnable) == len(GOOD) * len(files) >= len(GOOD) * 12
+    outs = smollm_llm.generate([r.prompt for _, r in runnable], [r.params for _, r in runnable])
+    for (good, r), out in zip(runnable, outs):
         if good is not None:
-            assert [s["token_ids"] for s in out.samples] == alone[good]
+            assert [s["token_ids"] for s in out.samples] == alone[good], (good, r.index)
         else:
             assert out.finish_reason in ("stop", "length", "error")  # a random line may be valid
     assert smollm_llm.block_manager.num_used_blocks == 0
