@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from helpers import cached_compiles_env
-from jpaged.core.sequence import SamplingParams
+from helpers import SMOLLM_ENGINE, cached_compiles_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUESTS = [
@@ -90,23 +89,60 @@ def test_output_jsonl_fields(served):
     assert "Be terse." in lines[1]["prompt"]  # the messages request kept its system turn
 
 
-def test_served_tokens_match_the_library(served, smollm_llm):
+HEAVY = ("torch", "transformers", "matplotlib")  # the benchmarks' peers and plots, never the runtime's
+# The library in a process of its own: LLM.generate's answers to [request, max_tokens] pairs
+# (printed as JSON), a plain prompt and a token-id prompt run end to end, and then every
+# module the process imported of HEAVY or the benchmark harness.
+LIBRARY = f"""
+import json, sys
+from jpaged.engine.llm import LLM
+from jpaged.core.sequence import SamplingParams
+engine, requests = json.loads(sys.argv[1])
+llm = LLM(**engine)
+answers = [llm.generate([request], SamplingParams(max_tokens=n))[0] for request, n in requests]
+print('ANSWERS', json.dumps([dict(prompt_token_ids=[int(t) for t in o.prompt_token_ids],
+                                  token_ids=[int(t) for t in o.token_ids], text=o.text) for o in answers]))
+out = llm.generate([{{'prompt': 'Hi'}}, [1, 2, 3]], SamplingParams(max_tokens=3))
+assert all(o.token_ids and o.error is None for o in out), out
+print('HEAVY_MODULES', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}
+                              or m in ('harness', 'jpaged.bench')))
+"""
+
+
+@pytest.fixture(scope="module")
+def library(served):
+    """(the process, its answers): LLM.generate on the suite's SmolLM2 engine
+    (helpers.SMOLLM_ENGINE) for REQUESTS[0] (8 tokens) and for REQUESTS[3]'s prompt
+    as far as one token past the served answer (the first period's token is the
+    served answer's last or the next one), in one process: one engine compiles."""
+    _, lines, _ = served
+    requests = [[REQUESTS[0], 8], [{"prompt": REQUESTS[3]["prompt"]}, len(lines[3]["token_ids"]) + 1]]
+    proc = subprocess.run([sys.executable, "-c", LIBRARY, json.dumps([SMOLLM_ENGINE, requests])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=cached_compiles_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [answers] = [json.loads(ln.removeprefix("ANSWERS ")) for ln in proc.stdout.splitlines()
+                 if ln.startswith("ANSWERS ")]
+    return proc, answers
+
+
+def test_served_tokens_match_the_library(served, library):
     """The script's greedy answer equals LLM.generate's on the same chat prompt."""
     _, lines, _ = served
-    out = smollm_llm.generate([REQUESTS[0]], SamplingParams(max_tokens=8))[0]
-    assert out.prompt_token_ids == lines[0]["prompt_token_ids"]
-    assert out.token_ids == lines[0]["token_ids"] and out.text == lines[0]["text"]
+    out = library[1][0]
+    assert out["prompt_token_ids"] == lines[0]["prompt_token_ids"]
+    assert out["token_ids"] == lines[0]["token_ids"] and out["text"] == lines[0]["text"]
 
 
-def test_a_stop_string_ends_the_answer_at_the_first_period(served, smollm_llm):
-    """The batch file's "stop" field cuts the text where the library's full answer
-    has its first period (tests/entrypoints/test_server.py checks the same request over HTTP)."""
+def test_a_stop_string_ends_the_answer_at_the_first_period(served, library):
+    """The batch file's "stop" field cuts the text where the library's answer has
+    its first period (tests/entrypoints/test_server.py checks the same request over HTTP)."""
     _, lines, _ = served
-    whole = smollm_llm.generate([{"prompt": REQUESTS[3]["prompt"]}], SamplingParams(max_tokens=48))[0]
-    assert "." in whole.text
+    assert len(lines[3]["token_ids"]) < REQUESTS[3]["max_tokens"]
+    whole = library[1][1]
+    assert "." in whole["text"]
     assert lines[3]["finish_reason"] == "stop"
-    assert lines[3]["text"] == whole.text[:whole.text.index(".")]
-    assert lines[3]["token_ids"] == whole.token_ids[:len(lines[3]["token_ids"])]
+    assert lines[3]["text"] == whole["text"][:whole["text"].index(".")]
+    assert lines[3]["token_ids"] == whole["token_ids"][:len(lines[3]["token_ids"])]
 
 
 def test_summary_table_printed(served):
@@ -126,27 +162,10 @@ def test_serve_never_imports_torch(served):
     assert not {m for m in imported if m.split(".")[0] in HEAVY or m in ("harness", "jpaged.bench")}
 
 
-HEAVY = ("torch", "transformers", "matplotlib")  # the benchmarks' peers and plots, never the runtime's
-
-
-def test_runtime_never_imports_torch():
-    """The engine, run end to end, imports none of torch, transformers or matplotlib, and
-    no benchmark harness: that lives in benchmarks/harness.py, outside the package."""
-    code = (
-        "import sys\n"
-        "from jpaged.engine.llm import LLM\n"
-        "from jpaged.core.sequence import SamplingParams\n"
-        "llm = LLM(max_model_len=256, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=256,\n"
-        "          attention_impl='reference')  # the suite's SmolLM2 shapes: compiled steps cached\n"
-        "out = llm.generate([{'prompt': 'Hi'}, [1, 2, 3]], SamplingParams(max_tokens=3))\n"
-        "assert all(o.token_ids and o.error is None for o in out), out\n"
-        f"heavy = {HEAVY!r}\n"
-        "print('HEAVY_MODULES', sorted(m for m in sys.modules if m.split('.')[0] in heavy\n"
-        "                              or m in ('harness', 'jpaged.bench')))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=cached_compiles_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_runtime_never_imports_torch(library):
+    """The engine, run end to end (`library`'s process), imports none of torch, transformers
+    or matplotlib, and no benchmark harness: that lives in benchmarks/harness.py, outside the package."""
+    proc, _ = library
     assert "HEAVY_MODULES []" in proc.stdout, proc.stdout
 
 
