@@ -26,10 +26,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, TypeVar
 
-from jpaged.core.sequence import SamplingParams, TokenLogprob
+from jpaged.core.sequence import SamplingParams
 from jpaged.core.stats import EngineSnapshot
 from jpaged.engine.protocol import Engine
-from jpaged.engine.request_output import RequestDelta
+from jpaged.engine.request_output import RequestDelta, SampleDelta
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +44,21 @@ class EngineClosed(Exception):
     """The engine is shutting down: no new requests."""
 
 
-@dataclasses.dataclass
-class Delta:
-    """What the engine did for one request since its last delta."""
+# What a Submission's queue carries: (the request's position in its Submission, the
+# engine's delta for it).  The engine's RequestDelta as it is: tokens, text and
+# logprobs per sample, each sample's finish reason once it has ended.
+Update = tuple[int, RequestDelta]
 
-    index: int                        # the request's position in its Submission
-    new_token_ids: list[list[int]]    # per sample
-    finish_reasons: list[str | None]  # per sample: stop | length | error | abort, None while running
-    new_text: list[str]               # per sample: the text those tokens released (the engine's)
-    error: str | None = None
-    num_cached_tokens: int = 0
-    time: float = 0.0                 # perf_counter() when the step that made it returned
-    # SamplingParams.logprobs: per sample, one entry per new token ([] when not asked for)
-    new_logprobs: list[list[TokenLogprob]] = dataclasses.field(default_factory=list)
-    # SamplingParams.prompt_logprobs: in the request's first delta with tokens, else None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
-    @property
-    def finished(self) -> bool:
-        return all(r is not None for r in self.finish_reasons)
+def ended(delta: RequestDelta) -> bool:
+    """Every sample has ended: the request's last update."""
+    return all(s.finish_reason is not None for s in delta.samples)
+
+
+def ended_delta(request_id: int, n: int, reason: str, error: str | None) -> RequestDelta:
+    """The last update of a request the engine did not run to its end itself (one it
+    could not take, or one an engine-loop error ended)."""
+    return RequestDelta(request_id, [SampleDelta([], "", [], reason) for _ in range(n)], started=False, error=error)
 
 
 class EngineRequest:
@@ -89,18 +85,18 @@ class Submission:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.requests: list[EngineRequest] = []
 
 
 
-def deliver_all(outbox: list[tuple[Submission, Delta]]) -> None:
+def deliver_all(outbox: list[tuple[Submission, Update]]) -> None:
     """From the engine thread: a step's deltas to the coroutines waiting on their
     queues, with one wake-up per event loop (not one per request: each wake-up
     is a write to the loop's self-pipe and a turn of the loop)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
-    for submission, delta in outbox:
-        by_loop.setdefault(submission.loop, []).append((submission.queue, delta))
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Update], Update]]] = {}
+    for submission, update in outbox:
+        by_loop.setdefault(submission.loop, []).append((submission.queue, update))
     for loop, batch in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, batch)
@@ -108,9 +104,9 @@ def deliver_all(outbox: list[tuple[Submission, Delta]]) -> None:
             pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
-    for queue, delta in batch:
-        queue.put_nowait(delta)
+def _put_all(batch: list[tuple[asyncio.Queue[Update], Update]]) -> None:
+    for queue, update in batch:
+        queue.put_nowait(update)
 
 
 class EngineCall:
@@ -163,7 +159,7 @@ class AsyncEngine:
         self._num_unfinished = 0  # requests submitted and not finished (guarded by _cond)
         self._closing = False
         self._tracked: dict[int, EngineRequest] = {}  # engine thread only: by engine request id
-        self._outbox: list[tuple[Submission, Delta]] = []  # engine thread only: deltas not yet handed over
+        self._outbox: list[tuple[Submission, Update]] = []  # engine thread only: deltas not yet handed over
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
 
     # ------------------------------------------------------------ event-loop side
@@ -307,14 +303,11 @@ class AsyncEngine:
                 request.last_token_time[i] = now
         if engine_delta.started:
             self._dequeue(request)
-        delta = Delta(request.index, [s.token_ids for s in samples], [s.finish_reason for s in samples],
-                      [s.text for s in samples], engine_delta.error, engine_delta.num_cached_tokens, now,
-                      [s.logprobs for s in samples], engine_delta.prompt_logprobs)
-        if delta.finished:
+        if ended(engine_delta):
             del self._tracked[request.engine_id]
-            self._mark_finished(request, delta, now)
-        elif any(delta.new_token_ids) or any(delta.new_text):
-            self._outbox.append((request.submission, delta))
+            self._mark_finished(request, engine_delta, now)
+        elif any(s.token_ids or s.text for s in samples):
+            self._outbox.append((request.submission, (request.index, engine_delta)))
 
     def _publish(self) -> None:
         """The engine's gauges, after each step, to the metrics."""
@@ -326,22 +319,21 @@ class AsyncEngine:
             with self._cond:
                 self._num_queued -= 1
 
-    def _mark_finished(self, request: EngineRequest, delta: Delta, now: float) -> None:
+    def _mark_finished(self, request: EngineRequest, delta: RequestDelta, now: float) -> None:
         self._dequeue(request)
         request.finished = True
         with self._cond:
             self._num_unfinished -= 1
-        self.metrics.on_finished(request, delta.finish_reasons, now)
-        self._outbox.append((request.submission, delta))
+        self.metrics.on_finished(request, [s.finish_reason for s in delta.samples], now)
+        self._outbox.append((request.submission, (request.index, delta)))
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
         deliver_all(outbox)
 
     def _finish_unstarted(self, request: EngineRequest, reason: str, error: str | None) -> None:
-        n = request.params.n
-        delta = Delta(request.index, [[] for _ in range(n)], [reason] * n, [""] * n, error, 0, time.perf_counter())
-        self._mark_finished(request, delta, delta.time)
+        # request_id -1: the engine never took it (it has no id there)
+        self._mark_finished(request, ended_delta(-1, request.params.n, reason, error), time.perf_counter())
 
     def _abort_all(self) -> None:
         """At close: every request still tracked finishes with "abort"."""
@@ -359,9 +351,7 @@ class AsyncEngine:
         now = time.perf_counter()
         for rid, request in list(self._tracked.items()):
             del self._tracked[rid]
-            n = len(request.last_token_time)
-            self._mark_finished(request, Delta(request.index, [[] for _ in range(n)], ["error"] * n, [""] * n,
-                                               error, 0, now), now)
+            self._mark_finished(request, ended_delta(rid, len(request.last_token_time), "error", error), now)
 
     def _snapshot(self) -> EngineSnapshot:
         """The engine's snapshot, with the requests still in the inbox as waiting."""

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
 from jpaged.core.stats import EngineSnapshot
-from jpaged.engine.async_engine import AsyncEngine, EngineMetrics, QueueFull
+from jpaged.engine.async_engine import AsyncEngine, EngineMetrics, QueueFull, ended
 from jpaged.core.sequence import SamplingParams
 
 PROMPTS = random_prompts([5, 40, 17, 70], seed=7)
@@ -47,11 +47,11 @@ async def collect(submission) -> list[dict]:
     out = [{"tokens": [], "reasons": None, "error": None} for _ in submission.requests]
     left = len(out)
     while left:
-        delta = await submission.queue.get()
-        r = out[delta.index]
-        r["tokens"] += delta.new_token_ids[0] if delta.new_token_ids else []
-        if delta.finished:
-            r["reasons"], r["error"] = delta.finish_reasons, delta.error
+        index, delta = await submission.queue.get()
+        r = out[index]
+        r["tokens"] += delta.samples[0].token_ids
+        if ended(delta):
+            r["reasons"], r["error"] = [s.finish_reason for s in delta.samples], delta.error
             left -= 1
     return out
 
@@ -86,11 +86,11 @@ def test_deltas_carry_the_logprobs_of_their_tokens(llm):
         submission = engine.submit([(p, params, None) for p in PROMPTS[:2]])
         got, left = [{"logprobs": [], "prompt": []} for _ in PROMPTS[:2]], 2
         while left:
-            delta = await submission.queue.get()
-            got[delta.index]["logprobs"] += delta.new_logprobs[0]
+            index, delta = await submission.queue.get()
+            got[index]["logprobs"] += delta.samples[0].logprobs
             if delta.prompt_logprobs is not None:
-                got[delta.index]["prompt"].append(delta.prompt_logprobs)
-            left -= delta.finished
+                got[index]["prompt"].append(delta.prompt_logprobs)
+            left -= ended(delta)
         return got
     for g, w in zip(run(llm, scenario), want):
         assert g["logprobs"] == w.logprobs

@@ -29,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jpaged.core.sequence import TokenLogprob
-from jpaged.engine.async_engine import AsyncEngine, Delta, Submission
+from jpaged.engine.async_engine import AsyncEngine, Submission, Update
 from jpaged.entrypoints.openai.errors import RequestError, error_body, parse_json
 from jpaged.entrypoints.openai.guard import (REFUSALS, ClientGone, check_prompt_bytes, json_bytes, refused,
                                              wait_for_disconnect)
@@ -108,7 +108,7 @@ class GenerationRun:
         async for _ in self.updates():
             pass
 
-    async def _next_delta(self) -> Delta:
+    async def _next_delta(self) -> Update:
         get = asyncio.ensure_future(self.submission.queue.get())
         await asyncio.wait({get, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if not get.done():
@@ -116,22 +116,21 @@ class GenerationRun:
             raise ClientGone()
         return get.result()
 
-    def _apply(self, delta: Delta) -> list[ChoiceUpdate]:
-        if "error" in delta.finish_reasons:
+    def _apply(self, update: Update) -> list[ChoiceUpdate]:
+        index, delta = update
+        if any(s.finish_reason == "error" for s in delta.samples):
             self.error = delta.error or "internal error"
             return []
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs[delta.index] = delta.prompt_logprobs
+            self.prompt_logprobs[index] = delta.prompt_logprobs
         updates = []
-        for j in range(self.n):
-            c = delta.index * self.n + j
+        for j, sample in enumerate(delta.samples):
+            c = index * self.n + j
             if self.finish_reasons[c] is not None:
                 continue  # finished (the engine ends a sample in the step its text hits a stop string)
-            logprobs = delta.new_logprobs[j] if delta.new_logprobs else []
-            update = self._advance_sample(c, delta.new_token_ids[j], delta.new_text[j], logprobs,
-                                          delta.finish_reasons[j])
-            if update is not None:
-                updates.append(update)
+            choice = self._advance_sample(c, sample.token_ids, sample.text, sample.logprobs, sample.finish_reason)
+            if choice is not None:
+                updates.append(choice)
         return updates
 
     def _advance_sample(self, c: int, token_ids: list[int], text: str, logprobs: list[TokenLogprob],
