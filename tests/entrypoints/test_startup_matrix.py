@@ -53,7 +53,10 @@ CONFIGS = {
 STARTS = {f"{command}, {name}": Start(command, flags, lora=ADAPTER if name == "lora" else None,
                                       int8=name == "int8 kv")
           for command in ("serve", "batch") for name, flags in CONFIGS.items()}
-STARTS["serve, rl routes"] = Start("serve", ("--enable_rl_routes",), rl_routes=True)
+# The RL routes start with the int8 pool: one server for both (the routes leave the engine's
+# config alone), one start fewer.
+STARTS["serve, int8 kv, rl routes"] = dataclasses.replace(
+    STARTS.pop("serve, int8 kv"), flags=(*CONFIGS["int8 kv"], "--enable_rl_routes"), rl_routes=True)
 # docs/batch.md's example (static batching) and docs/speculative-decoding.md's draft model (the
 # tiny Llama drafts for itself): the same greedy tokens as the library's default engine.
 STARTS["batch, static scheduler"] = Start("batch", ("--config.scheduler=static", "--config.block_size=32",
