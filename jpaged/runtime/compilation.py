@@ -42,6 +42,7 @@ import logging
 import os
 import pathlib
 import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -138,6 +139,23 @@ class ProgramCacheError(Exception):
     """An entry on disk that cannot be used (the message says why)."""
 
 
+BACKGROUND_NICE = 10  # the background builder's niceness: below every step and request thread
+
+
+def lower_thread_priority() -> None:
+    """Lowers the calling thread's CPU priority (Linux, where priority is per thread):
+    a program built in the background then takes only the CPU time that the steps
+    and the server's threads leave; on a 2-core machine a build at full priority
+    took a core from the serving path while it ran.  Elsewhere (where
+    setpriority would lower the whole process) it does nothing."""
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as e:  # e.g. a sandbox that forbids it: build at the normal priority
+        log.debug("could not lower the program builder's priority: %s", e)
+
+
 class StepPrograms:
     """The compiled programs of one jitted step(params, kv_pool, inputs).
 
@@ -169,7 +187,8 @@ class StepPrograms:
         self._ready: dict[tuple, jax.stages.Compiled] = {}
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-programs")
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-programs",
+                                                             initializer=lower_thread_priority)
         self.stats = BuildStats()
 
     # ---------------------------------------------------------------- lookup

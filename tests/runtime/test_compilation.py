@@ -6,7 +6,10 @@ ready bucket while its own is built, and precompile can run in the background.""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
+import threading
 
 import jax
 import pytest
@@ -142,3 +145,13 @@ def test_background_precompile(make_tiny_llm, reference):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     llm.runner.wait_for_programs()
     assert llm.num_compilations >= RUNGS
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities are per thread on Linux only")
+def test_background_builds_run_below_the_serving_threads(make_tiny_llm):
+    make_tiny_llm(**ENGINE).precompile(background=True)
+    builders = [t for t in threading.enumerate() if t.name.startswith("jpaged-programs")]
+    assert builders
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for t in builders:  # every engine's builder, this one's included
+        assert os.getpriority(os.PRIO_PROCESS, t.native_id) >= max(own, compilation.BACKGROUND_NICE)
