@@ -8,7 +8,7 @@ server twice at once (py-spy attached without pausing the process):
   part was (the engine thread: the step's device wait, scheduling, input
   preparation, output processing and detokenizing; the event loop thread:
   HTTP protocol, request parsing, templating and tokenizing, SSE encoding, and
-  the time it waits in select());
+  its idle time, in select() or in uvloop);
 - only the samples that hold the GIL: who holds it, and for what.
 
 Samples are classified by the first rule (below) whose marker appears in the
@@ -41,7 +41,6 @@ ENGINE_RULES: list[tuple[str, tuple[str, ...]]] = [
     ("metrics", ("metrics.py", "_publish", "snapshot")),
 ]
 LOOP_RULES: list[tuple[str, tuple[str, ...]]] = [
-    ("waiting in select", ("select (selectors.py", "_run_once (asyncio/base_events.py", "poll (")),
     ("templating", ("chat_template", "jinja", "render")),
     ("tokenizing", ("encode (", "tokenizer")),
     ("SSE encoding", ("responses.py", "answers.py", "json.dumps", "dumps (", "model_dump_json", "serialize")),
@@ -49,7 +48,28 @@ LOOP_RULES: list[tuple[str, tuple[str, ...]]] = [
     ("HTTP protocol", ("h11", "httptools", "uvicorn", "starlette", "fastapi", "sse_starlette")),
     ("engine hand-off", ("async_engine.py", "queue", "Queue")),
 ]
-THREADS = {"jpaged-engine": "engine thread", "MainThread": "event loop thread"}
+BUILDER_RULES: list[tuple[str, tuple[str, ...]]] = [
+    ("program cache write", ("_save (", "serialize", "_cache_write", "put_executable")),
+    ("XLA compile", ("backend_compile", "compile_or_get_cached")),
+    ("lowering", ("lower_jaxpr", "lowering", "FuncOp")),
+    ("tracing", ("DynamicJaxprTrace", "trace_to_jaxpr", "Primitive.bind", "_infer_params")),
+]
+# A stack whose innermost frame is one of these is a thread waiting: the event loop in
+# select() (asyncio) or in uvloop's C loop (its innermost Python frame is the runner).
+# A pool worker blocked on its work queue shows its `_worker` frame innermost.
+IDLE_LEAVES = ("select (", "poll (", "Runner.run (", "run_forever (", "run_until_complete (", "_run_once (",
+               "_worker (")
+# Thread name prefixes -> what the rows call them (the rest: "other threads").
+THREADS = {"jpaged-engine": "engine thread", "MainThread": "event loop thread",
+           "jpaged-programs": "program builder", "jpaged-host": "host workers"}
+
+
+def thread_kind(name: str) -> str:
+    return next((kind for prefix, kind in THREADS.items() if name.startswith(prefix)), "other threads")
+
+
+def rules_of(thread: str) -> list[tuple[str, tuple[str, ...]]]:
+    return {"engine thread": ENGINE_RULES, "program builder": BUILDER_RULES}.get(thread, LOOP_RULES)
 
 
 class Recording:
@@ -90,6 +110,8 @@ def read_raw(path: pathlib.Path) -> list[tuple[str, list[str], int]]:
 
 
 def classify(frames: list[str], rules: list[tuple[str, tuple[str, ...]]]) -> str:
+    if frames and frames[-1].startswith(IDLE_LEAVES):
+        return "idle"
     for frame in reversed(frames):
         for category, markers in rules:
             if any(m in frame for m in markers):
@@ -101,25 +123,25 @@ def summarize(paths: dict[str, pathlib.Path], label: str) -> list[dict[str, Any]
     """Rows (label, thread, category, share of that thread's samples, share of GIL samples)."""
     shares: dict[tuple[str, str], float] = collections.Counter()
     totals: dict[str, int] = collections.Counter()
+    per_thread: dict[str, int] = collections.Counter()
     for name, frames, count in read_raw(paths["all"]):
-        thread = THREADS.get(name)
-        if thread is None:
-            continue
-        rules = ENGINE_RULES if thread == "engine thread" else LOOP_RULES
+        per_thread[name] += count
+        thread = thread_kind(name)
+        rules = rules_of(thread)
         shares[(thread, classify(frames, rules))] += count
         totals[thread] += count
     gil: dict[tuple[str, str], int] = collections.Counter()
     gil_total = 0
     for name, frames, count in read_raw(paths["gil"]):
-        thread = THREADS.get(name, "other threads")
-        rules = ENGINE_RULES if thread == "engine thread" else LOOP_RULES
+        thread = thread_kind(name)
+        rules = rules_of(thread)
         gil[(thread, classify(frames, rules))] += count
         gil_total += count
     keys = sorted(set(shares) | set(gil), key=lambda k: (k[0], -shares.get(k, 0)))
     rows = [{"level": label, "thread": t, "what": c,
              "pct_of_thread": 100 * shares.get((t, c), 0) / max(1, totals.get(t, 0)),
              "pct_of_gil_samples": 100 * gil.get((t, c), 0) / max(1, gil_total)} for t, c in keys]
-    ticks = max(totals.values(), default=0)  # with --idle every thread is sampled at every tick
+    ticks = max(per_thread.values(), default=0)  # with --idle every thread is sampled at every tick
     # Both recorders sample at the same rate over (nearly) the same span: GIL samples /
     # ticks is the share of the time some Python thread held the GIL (their start and
     # stop differ by a few samples, hence the cap).
