@@ -27,7 +27,7 @@ def import_torch():
 # where they mean to; tests/core/test_prefix_cache.py covers it in depth).
 TINY_ENGINE = dict(load_format="hf", max_model_len=128, block_size=16, num_blocks=64,
                    max_num_seqs=8, max_num_batched_tokens=128, attention_impl="reference",
-                   enable_prefix_caching=False, buckets_per_octave=1)
+                   enable_prefix_caching=False, buckets_per_octave=1, min_step_tokens=8)
 
 
 def assert_all_blocks_free(llm) -> None:
@@ -51,7 +51,7 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 256) -> list[list[int]]:
 # The embedded SmolLM2: one engine for the whole session.
 SMOLLM_ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=96,
                      max_num_seqs=8, max_num_batched_tokens=256, attention_impl="reference",
-                     buckets_per_octave=1)
+                     buckets_per_octave=1, min_step_tokens=8)
 
 
 def with_tokenizer(model_dir: str, dest: pathlib.Path) -> pathlib.Path:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged.runtime.buckets import min_step_tokens, precompile_buckets, token_buckets
 from jpaged.runtime.step import run_step
 from jpaged.runtime.compilation import BuildStats, StepPrograms, program_key, shape_specs
 from jpaged.runtime.distributed import broadcast_step
@@ -54,35 +55,6 @@ from jpaged.core.swap_space import HostSwapSpace
 
 # StepResult lives with StepInputs (the step's pytrees in and out); importable from here too.
 __all__ = ["ModelRunner", "PendingStep", "StepResult", "StepTiming", "token_buckets"]
-
-
-def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, per_octave: int = 8) -> tuple[int, ...]:
-    """The step-size ladder, each bucket one compiled program.
-
-    Up to 16 tokens: powers of two from min(8, max_num_seqs rounded up), because a
-    step that small costs what a step of 8 costs (the weights' memory traffic
-    dominates on every backend).  Above 16 a step's cost grows with its tokens (on
-    this CPU a decode at 32-64 tokens is bound by its matmuls), so each octave
-    [2^k, 2^(k+1)) is cut into `per_octave` equal rungs: 16, 18, ..., 32, 36, ...,
-    64, 72, ... and no step above 16 tokens pads by more than 1/per_octave.  Only
-    the buckets a run's steps land on are ever built.  The budget itself closes
-    the ladder.  per_octave=1 is the plain power-of-two ladder."""
-    min_tokens = min(8, next_pow2(max_num_seqs))
-    top = max(max_num_batched_tokens, 1)
-    ladder, b = [], min_tokens
-    while b < top:
-        ladder.append(b)
-        b += b if b < 16 else max(1, (1 << (b.bit_length() - 1)) // per_octave)
-    return tuple(ladder + [top])
-
-
-def precompile_buckets(ladder: tuple[int, ...], max_num_tokens: int | None = None) -> list[int]:
-    """What precompile builds: the power-of-two rungs of the ladder up to the bucket
-    of max_num_tokens (default: the top), and that bucket.  Every step then has a
-    ready bucket at most twice its own (and its own arrives in the background),
-    for log2 of the programs a full ladder would cost."""
-    limit = ladder[-1] if max_num_tokens is None else next((b for b in ladder if b >= max_num_tokens), ladder[-1])
-    return [b for b in ladder if b < limit and b & (b - 1) == 0] + [limit]
 
 
 def _to_devices(host: Any, specs: Any) -> Any:
@@ -156,7 +128,8 @@ class ModelRunner:
         self.kv_groups = layout.num_groups if layout else 1  # block tables per sequence (jpaged.core.kv_layout)
         self.max_num_seqs = sched.max_num_seqs
         self.vocab_size = model_cfg.vocab_size  # the logit masks' width
-        self.token_buckets = token_buckets(sched.max_num_batched_tokens, sched.max_num_seqs, sched.buckets_per_octave)
+        self.token_buckets = token_buckets(sched.max_num_batched_tokens, sched.max_num_seqs, sched.buckets_per_octave,
+                                           min_step_tokens(sched.min_step_tokens, runtime.attention_impl))
         self._new_pool = functools.partial(create_kv_pool, model_cfg, cache.num_blocks, block_size,
                                            pool_dtype(cache.kv_cache_dtype),
                                            sharding=None if mesh is None else pool_sharding(mesh),

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
 from jpaged.core.sequence import SamplingParams
+from jpaged.runtime.buckets import min_step_tokens
 
 # Prompt lengths straddle the 16- and 64-token block boundaries; answers cross more.
 LENGTHS = [3, 15, 16, 17, 63, 64, 65]
@@ -141,6 +142,20 @@ def test_compilations_are_bounded(make_tiny_llm):
     assert 0 < llm.num_compilations <= len(llm.runner.token_buckets), llm.runner.compiled_shapes
     assert len(llm.runner.executables()) == llm.num_compilations
     assert llm.runner.compile_seconds > 0 and llm.stats.padding_ratio >= 1.0
+
+
+def test_jnp_attention_ladder_starts_at_one_token(make_tiny_llm):
+    """min_step_tokens 0 (the default) is 1 with the jnp or CPU attention, 8 with a
+    Pallas kernel: a one-row decode on the CPU pads to no more rows, and gives the
+    tokens it gives padded to 4 (TINY_ENGINE's 8, capped by max_num_seqs)."""
+    assert [min_step_tokens(0, impl) for impl in ("reference", "cpu", "pallas_gpu", "pallas_tpu")] == [1, 1, 8, 8]
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    small, padded = make_tiny_llm(**engine, min_step_tokens=0), make_tiny_llm(**engine)
+    assert small.runner.token_buckets[:4] == (1, 2, 4, 8) and padded.runner.token_buckets[0] == 4
+    small.precompile()  # bucket 1 ready: no decode runs padded while it builds
+    prompt, params = random_prompts([4], seed=9), SamplingParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in small.generate(prompt, params)] == [o.token_ids for o in padded.generate(prompt, params)]
+    assert small.stats.padding_ratio == 1.0 < padded.stats.padding_ratio  # a 4-token prefill, then 1-token decodes
 
 
 def test_precompile_covers_the_workload(make_tiny_llm):

@@ -130,6 +130,11 @@ class SchedulerConfig(Section):
     buckets_per_octave: int = field(8, "Step sizes: powers of two up to 16 tokens, then this many buckets per "
                                     "octave (8: no step above 16 tokens pads by more than 1/8; 1: powers of "
                                     "two only).", ge=1, le=64)
+    min_step_tokens: int = field(
+        0, "Smallest step bucket: a step of fewer tokens pads to it.  0: 1 with the jnp or CPU attention (on "
+        "this CPU a one-row decode in the 1-token bucket ran 1.9x faster than padded to 8), 8 with the Pallas "
+        "kernels (their tiles are 8 rows; a step that small costs what 8 tokens cost on an accelerator).",
+        allowed="0 (by attention kernel), 1, 2, 4 or 8", ge=0, le=8)
     async_scheduling: bool = field(True, "The host schedules and prepares step n+1 while the device runs step "
                                    "n (the tokens step n samples reach step n+1 on the device); false: one "
                                    "after the other.")
@@ -142,6 +147,9 @@ class SchedulerConfig(Section):
 
     @model_validator(mode="after")
     def _decodes_fit_one_step(self) -> SchedulerConfig:
+        if self.min_step_tokens & (self.min_step_tokens - 1):
+            raise ConfigError("min_step_tokens", f"{self.min_step_tokens} is not a power of two",
+                              allowed_text(SchedulerConfig, "min_step_tokens"))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("max_num_batched_tokens",
                               f"{self.max_num_batched_tokens} is less than max_num_seqs ({self.max_num_seqs})",
