@@ -134,7 +134,8 @@ def decode_timing():
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
     """One tiny fp32 Llama engine (random weights) the decode-timing tests share:
-    step buckets 4, 8, 16, ..., 32; a decode of up to 4 sequences is bucket 4."""
+    step buckets 4, 8, 16, ..., 32 (the smallest bucket 8, as with the GPU's kernels,
+    capped by max_num_seqs); a decode of up to 4 sequences is bucket 4."""
     from jpaged import LLM
     directory = tmp_path_factory.mktemp("tiny_llama")
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -144,7 +145,7 @@ def tiny_llm(tmp_path_factory):
     (directory / "config.json").write_text(json.dumps(cfg))
     return LLM(model=str(directory), load_format="dummy", dtype="float32", max_num_seqs=4,
                max_num_batched_tokens=32, max_model_len=64, block_size=16, num_blocks=20,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, min_step_tokens=8)
 
 
 def greedy_tokens(llm) -> list[list[int]]:
