@@ -146,10 +146,14 @@ class SchedulerConfig(Section):
                                  allowed="a finite number of GiB >= 0", ge=0)
 
     @model_validator(mode="after")
-    def _decodes_fit_one_step(self) -> SchedulerConfig:
+    def _smallest_bucket_is_a_power_of_two(self) -> SchedulerConfig:
         if self.min_step_tokens & (self.min_step_tokens - 1):
             raise ConfigError("min_step_tokens", f"{self.min_step_tokens} is not a power of two",
                               allowed_text(SchedulerConfig, "min_step_tokens"))
+        return self
+
+    @model_validator(mode="after")
+    def _decodes_fit_one_step(self) -> SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("max_num_batched_tokens",
                               f"{self.max_num_batched_tokens} is less than max_num_seqs ({self.max_num_seqs})",
