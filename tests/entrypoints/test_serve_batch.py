@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import SMOLLM_ENGINE, cached_compiles_env
+from helpers import SMOLLM_ENGINE, SMOLLM_FLAGS, cached_compiles_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUESTS = [
@@ -31,9 +31,7 @@ FIELDS = {"index", "prompt", "text", "token_ids", "prompt_token_ids", "finish_re
           "latency_ms"}
 # The shapes of the suite's SmolLM2 engine (helpers.SMOLLM_ENGINE): the CLI's step
 # programs come from the suite's compilation cache instead of compiling a second set.
-SMALL = ["--config.max_tokens=8", "--config.max_model_len=256", "--config.num_blocks=96",
-         "--config.max_num_seqs=8", "--config.max_num_batched_tokens=256", "--config.attention_impl=reference",
-         "--config.buckets_per_octave=1"]
+SMALL = ["--config.max_tokens=8", *SMOLLM_FLAGS]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import free_port, parse_metrics  # noqa: E402
+from helpers import SMOLLM_STEP_XLA, cached_compiles_env, free_port, parse_metrics  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,8 +31,10 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 # Small enough that the step programs compile quickly; room for 12 queued requests in test 3.
+# A few programs (the finer ladder is tested in-process), built as the suite's
+# SmolLM2 engine's are (helpers.SMOLLM_ENGINE says why).
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, max_queued_requests=24,
-              buckets_per_octave=1)  # (a few programs: the finer ladder is tested in-process)
+              buckets_per_octave=1, **SMOLLM_STEP_XLA)
 START_SECONDS = 180     # server start (model load + precompile), on a loaded 2-core machine
 REQUEST_SECONDS = 120   # any one client call
 MAX_TOKENS = 8
@@ -60,7 +62,7 @@ class Server:
         overrides = [f"--config.{k}={v}" for k, v in {**(engine or ENGINE), "shutdown_grace_seconds": 30}.items()]
         cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port",
                str(self.port), "--precompile", "--noaccess_log", *overrides]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**cached_compiles_env(), "PYTHONPATH": str(ROOT)}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
