@@ -62,8 +62,14 @@ SMOLLM_STEP_XLA = dict(layer_loop="scan", xla_step_options="xla_backend_optimiza
 SMOLLM_ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, num_blocks=96,
                      max_num_seqs=8, max_num_batched_tokens=256, attention_impl="reference",
                      buckets_per_octave=1, min_step_tokens=8, **SMOLLM_STEP_XLA)
-# The same on the command line (scripts, the CLI, the server).
-SMOLLM_FLAGS = [f"--config.{k}={v}" for k, v in SMOLLM_ENGINE.items()]
+
+
+def config_flags(fields: dict) -> list[str]:
+    """Engine settings as command-line overrides (scripts, the CLI, the server)."""
+    return [f"--config.{k}={v}" for k, v in fields.items()]
+
+
+SMOLLM_FLAGS = config_flags(SMOLLM_ENGINE)
 
 
 def with_tokenizer(model_dir: str, dest: pathlib.Path) -> pathlib.Path:

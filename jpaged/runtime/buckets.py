@@ -11,8 +11,9 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, per_octave: in
     """The step-size ladder, each bucket one compiled program.
 
     Up to 16 tokens: powers of two from min(min_tokens, max_num_seqs rounded up)
-    (min_step_tokens says why the smallest differs by kernel).  Above 16 a step's cost grows with its tokens (on
-    this CPU a decode at 32-64 tokens is bound by its matmuls), so each octave
+    (`min_step_tokens` says why the smallest differs by kernel).  Above 16 a step's
+    cost grows with its tokens (on this CPU a decode at 32-64 tokens is bound by
+    its matmuls), so each octave
     [2^k, 2^(k+1)) is cut into `per_octave` equal rungs: 16, 18, ..., 32, 36, ...,
     64, 72, ... and no step above 16 tokens pads by more than 1/per_octave.  Only
     the buckets a run's steps land on are ever built.  The budget itself closes
@@ -27,9 +28,8 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, per_octave: in
 
 
 def min_step_tokens(configured: int, attention_impl: str) -> int:
-    """The smallest bucket: as configured, or (0) 1 with the jnp/CPU attention (on a
-    CPU a one-row decode padded to 8 rows took 1.9x as long), 8 with a Pallas kernel
-    (8-row tiles; on an accelerator a step that small costs what 8 tokens cost)."""
+    """The smallest bucket: config min_step_tokens, its 0 resolved by the attention
+    kernel (the field's description says why)."""
     return configured or (1 if attention_impl in ("reference", "cpu") else 8)
 
 

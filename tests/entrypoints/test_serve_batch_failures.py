@@ -10,12 +10,12 @@ import subprocess
 import sys
 import time
 
-from helpers import SMOLLM_STEP_XLA, cached_compiles_env
+from helpers import SMOLLM_STEP_XLA, cached_compiles_env, config_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
        "--config.max_model_len=256", "--config.num_blocks=48", "--config.attention_impl=reference",
-       "--config.buckets_per_octave=1", *[f"--config.{k}={v}" for k, v in SMOLLM_STEP_XLA.items()]]
+       "--config.buckets_per_octave=1", *config_flags(SMOLLM_STEP_XLA)]
 
 
 def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -9,7 +9,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
 import pathlib
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import SMOLLM_STEP_XLA, cached_compiles_env, free_port, parse_metrics  # noqa: E402
+from helpers import SMOLLM_STEP_XLA, cached_compiles_env, config_flags, free_port, parse_metrics  # noqa: E402
 from jpaged.core.sequence import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -59,7 +58,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "server.log"
-        overrides = [f"--config.{k}={v}" for k, v in {**(engine or ENGINE), "shutdown_grace_seconds": 30}.items()]
+        overrides = config_flags({**(engine or ENGINE), "shutdown_grace_seconds": 30})
         cmd = [sys.executable, "scripts/serve.py", "--config", "configs/smollm2_135m.py", "--port",
                str(self.port), "--precompile", "--noaccess_log", *overrides]
         env = {**cached_compiles_env(), "PYTHONPATH": str(ROOT)}

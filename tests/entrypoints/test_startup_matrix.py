@@ -26,7 +26,7 @@ import urllib.request
 
 import pytest
 
-from helpers import TINY_ENGINE, cached_compiles_env, free_port, make_peft_adapter
+from helpers import TINY_ENGINE, cached_compiles_env, config_flags, free_port, make_peft_adapter
 from jpaged.core.sequence import SamplingParams
 
 START_SECONDS = 240  # a cold start (jax, the model, the first step's compile) on a loaded 2-core machine
@@ -72,7 +72,7 @@ def jpaged_command(command: str) -> list[str]:
 
 def engine_flags(model: str) -> list[str]:
     """The tiny engine as --config fields (tiny lengths, a small pool, few step programs)."""
-    return [f"--config.{k}={v}" for k, v in {**TINY_ENGINE, "model": model, "max_tokens": MAX_TOKENS}.items()]
+    return config_flags({**TINY_ENGINE, "model": model, "max_tokens": MAX_TOKENS})
 
 
 def environment() -> dict[str, str]:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import TINY_ENGINE, free_port
+from helpers import TINY_ENGINE, config_flags, free_port
 from jpaged.engine.llm import LLM
 from jpaged.core.sequence import SamplingParams
 
@@ -29,7 +29,7 @@ def test_two_processes_tp4_match_one_device(tiny_llama_tok_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}) + "\n"
                                for p in PROMPTS))
     engine = {**TINY_ENGINE, "model": str(model)}
-    overrides = [f"--config.{k}={v}" for k, v in engine.items()] + ["--config.tensor_parallel_size=4"]
+    overrides = config_flags(engine) + ["--config.tensor_parallel_size=4"]
     port = free_port()
     procs = []
     for pid in range(2):
