@@ -13,16 +13,13 @@ import threading
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from helpers import random_prompts
 from jpaged.core.sequence import SamplingParams
 from jpaged.entrypoints.metrics import format_summary, summarize
 from jpaged.runtime import compilation
 
-# 61 blocks: a pool shape no other module uses, so JAX's persistent cache (the
-# suite's, see conftest.py) holds no program of these engines, and the fixture
-# below keeps it from writing one.  A compile served by JAX's cache is not
-# written to the program cache (see compilation._watch_xla_cache).
 ENGINE = dict(num_blocks=61, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, buckets_per_octave=8)
 RUNGS = 4  # precompile(): buckets 4, 8, 16, 32 of (4, 8, 16, 18, ..., 32)
 PROMPTS = random_prompts([5, 9, 6, 13], seed=23)  # the first step: 33 tokens, 32 then 1 (buckets 32, 4)
@@ -30,11 +27,16 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def no_xla_cache_writes():
-    old = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+def no_xla_cache():
+    """JAX's persistent cache off in this module: a compile it serves is not
+    written to the program cache (see compilation._watch_xla_cache), and the
+    suite's cache outlives the run (a machine's earlier runs may hold these
+    engines' programs), so the counts below would depend on it."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_cache.reset_cache()  # JAX decides once per process whether to read it
     yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
