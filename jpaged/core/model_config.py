@@ -45,6 +45,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # softmax scale is its -1/2 power (default head_dim)
     rope_local_theta: float | None = None       # RoPE base of sliding layers (Gemma 3)
     hidden_act: str = "silu"                    # silu | gelu_tanh (the gated MLP's activation)
+    # Mixture of experts (Qwen3-MoE, Mixtral; jpaged.layers.moe); num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0                # k: experts each token is routed to
+    moe_intermediate_size: int = 0              # each expert's MLP width (intermediate_size: the dense layers')
+    norm_topk_prob: bool = True                 # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] | None = None   # the layers with experts; None: every layer (when num_experts)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -52,8 +58,9 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
-        if d.get("layer_types") is not None:
-            d["layer_types"] = tuple(d["layer_types"])
+        for key in ("layer_types", "moe_layers"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         return cls(**d)
 
     def layer_window(self, layer: int) -> int | None:
@@ -63,6 +70,14 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == SLIDING:
             return self.sliding_window
         return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (else a dense SwiGLU MLP)."""
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    def mlp_layers(self, moe: bool) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (`moe`), or dense, in order."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i) == moe)
 
     @property
     def sm_scale(self) -> float:

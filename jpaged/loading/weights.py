@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import shutil
 import time
 from typing import Any
@@ -83,10 +84,10 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
     meta, tensors = read_gguf(path)
     cfg = _gguf_config(path, meta, tensors)
     arch = meta.get("general.architecture")
-    fam = models.gguf_family(str(arch))
+    fam = models.gguf_family(str(arch), tensors)
     out_dtype = to_numpy_dtype(dtype)
     arrays = {name: np.empty(shape, out_dtype) for name, shape in fam.weight_shapes(cfg).items()}
-    filled: set[tuple[str, int]] = set()
+    filled: set[tuple[str, int, int]] = set()
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":
             continue
@@ -95,22 +96,49 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32
             log.warning("ignoring unknown GGUF tensor %s", name)
             continue
         w = fam.from_gguf_tensor(ours, dequantize(tensor), cfg, arch)
-        w = w.T if transpose else w
-        dst = arrays[ours] if layer is None else arrays[ours][layer]
-        if dst.shape != w.shape:
-            raise ValueError(f"GGUF tensor {name}: shape {w.shape} does not fit {ours} {dst.shape}")
-        dst[...] = w
-        filled.add((ours, -1 if layer is None else layer))
+        _fill(arrays, filled, cfg, ours, layer, None, _transposed(w) if transpose else w, f"GGUF tensor {name}")
     _check_filled(arrays, filled, cfg)
     return cfg, arrays, meta
 
 
-def _check_filled(arrays: dict[str, np.ndarray], filled: set[tuple[str, int]], cfg: ModelConfig) -> None:
-    """Every expected array (and every layer of the stacked ones) was written."""
+def _transposed(w: np.ndarray) -> np.ndarray:
+    """A matrix transposed; a stack of them (GGUF's experts [E, out, in]) each transposed."""
+    return np.swapaxes(w, -1, -2)
+
+
+def _fill(arrays: dict[str, np.ndarray], filled: set[tuple[str, int, int]], cfg: ModelConfig, ours: str,
+          layer: int | None, expert: int | None, w: np.ndarray, what: str) -> None:
+    """Writes w into `ours` (at `layer`'s row of a stacked array, and `expert`'s
+    slice of an expert array) and records it in `filled`."""
+    dst = arrays[ours]
+    if layer is not None:
+        rows = models.stacked_layers(cfg, ours)
+        if layer not in rows:
+            raise ValueError(f"{what}: layer {layer} holds no {ours} in this {cfg.architecture} model "
+                             f"(it has one in layers {list(rows)})")
+        dst = dst[rows.index(layer)]
+    if expert is not None:
+        if not 0 <= expert < dst.shape[0]:
+            raise ValueError(f"{what}: expert {expert}, but the model has {dst.shape[0]} experts")
+        dst = dst[expert]
+    if dst.shape != w.shape:
+        raise ValueError(f"{what}: shape {w.shape} does not fit {ours} {dst.shape}")
+    dst[...] = w  # casts to the arrays' dtype
+    filled.add((ours, -1 if layer is None else layer, -1 if expert is None else expert))
+
+
+def _check_filled(arrays: dict[str, np.ndarray], filled: set[tuple[str, int, int]], cfg: ModelConfig) -> None:
+    """Every expected array (every layer of the stacked ones, every expert of the
+    expert arrays: whole, or expert by expert) was written."""
+    def written(name: str, layer: int) -> bool:
+        if (name, layer, -1) in filled:
+            return True
+        return name in models.EXPERT_WEIGHTS and all((name, layer, e) in filled for e in range(cfg.num_experts))
+
     missing = [f"{name}[{layer}]" if layer >= 0 else name
                for name in arrays
-               for layer in (range(cfg.num_layers) if name.startswith("layers.") else [-1])
-               if (name, layer) not in filled]
+               for layer in (models.stacked_layers(cfg, name) if name.startswith("layers.") else [-1])
+               if not written(name, layer)]
     if missing:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
@@ -180,7 +208,7 @@ def _hf_safetensor_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 def _gguf_config(path: pathlib.Path, meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
     rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
-    fam = models.gguf_family(str(meta.get("general.architecture")))
+    fam = models.gguf_family(str(meta.get("general.architecture")), tensors)
     try:
         return fam.config_from_gguf(meta, set(tensors), rope_freqs)
     except (KeyError, TypeError) as e:  # a GGUF, but not of a model: keys missing or of the wrong kind
@@ -206,32 +234,36 @@ def load_hf_dir(path: str | os.PathLike, dtype: Any = np.float32
     cfg = fam.config_from_hf(hf)
     out_dtype = to_numpy_dtype(dtype)
     arrays = {name: np.empty(shape, out_dtype) for name, shape in fam.weight_shapes(cfg).items()}
-    filled: set[tuple[str, int]] = set()
+    filled: set[tuple[str, int, int]] = set()
     for file in _hf_safetensor_files(path):
         for name, w in read_safetensors(file).items():
-            ours, layer, transpose = _hf_target(name, fam)
+            ours, layer, expert, transpose = _hf_target(name, fam)
             if ours is None or ours not in arrays:  # e.g. a tied lm_head copy, rotary buffers
                 continue
-            w = w.T if transpose else w
-            dst = arrays[ours] if layer is None else arrays[ours][layer]
-            if dst.shape != w.shape:
-                raise ValueError(f"{name}: shape {w.shape} does not fit {ours} {dst.shape}")
-            dst[...] = w  # casts to out_dtype
-            filled.add((ours, -1 if layer is None else layer))
+            _fill(arrays, filled, cfg, ours, layer, expert, _transposed(w) if transpose else w, name)
     _check_filled(arrays, filled, cfg)
     return cfg, arrays
 
 
-def _hf_target(name: str, fam: Any) -> tuple[str | None, int | None, bool]:
-    """Checkpoint name -> (our name, layer index or None, transpose?) by the family's maps."""
+_EXPERT = re.compile(r"experts\.(\d+)\.")  # a per-expert checkpoint name's expert index
+
+
+def _hf_target(name: str, fam: Any) -> tuple[str | None, int | None, int | None, bool]:
+    """Checkpoint name -> (our name, layer index or None, expert index or None,
+    transpose?) by the family's maps (whose per-expert names read `experts.*.`)."""
     if name in fam.HF_GLOBAL_NAMES:
         ours, transpose = fam.HF_GLOBAL_NAMES[name]
-        return ours, None, transpose
+        return ours, None, None, transpose
     parts = name.split(".", 3)  # model.layers.N.rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in fam.HF_LAYER_NAMES:
-        ours, transpose = fam.HF_LAYER_NAMES[parts[3]]
-        return ours, int(parts[2]), transpose
-    return None, None, False
+    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
+        return None, None, None, False
+    rest, expert = parts[3], None
+    if rest not in fam.HF_LAYER_NAMES and (m := _EXPERT.search(rest)):
+        rest, expert = rest[:m.start()] + "experts.*." + rest[m.end():], int(m.group(1))
+    if rest in fam.HF_LAYER_NAMES:
+        ours, transpose = fam.HF_LAYER_NAMES[rest]
+        return ours, int(parts[2]), expert, transpose
+    return None, None, None, False
 
 
 # ====================================================================== cache

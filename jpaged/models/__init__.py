@@ -9,6 +9,13 @@ A family file holds everything about its architecture:
     from_gguf_tensor(ours, w, cfg, arch)   undoes llama.cpp's conversions of a tensor
     Model                                  the flax module (a `base.Decoder`)
 
+`layers.*` weights are stacked over the layers that hold them
+(`stacked_layers`): every layer, except in a mixture-of-experts model, where
+the router and the experts (`MOE_WEIGHTS`, the experts [L, E, in, out]) stack
+over its MoE layers and the dense MLP's weights over its dense layers.  A
+layer name map may hold `experts.*.` for a checkpoint's per-expert names
+(`experts.0.`, `experts.1.`, ...): the loaders fill that expert's slice.
+
 This registry imports a family only when asked for it, so loading the registry
 loads no jax; the family files hold flax modules and do.
 """
@@ -26,7 +33,19 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llama": (("llama", "mistral", "qwen2"), ("llama", "qwen2")),
     "qwen3": (("qwen3",), ("qwen3",)),
     "gemma": (("gemma2", "gemma3_text"), ("gemma2", "gemma3")),
+    "qwen3_moe": (("qwen3_moe",), ("qwen3moe",)),
+    "mixtral": (("mixtral",), ()),
 }
+# llama.cpp writes some MoE models under a dense architecture's name, with expert
+# tensors (Mixtral as "llama"): architecture -> the family that runs it then.
+GGUF_MOE_FAMILIES = {"llama": "mixtral"}
+GGUF_ROUTER = "ffn_gate_inp.weight"  # blk.N.<this>: layer N routes to experts
+
+# The weights of a mixture-of-experts layer (router [L, d, E], experts [L, E, in, out])
+# and of a dense MLP layer, merged or not: each stacks over its own kind of layer.
+MOE_WEIGHTS = ("layers.router", "layers.experts_gate", "layers.experts_up", "layers.experts_down")
+EXPERT_WEIGHTS = MOE_WEIGHTS[1:]
+DENSE_MLP_WEIGHTS = ("layers.w_gate", "layers.w_up", "layers.w_down", "layers.w_gate_up")
 
 
 def family(name: str) -> ModuleType:
@@ -48,8 +67,20 @@ def hf_family(model_type: str) -> ModuleType:
     return _family_of(model_type, 0, "model_type")
 
 
-def gguf_family(architecture: str) -> ModuleType:
+def gguf_family(architecture: str, tensor_names: Any = ()) -> ModuleType:
+    """The family of a GGUF file of `architecture` holding `tensor_names`."""
+    if architecture in GGUF_MOE_FAMILIES and any(n.endswith(GGUF_ROUTER) for n in tensor_names):
+        return family(GGUF_MOE_FAMILIES[architecture])
     return _family_of(architecture, 1, "GGUF architecture")
+
+
+def stacked_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The layers whose weights the `layers.*` array `name` stacks, in order (its leading axis)."""
+    if name in MOE_WEIGHTS:
+        return cfg.mlp_layers(moe=True)
+    if name in DENSE_MLP_WEIGHTS and cfg.num_experts:
+        return cfg.mlp_layers(moe=False)
+    return tuple(range(cfg.num_layers))
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpaged.core.kv_layout import kv_layout
 from jpaged.core.model_config import ModelConfig, rope_inv_freq
-from jpaged.models import weight_shapes
+from jpaged.models import stacked_layers, weight_shapes
 from jpaged.models.merged import MERGED, merge_arrays, part_sizes, split_columns
 from jpaged.layers import batch_invariant as batch_invariant_ops
 from jpaged.layers.lora import LoraBatch, LoraLayer, one_hot_slots
@@ -184,9 +184,11 @@ class Decoder(nnx.Module):
     A family subclasses it with `layer()` (one block: norms, attention, MLP)
     and, where it differs, `embed_tokens()` and `norm_offset`.  Weights
     are named as the family's `weight_shapes(cfg)` (cfg.architecture); `layers.*` arrays carry a
-    leading num_layers axis.  `scan_layers=False` keeps one set of arrays per
-    layer and unrolls the loop at trace time; `True` keeps them stacked and runs
-    a `lax.scan` (one layer traced), which needs every layer to attend alike.
+    leading axis over the layers that hold them (`jpaged.models.stacked_layers`:
+    all of them, but for a MoE model's MLP weights).  `scan_layers=False` keeps
+    one set of arrays per layer and unrolls the loop at trace time; `True` keeps
+    them stacked and runs a `lax.scan` (one layer traced), which needs every
+    layer to attend alike and to hold the same weights.
     A `layers.*` entry of `arrays` may also be a list of per-layer arrays (dummy
     weights drawn for the unrolled loop), used as they are.
     `batch_invariant=True` takes every matmul, RMSNorm sum and attention from
@@ -211,6 +213,12 @@ class Decoder(nnx.Module):
         if scan_layers and len(windows) > 1:
             raise ValueError(f"layer_loop='scan' needs every layer to attend alike; {cfg.architecture} "
                              "mixes sliding-window and global layers: use layer_loop='unroll'")
+        layer_names = [n for n in expected if n.startswith("layers.")]
+        rows = {n: stacked_layers(cfg, n) for n in layer_names}  # the layers each array stacks
+        if scan_layers and any(len(r) != cfg.num_layers for r in rows.values()):
+            raise ValueError(f"layer_loop='scan' needs every layer alike; this {cfg.architecture} model has "
+                             f"dense MLP layers {list(cfg.mlp_layers(moe=False))} among its mixture-of-experts "
+                             "layers: use layer_loop='unroll'")
         if batch_invariant:
             batch_invariant_ops.check_available()
         self.cfg = cfg
@@ -221,13 +229,12 @@ class Decoder(nnx.Module):
         self.embed = as_param("embed")
         self.final_norm = as_param("final_norm")
         self.lm_head = None if cfg.tie_word_embeddings else as_param("lm_head")
-        layer_names = [n for n in expected if n.startswith("layers.")]
         if scan_layers:
             self.layers = nnx.Dict({n.split(".", 1)[1]: as_param(n) for n in layer_names})
-        else:
+        else:  # layer i holds the arrays that stack it (a MoE model's MLP weights: some layers each)
             self.layers = nnx.List([
-                nnx.Dict({n.split(".", 1)[1]: nnx.Param(jnp.asarray(arrays[n][i], dtype=dtype))
-                          for n in layer_names})
+                nnx.Dict({n.split(".", 1)[1]: nnx.Param(jnp.asarray(arrays[n][rows[n].index(i)], dtype=dtype))
+                          for n in layer_names if i in rows[n]})
                 for i in range(cfg.num_layers)])
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
         local = cfg.rope_local_theta is not None

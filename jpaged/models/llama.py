@@ -148,10 +148,13 @@ class Llama(Decoder):
         q, k, v = self.qkv(self.norm(h, w["attn_norm"]), w, rope)
         attn, kv_pool = paged_attention(self.cfg, q, k, v, layer, self.window(layer), kv_pool, meta, backend)
         h = h + self.linear(attn.astype(h.dtype), w, "wo")
-        x = self.norm(h, w["mlp_norm"])
-        gate, up = self.linears(x, w, "w_gate_up")
-        h = h + self.linear(jax.nn.silu(gate) * up, w, "w_down")
+        h = h + self.mlp(self.norm(h, w["mlp_norm"]), w)
         return h, kv_pool
+
+    def mlp(self, x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+        """The SwiGLU MLP of x [T, d] (the MoE families route some layers to experts here)."""
+        gate, up = self.linears(x, w, "w_gate_up")
+        return self.linear(jax.nn.silu(gate) * up, w, "w_down")
 
 
 Model = Llama
