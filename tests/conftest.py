@@ -99,6 +99,14 @@ def _make_tiny(kind: str, root: pathlib.Path):
                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}},
             attn_implementation="eager")
         model = transformers.Gemma3ForCausalLM(cfg)
+    elif kind == "qwen3_moe":  # 4 experts, top-2 renormalised, q/k norms; layer 0 dense (mlp_only_layers)
+        cfg = transformers.Qwen3MoeConfig(**TINY_COMMON, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":  # 4 experts, top-2, in every layer
+        cfg = transformers.MixtralConfig(**{**TINY_COMMON, "intermediate_size": 32}, num_local_experts=4,
+                                         num_experts_per_tok=2, tie_word_embeddings=False)
+        model = transformers.MixtralForCausalLM(cfg)
     else:  # llama 3 RoPE scaling, untied lm_head
         cfg = transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
         model = transformers.LlamaForCausalLM(cfg)
@@ -132,8 +140,9 @@ def _tiny_fixture(kind: str):
     return fixture
 
 
-TINY_KINDS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
-tiny_llama, tiny_qwen2, tiny_qwen3, tiny_gemma2, tiny_gemma3 = map(_tiny_fixture, TINY_KINDS)
+TINY_KINDS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+tiny_llama, tiny_qwen2, tiny_qwen3, tiny_gemma2, tiny_gemma3, tiny_qwen3_moe, tiny_mixtral = \
+    map(_tiny_fixture, TINY_KINDS)
 
 
 @pytest.fixture(scope="session")

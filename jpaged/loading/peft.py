@@ -44,11 +44,18 @@ from jpaged.loading.weights import read_safetensors
 
 PEFT_MODULES: dict[str, str] = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                                 "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+MLP_TARGETS = ("w_gate", "w_up", "w_down")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 # base_model.model.<module>.lora_A[.<adapter name>].weight, <module> ending in layers.{i}.<block>.<proj>
 _KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>(?:[\w.]*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
                   r"(?P<proj>\w+))\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
+# A mixture-of-experts block's modules (Qwen3-MoE's mlp.gate / mlp.experts.N.*, Mixtral's
+# block_sparse_moe.*): the router and the experts, which jpaged does not adapt.
+_MOE_KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>(?:[\w.]*\.)?layers\.\d+\.(?:block_sparse_moe\.[\w.]+|"
+                      r"mlp\.(?:gate|experts\.[\w.]+)))\.lora_[AB](?:\.[\w-]+)?\.weight")
+MOE_REFUSAL = ("jpaged applies LoRA to a mixture-of-experts model's attention projections (and to the MLP of "
+               "its dense layers), not to its experts or router")
 # adapter_config.json fields whose (truthy) value changes the adapter's forward pass
 _UNSUPPORTED = {
     "use_dora": "DoRA (use_dora)", "lora_bias": "a bias on lora_B (lora_bias)",
@@ -368,6 +375,9 @@ def _read_pairs(path: pathlib.Path, tensors: dict[str, np.ndarray]
     pairs: dict[tuple[str, int, str], dict[str, np.ndarray]] = {}
     unknown = []
     for key, tensor in tensors.items():
+        moe = _MOE_KEY.fullmatch(key)
+        if moe is not None:
+            raise ValueError(f"{path}: {moe['module']} is a mixture-of-experts module: {MOE_REFUSAL}")
         m = _KEY.fullmatch(key)
         if m is None or m["proj"] not in PEFT_MODULES:
             unknown.append(key)
@@ -423,11 +433,19 @@ def _fit_pieces(files: PeftFiles, cfg: ModelConfig, max_rank: int
         if layer >= cfg.num_layers:
             raise ValueError(f"{where}: layer {layer}, but the model has {cfg.num_layers} layers")
         target = PEFT_MODULES[proj]
+        _check_dense_mlp(where, target, layer, cfg)
         a, b = pair["A"], pair["B"]
         r, scale = files.scales[module]
         _check_pair(where, a.T, b.T, shapes[target], r, max_rank)
         pieces.setdefault(target, {})[layer] = (a.T.astype(np.float32), b.T.astype(np.float32) * np.float32(scale))
     return pieces
+
+
+def _check_dense_mlp(where: str, target: str, layer: int, cfg: ModelConfig) -> None:
+    """ValueError for an MLP target in a mixture-of-experts layer (whose MLP is its experts)."""
+    if target in MLP_TARGETS and cfg.is_moe_layer(layer):
+        raise ValueError(f"{where}: {target} of layer {layer}, a mixture-of-experts layer (its MLP is the experts): "
+                         f"{MOE_REFUSAL}")
 
 
 def _check_pair(where: str, a: np.ndarray, b: np.ndarray, shape: tuple[int, int], r: int | None, max_rank: int
@@ -484,5 +502,7 @@ def lora_from_arrays(name: str, modules: dict[str, tuple[np.ndarray, np.ndarray]
                              f"in, r] and [num_layers, r, out]")
         for layer in range(cfg.num_layers):
             _check_pair(f"{where}: {target}", a[layer], b[layer], shapes[target], None, max_rank)
+            if a[layer].any() and b[layer].any():
+                _check_dense_mlp(f"{where}: {target}", target, layer, cfg)
         pieces[target] = dict(enumerate(zip(a, b)))
     return _assemble(name, "", pieces, cfg)
