@@ -157,3 +157,32 @@ def test_background_builds_run_below_the_serving_threads(make_tiny_llm):
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     for t in builders:  # every engine's builder, this one's included
         assert os.getpriority(os.PRIO_PROCESS, t.native_id) >= max(own, compilation.BACKGROUND_NICE)
+
+
+def test_programs_from_jax_cache_are_never_written(make_tiny_llm, tmp_path, caplog):
+    """JAX's persistent cache serves executables that do not survive a second
+    serialization: not written by the engine it served, nor by a later engine of
+    the process that is handed the same program from JAX's memory."""
+    engine = {**ENGINE, "num_blocks": 59}  # programs no other test here builds
+    settings = {"jax_compilation_cache_dir": str(tmp_path / "xla"), "jax_enable_compilation_cache": True,
+                "jax_persistent_cache_min_compile_time_secs": 0}
+    old = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+    try:
+        run(make_tiny_llm(**engine))  # compiled, written to JAX's cache
+        jax.clear_caches()  # this process forgets them: the next build reads JAX's cache
+        with caplog.at_level(logging.INFO, logger=compilation.__name__):
+            served = cached_engine(make_tiny_llm, tmp_path / "served", **engine)
+            assert run(served) == run(make_tiny_llm(**engine))
+        assert served.program_build["programs_compiled"] > 0
+        assert any("came from JAX's persistent compilation cache" in r.getMessage() for r in caplog.records)
+        shared = cached_engine(make_tiny_llm, tmp_path / "shared", **engine)
+        run(shared)
+        assert shared.program_build["programs_compiled"] == served.program_build["programs_compiled"]
+        assert not entries(tmp_path / "served") and not entries(tmp_path / "shared")
+    finally:
+        for name, value in old.items():
+            jax.config.update(name, value)
+        jax_cache.reset_cache()
