@@ -211,6 +211,22 @@ def test_greedy_matches_hf_under_swap_preemption(family):
     assert llm.stats.swap_preemptions > 0
 
 
+def test_tensor_parallel_with_merged_projections(family):
+    """tp=2 with merged projections: attention and the dense layer's MLP split over the
+    devices, the router and experts replicated (no expert parallelism yet): HF's tokens."""
+    from jpaged.engine.llm import LLM
+    kind, path, _, want = family
+    if kind != "qwen3_moe":
+        pytest.skip("one family is enough (Qwen3-MoE has a dense layer and experts)")
+    llm = LLM(model=str(path), **TINY_ENGINE, tensor_parallel_size=2, merge_projections=True)
+    outs = llm.generate(PROMPTS[-2:], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want[-2:]
+    specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_flatten_with_path(llm.params)[0]}
+    experts = [k for k in specs if "experts_" in k or "router" in k]
+    assert len(experts) == 4 and all(specs[k] == jax.sharding.PartitionSpec() for k in experts)
+    assert any("w_gate_up" in k and "model" in specs[k] for k in specs)
+
+
 def test_scan_runs_an_all_moe_model_and_refuses_a_mixed_one(family, engine):
     """The scanned layer loop needs every layer to hold the same weights: Mixtral's
     (experts everywhere) gives the unrolled loop's logits; Qwen3-MoE's dense layer 0 is refused."""
