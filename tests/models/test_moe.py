@@ -211,6 +211,33 @@ def test_greedy_matches_hf_under_swap_preemption(family):
     assert llm.stats.swap_preemptions > 0
 
 
+def test_prompt_lookup_speculation_and_score(family, engine):
+    """Speculative decoding (rows of 1 + 4 tokens verified at once) gives HF's greedy
+    tokens; decode.score gives HF's log-probabilities, and finite gradients."""
+    from jpaged.decode import score
+    from jpaged.engine.llm import LLM
+    kind, path, hf, _ = family
+    if kind != "qwen3_moe":
+        pytest.skip("one family is enough")
+    spec = LLM(model=str(path), **TINY_ENGINE, speculative_method="ngram", prompt_lookup_min=1,
+               speculative_disable_by_batch_size=0)
+    prompts = [(p * 8)[:n] for p, n in zip(random_prompts([3, 5], seed=2), (30, 41))]
+    outs = spec.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        want, gap = hf_greedy(hf, p, NEW_TOKENS)
+        assert gap > 2 * LOGIT_ATOL and o.token_ids == want
+    assert spec.stats.spec_decode_num_drafts > 0
+    ids, lengths = jnp.asarray(random_prompts([24, 24], seed=4)), jnp.array([24, 17], jnp.int32)
+    got = np.asarray(jax.jit(score, static_argnums=0)(engine.graphdef, engine.params, ids, lengths))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor(np.asarray(ids[:1]))).logits[0, :-1], dim=-1)
+    want = logprobs.gather(1, torch.tensor(np.asarray(ids[0, 1:]))[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=LOGIT_ATOL)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(score(engine.graphdef, p, ids, lengths))))(engine.params)
+    experts = [g for k, g in jax.tree_util.tree_flatten_with_path(grads)[0] if "experts_" in jax.tree_util.keystr(k)]
+    assert experts and all(np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0 for g in experts)
+
+
 def test_tensor_parallel_with_merged_projections(family):
     """tp=2 with merged projections: attention and the dense layer's MLP split over the
     devices, the router and experts replicated (no expert parallelism yet): HF's tokens."""
