@@ -21,7 +21,8 @@ import pytest
 from helpers import TINY_ENGINE, import_torch, make_peft_adapter, random_prompts
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
-from jpaged.layers.moe import expert_load, moe_mlp, moe_mlp_dense, route
+from jpaged.layers.moe import (expert_load, grouped_swiglu_experts, moe_mlp, moe_mlp_dense, route,
+                               swiglu_experts, tile_rows, tiled_swiglu_experts)
 
 torch = import_torch()
 
@@ -48,17 +49,39 @@ def _layer_weights(seed: int, d: int = 16, f: int = 8, E: int = 4):
     return router, experts
 
 
-_moe = jax.jit(moe_mlp, static_argnames=("top_k", "renormalize"))
+_moe = jax.jit(moe_mlp, static_argnames=("top_k", "renormalize", "grouped"))
+GROUPED = {"platform": grouped_swiglu_experts, "ragged_dot": swiglu_experts, "tiles": tiled_swiglu_experts}
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("grouped", GROUPED)
+@pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("top_k,renormalize", [(2, True), (2, False), (1, False), (4, True)])
-def test_grouped_matmuls_equal_the_dense_oracle(seed, top_k, renormalize):
+def test_grouped_matmuls_equal_the_dense_oracle(seed, top_k, renormalize, grouped):
     router, experts = _layer_weights(seed)
-    x = np.random.default_rng(100 + seed).standard_normal((13 + seed, 16)).astype(np.float32)
-    got = _moe(x, router, *experts, top_k=top_k, renormalize=renormalize)
+    x = np.random.default_rng(100 + seed).standard_normal((13 + 20 * seed, 16)).astype(np.float32)
+    got = _moe(x, router, *experts, top_k=top_k, renormalize=renormalize, grouped=GROUPED[grouped])
     want = moe_mlp_dense(x, router, *experts, top_k=top_k, renormalize=renormalize)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [(40, 0, 0, 0), (0, 0, 0, 40), (1, 0, 38, 1), (9, 8, 16, 7), (3, 0, 0, 0)])
+def test_tiles_and_ragged_dot_equal_row_by_row(sizes):
+    """Both grouped forms against each row through its own expert, for group sizes
+    that leave experts idle, fill one tile exactly or spill into the next."""
+    _, (w_gate, w_up, w_down) = _layer_weights(5)
+    R = sum(sizes)
+    xs = np.random.default_rng(6).standard_normal((R, 16)).astype(np.float32)
+    expert = np.repeat(np.arange(4), sizes)
+    h = jax.nn.silu(np.einsum("rd,rdf->rf", xs, w_gate[expert])) * np.einsum("rd,rdf->rf", xs, w_up[expert])
+    want = np.einsum("rf,rfd->rd", np.asarray(h), w_down[expert])
+    for fn in (swiglu_experts, tiled_swiglu_experts):
+        got = jax.jit(fn)(xs, w_gate, w_up, w_down, jnp.asarray(sizes, jnp.int32))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
+
+
+def test_tile_is_an_experts_share_in_8_to_128():
+    assert [tile_rows(R, 4) for R in (3, 40, 64, 65)] == [8, 16, 16, 32]
+    assert tile_rows(2048, 8) == 128 and tile_rows(32, 8) == 8
 
 
 def test_all_tokens_to_one_expert_and_idle_experts():
@@ -95,10 +118,14 @@ def test_moe_layer_is_differentiable():
     """decode.score's gradients go through the grouped matmuls: they equal the oracle's."""
     router, experts = _layer_weights(11)
     x = np.random.default_rng(12).standard_normal((9, 16)).astype(np.float32)
-    grads = [jax.grad(lambda x, w: (fn(x, router, *w, top_k=2, renormalize=True) ** 2).sum(), argnums=(0, 1))(
-        x, experts) for fn in (moe_mlp, moe_mlp_dense)]
-    for got, want in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    def loss(x, w, fn, **kw):
+        return (fn(x, router, *w, top_k=2, renormalize=True, **kw) ** 2).sum()
+
+    want = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp_dense)
+    for grouped in (swiglu_experts, tiled_swiglu_experts):
+        got = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp, grouped=grouped)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- against transformers
