@@ -373,8 +373,8 @@ def _write_gguf(kind: str, ckpt: pathlib.Path, hf_config, path: pathlib.Path) ->
              "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
              "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
              f"{block}.gate.weight": "ffn_gate_inp"}
-    tensors = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"],
-               "output.weight": state["lm_head.weight"]}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"], "output.weight": state["lm_head.weight"]}
     E = c.num_experts if kind == "qwen3_moe" else c.num_local_experts
     for i in range(c.num_hidden_layers):
         for hf_name, g in names.items():
