@@ -397,7 +397,7 @@ def _write_gguf(kind: str, ckpt: pathlib.Path, hf_config, path: pathlib.Path) ->
 
 
 def test_gguf_twin_loads_to_the_same_model_and_logits(family, engine, tmp_path):
-    from jpaged.loading.weights import load_gguf, load_hf_dir
+    from jpaged.loading.weights import load_gguf, load_hf_dir, load_weights
     from jpaged.models import build_model
     from jpaged.models.base import split_model
     kind, path, hf, _ = family
@@ -410,6 +410,10 @@ def test_gguf_twin_loads_to_the_same_model_and_logits(family, engine, tmp_path):
     assert set(arrays) == set(hf_arrays)
     for name in arrays:
         np.testing.assert_array_equal(arrays[name], hf_arrays[name], err_msg=name)
+    for from_cache in (False, True):  # the converted-weights cache keeps the experts' config and arrays
+        loaded = load_weights(str(gguf_path), cache_dir=tmp_path / "cache")
+        assert loaded.from_cache == from_cache and loaded.config == cfg
+        np.testing.assert_array_equal(loaded.arrays["layers.experts_down"], arrays["layers.experts_down"])
     graphdef, params = split_model(build_model(cfg, arrays, jnp.float32))
     prompt = random_prompts([20], seed=6)[0]
     meta = ragged_metadata(jnp.array([[1, 2, 3]], np.int32), jnp.zeros(1, jnp.int32), jnp.array([20], np.int32),
