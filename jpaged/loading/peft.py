@@ -54,6 +54,7 @@ _KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>(?:[\w.]*\.)?layers\.(?P<
 # block_sparse_moe.*): the router and the experts, which jpaged does not adapt.
 _MOE_KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>(?:[\w.]*\.)?layers\.\d+\.(?:block_sparse_moe\.[\w.]+|"
                       r"mlp\.(?:gate|experts\.[\w.]+)))\.lora_[AB](?:\.[\w-]+)?\.weight")
+MOE_MODULES = ("gate", "experts", "w1", "w2", "w3", "block_sparse_moe")  # their names in target_modules
 MOE_REFUSAL = ("jpaged applies LoRA to a mixture-of-experts model's attention projections (and to the MLP of "
                "its dense layers), not to its experts or router")
 # adapter_config.json fields whose (truthy) value changes the adapter's forward pass
@@ -235,6 +236,10 @@ def _check_targets(where: str | os.PathLike, targets: Any) -> None:
         bad = [t for t in targets if t.rsplit(".", 1)[-1] not in PEFT_MODULES]
     else:
         raise ValueError(f"{where}: target_modules is {_show(targets)}, not a list of names or a regex")
+    moe = [t for t in bad if t.rsplit(".", 1)[-1] in MOE_MODULES]
+    if moe:
+        raise ValueError(f"{where}: target_modules includes {_show(moe)}, mixture-of-experts modules (router or "
+                         f"experts): {MOE_REFUSAL}")
     if bad:
         raise ValueError(f"{where}: target_modules includes {_show(bad)}, which jpaged cannot adapt; "
                          f"it applies LoRA to {sorted(PEFT_MODULES)} only")

@@ -467,6 +467,12 @@ def test_lora_on_experts_is_refused_naming_the_module(family, engine, tmp_path):
                               ["gate_proj"])
         with pytest.raises(ValueError, match=re.escape(f"model.layers.1.{module} is a mixture-of-experts module")):
             load_peft_adapter("x", path, cfg, max_rank=8)
+    # target_modules naming the router or Mixtral's expert projections.
+    path = _write_adapter(tmp_path / "targets", {f"{prefix}.self_attn.q_proj.lora_A.weight": a,
+                                                 f"{prefix}.self_attn.q_proj.lora_B.weight": a.T.copy()},
+                          ["q_proj", "gate", "w1"])
+    with pytest.raises(ValueError, match=r"target_modules includes \['gate', 'w1'\], mixture-of-experts modules"):
+        load_peft_adapter("x", path, cfg, max_rank=8)
     # The MLP targets of a MoE layer (a trainer's arrays): refused, naming the layer.
     L, f_dense = cfg.num_layers, cfg.intermediate_size
     arrays = {"w_down": (rng.standard_normal((L, f_dense, 4)).astype(np.float32),
