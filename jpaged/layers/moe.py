@@ -101,13 +101,14 @@ def grouped_swiglu_experts(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-            *, top_k: int, renormalize: bool, grouped: Callable[..., jax.Array] = grouped_swiglu_experts
-            ) -> jax.Array:
+            *, top_k: int, renormalize: bool, grouped: Callable[..., jax.Array] = grouped_swiglu_experts,
+            routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The MoE MLP of x [T, d]: router [d, E], experts w_gate / w_up [E, d, f],
     w_down [E, f, d].  Dropless grouped matmuls (see the module docstring);
-    `grouped`: which (tests and benchmarks pick `swiglu_experts` or `tiled_swiglu_experts`)."""
+    `grouped`: which (tests and benchmarks pick `swiglu_experts` or `tiled_swiglu_experts`);
+    `routing`: `route`'s (weights, experts) when the caller computed them already."""
     T, E = x.shape[0], router.shape[-1]
-    weights, experts = route(x, router, top_k, renormalize)
+    weights, experts = route(x, router, top_k, renormalize) if routing is None else routing
     flat = experts.reshape(-1)                        # [T * k], (token, slot) order
     order = jnp.argsort(flat, stable=True)            # rows sorted by expert
     rows = grouped(x[order // top_k], w_gate, w_up, w_down, expert_load(experts, E))

@@ -299,8 +299,11 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
                  *, attention_impl: str | Backend = "reference", logits: str = "last",
-                 lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
-        """Runs the decoder on tokens[T] and returns (logits, new kv_pool).
+                 lora: LoraBatch | None = None, aux: bool = False) -> tuple[jax.Array, ...]:
+        """Runs the decoder on tokens[T] and returns (logits, new kv_pool), and with
+        `aux=True` a third output: what the layers recorded in w["aux"], each name
+        stacked over the layers that recorded it (a MoE layer records its routed
+        experts [T, k] as "experts": [L_moe, T, k]); {} for a dense model.
 
         `logits="last"` returns [S, vocab], one row per sequence from its token
         at meta.logits_indices (the only ones a step samples from: the LM head
@@ -321,26 +324,33 @@ class Decoder(nnx.Module):
         if self.scan_layers:
             def body(carry, xs):
                 (h, pool), (w, layer, lora_ab) = carry, xs
+                w = {**w, "aux": {}}
                 if lora_ab is not None:
-                    w = {**w, "lora": LoraLayer(*lora_ab, onehot)}
-                return self.layer(h, w, layer, pool, meta, rope, backend), None
+                    w["lora"] = LoraLayer(*lora_ab, onehot)
+                return self.layer(h, w, layer, pool, meta, rope, backend), w["aux"]
 
             if cfg.layer_window(0) is not None:  # every layer slides (checked in __init__)
                 rope = local_rope
             stacked = {name: p[...] for name, p in self.layers.items()}
             lora_ab = None if lora is None else (lora.weights.a, lora.weights.b)
-            (h, kv_pool), _ = jax.lax.scan(body, (h, kv_pool),
-                                           (stacked, jnp.arange(cfg.num_layers), lora_ab))
+            (h, kv_pool), recorded = jax.lax.scan(body, (h, kv_pool),
+                                                  (stacked, jnp.arange(cfg.num_layers), lora_ab))
         else:
+            records = []  # each layer's w["aux"]
             for layer, weights in enumerate(self.layers):
                 w = {name: p[...] for name, p in weights.items()}
+                w["aux"] = {}
                 if lora is not None:
                     w["lora"] = LoraLayer(*lora.weights.layer(layer), onehot)
                 layer_rope = local_rope if cfg.layer_window(layer) is not None else rope
                 h, kv_pool = self.layer(h, w, layer, kv_pool, meta, layer_rope, backend)
+                records.append(w["aux"])
+            recorded = {name: jnp.stack([r[name] for r in records if name in r])
+                        for name in dict.fromkeys(n for r in records for n in r)}
         if logits == "last":
             h = h[meta.logits_indices]
-        return self.final_norm_logits(h), kv_pool
+        out = self.final_norm_logits(h), kv_pool
+        return (*out, recorded) if aux else out
 
     def window(self, layer: jax.Array | int) -> int | None:
         """The static sliding window of `layer` (the same for all layers under scan)."""
@@ -354,7 +364,8 @@ def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
             meta: StepMetadata, kv_pool: jax.Array, *, attention_impl: str | Backend = "reference",
-            logits: str = "last", lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
-    """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool)."""
+            logits: str = "last", lora: LoraBatch | None = None, aux: bool = False) -> tuple[jax.Array, ...]:
+    """Pure forward: (params, tokens, metadata, pool) -> (logits, new pool), and the
+    layers' records with `aux=True` (see `Decoder.__call__`)."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, meta, kv_pool, attention_impl=attention_impl, logits=logits, lora=lora)
+    return model(tokens, meta, kv_pool, attention_impl=attention_impl, logits=logits, lora=lora, aux=aux)

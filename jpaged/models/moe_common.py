@@ -16,9 +16,10 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jpaged.core.model_config import ModelConfig
-from jpaged.layers.moe import moe_mlp
+from jpaged.layers.moe import moe_mlp, route
 from jpaged.models import GGUF_ROUTER
 
 # llama.cpp's stacked expert tensors (after "blk.N."): [E, out, in] each, transposed per expert.
@@ -97,9 +98,22 @@ class MoEMixin:
                              "token's result could depend on how many rows its experts get")
         super().__init__(cfg, *args, batch_invariant=batch_invariant, **kwargs)
 
-    def mlp(self, x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    def mlp(self, x: jax.Array, w: dict[str, Any]) -> jax.Array:
+        """A MoE layer's MLP; its routed experts [T, k] go into w["aux"] (the Decoder's
+        per-layer records: expert load and routing capture, jpaged.runtime.step)."""
         if "router" not in w:
             return super().mlp(x, w)
         cfg = self.cfg
+        routing = route(x, w["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if "aux" in w:
+            w["aux"]["experts"] = routing[1]
         return moe_mlp(x, w["router"], w["experts_gate"], w["experts_up"], w["experts_down"],
-                       top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+                       top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, routing=routing)
+
+
+def expert_load(experts: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens routed to each expert per MoE layer [L_moe, E] (int32) from the routed
+    experts [L_moe, T, k], counting only the tokens where valid [T] (not padding)."""
+    layers = jnp.arange(experts.shape[0])[:, None, None]
+    counts = jnp.broadcast_to(valid[None, :, None].astype(jnp.int32), experts.shape)
+    return jnp.zeros((experts.shape[0], num_experts), jnp.int32).at[layers, experts].add(counts)
