@@ -68,16 +68,22 @@ def generate_step_with_logprobs(
     in its sequence), the LM head runs on every token and the prompt logprobs
     are those of the targets (always raw: nothing is sampled there).
     """
-    *out, _ = _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets,
-                                           num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
-                                           attention_impl=attention_impl)
+    *out, _, _ = _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampling, prompt_targets,
+                                              num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
+                                              attention_impl=attention_impl)
     return tuple(out)
 
 
 def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengths: jax.Array,
-          *, lora: LoraWeights | None = None, lora_slots: jax.Array | None = None) -> jax.Array:
+          *, lora: LoraWeights | None = None, lora_slots: jax.Array | None = None,
+          return_routes: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probability [B, L - 1] of each next token: entry [b, t] is log p(token_ids[b, t + 1] |
     token_ids[b, :t + 1]) in fp32, 0 where t + 1 >= lengths[b].
+
+    `return_routes=True` (a mixture-of-experts model): (logprobs, routes), routes
+    [B, L, L_moe, k] int32 the experts each token was routed to in each MoE layer
+    (-1 at padding); what a trainer replays, or checks against the rollout's
+    routes (SamplingParams.capture_routes).  ValueError for a dense model.
 
     Pure and jittable, and differentiable in `params` (put it inside a loss under
     jax.grad).  No pool: the engine's own model code runs the B * L tokens in
@@ -118,10 +124,18 @@ def score(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, lengt
                         logits_indices=L * jnp.arange(1, B + 1, dtype=jnp.int32) - 1)
     kv = jnp.zeros((2, B * L, cfg.num_kv_heads, cfg.head_dim), jnp.float32)  # never read: see DENSE
     batch = None if lora is None else LoraBatch(lora, jnp.repeat(jnp.asarray(lora_slots, jnp.int32), L))
-    logits, _ = forward(graphdef, params, token_ids.reshape(-1).astype(jnp.int32), meta, kv,
-                        attention_impl=DENSE, logits="all", lora=batch)
+    if return_routes and not cfg.num_experts:
+        raise ValueError(f"score: return_routes needs a mixture-of-experts model; {cfg.architecture} has no experts")
+    logits, _, recorded = forward(graphdef, params, token_ids.reshape(-1).astype(jnp.int32), meta, kv,
+                                  attention_impl=DENSE, logits="all", lora=batch, aux=True)
     chosen = chosen_logprobs(logits.reshape(B, L, -1)[:, :-1], token_ids[:, 1:], _logprob_row_sum(model))
-    return jnp.where(jnp.arange(1, L)[None, :] < jnp.asarray(lengths)[:, None], chosen, 0.0)
+    real = jnp.arange(L)[None, :] < jnp.asarray(lengths)[:, None]  # [B, L]
+    logprobs = jnp.where(real[:, 1:], chosen, 0.0)
+    if not return_routes:
+        return logprobs
+    experts = recorded["experts"]  # [L_moe, B * L, k]
+    routes = jnp.swapaxes(experts, 0, 1).reshape(B, L, *experts.shape[::2])
+    return logprobs, jnp.where(real[:, :, None, None], routes, -1)
 
 
 def check_batch(ids: Any, lengths: Any, vocab_size: int, *, ids_name: str, lens_name: str) -> None:

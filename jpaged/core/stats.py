@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 # High-water marks, not sums: `since()` keeps them as they are, and
 # `reset_peaks()` starts a new window (the engine does at each generate()).
 PEAK_FIELDS = ("peak_blocks_used", "shared_blocks_peak", "swap_blocks_peak")
@@ -55,21 +57,31 @@ class EngineStats:
     peak_blocks_used: int = 0
     shared_blocks_peak: int = 0      # most blocks with refcount > 1 at once
     swap_blocks_peak: int = 0        # most host blocks in use at once
+    # Mixture of experts (engine): tokens routed to each expert [L_moe, E] (int64),
+    # row i the model's i-th MoE layer, padding not counted; None for a dense model.
+    expert_load: np.ndarray | None = None
 
     def since(self, base: EngineStats) -> EngineStats:
         """Counters accumulated after `base` was copied; peaks as they stand."""
         return EngineStats(**{f.name: getattr(self, f.name) if f.name in PEAK_FIELDS
-                              else getattr(self, f.name) - getattr(base, f.name)
+                              else _minus(getattr(self, f.name), getattr(base, f.name))
                               for f in dataclasses.fields(self)})
 
     def snapshot(self) -> EngineStats:
-        return dataclasses.replace(self)
+        copy = dataclasses.replace(self)
+        copy.expert_load = None if self.expert_load is None else self.expert_load.copy()
+        return copy
 
     @staticmethod
     def sum(parts: list[EngineStats]) -> EngineStats:
         """Several engines' stats added field by field (one pool each: peaks add up too)."""
-        return EngineStats(**{f.name: sum(getattr(p, f.name) for p in parts)
+        return EngineStats(**{f.name: _total([getattr(p, f.name) for p in parts])
                               for f in dataclasses.fields(EngineStats)})
+
+    def add_expert_load(self, load: np.ndarray) -> None:
+        """Adds one step's expert load [L_moe, E] (a MoE model's StepResult.expert_load)."""
+        load = np.asarray(load, np.int64)
+        self.expert_load = load.copy() if self.expert_load is None else self.expert_load + load
 
     def reset_peaks(self) -> None:
         for name in PEAK_FIELDS:
@@ -97,6 +109,17 @@ class EngineStats:
     @property
     def kv_waste(self) -> float:
         return 1.0 - self.slots_filled / self.slots_allocated if self.slots_allocated else 0.0
+
+
+def _minus(value, base):
+    """value - base for a counter; an expert load (array) that `base` did not have yet stays whole."""
+    return value if base is None else value - base
+
+
+def _total(values: list):
+    """The sum of one counter over several engines, leaving out the expert loads they lack."""
+    present = [v for v in values if v is not None]
+    return sum(present[1:], present[0]) if present else None
 
 
 @dataclasses.dataclass

@@ -46,6 +46,8 @@ class StepOutput:
     prompt_logprobs: LogprobRows | None = None
     nan_rows: np.ndarray | None = None  # [S] bool: the row's logits held a NaN
     num_accepted: np.ndarray | None = None
+    expert_load: np.ndarray | None = None     # a MoE model's [L_moe, E]
+    routed_experts: np.ndarray | None = None  # [T, L_moe, k] per flat token, when a row captures routes
 
     @classmethod
     def empty(cls) -> StepOutput:
@@ -57,8 +59,8 @@ class StepOutput:
         """From the runner's fetched result (same fields, numpy leaves)."""
         return cls(np.asarray(result.tokens), LogprobRows.of(result.logprobs),
                    LogprobRows.of(result.prompt_logprobs),
-                   None if result.nan_rows is None else np.asarray(result.nan_rows),
-                   None if result.num_accepted is None else np.asarray(result.num_accepted))
+                   *(None if x is None else np.asarray(x) for x in (
+                       result.nan_rows, result.num_accepted, result.expert_load, result.routed_experts)))
 
     def row_tokens(self, row: int, verified_drafts: bool) -> list[int]:
         """The tokens row `row` emitted: its sampled token, or (drafts verified) its

@@ -401,7 +401,7 @@ class EngineCore:
         output = self._collect(started)
         self.scheduler.update_from_output(started.out, output)
         self._touched += (s.seq for s in started.out.scheduled)
-        self._record(started)
+        self._record(started, output)
         finished = self._take_finished()
         self.progress.after_step(started.out, finished)
         return finished
@@ -421,13 +421,14 @@ class EngineCore:
                          if nan][:8])
         return output
 
-    def _record(self, started: StartedStep) -> None:
+    def _record(self, started: StartedStep, output: StepOutput) -> None:
         pending = started.pending
         self.step_stats.record(started.out, prefill=started.prefill, started_at=started.start,
                                timing=pending.timing if pending is not None else self.runner.timing,
                                block_manager=self.block_manager,
                                token_slots=pending.token_slots if pending is not None else 0,
-                               running=self.scheduler.running, swap_space=self.swap_space)
+                               running=self.scheduler.running, swap_space=self.swap_space,
+                               expert_load=output.expert_load)
 
     def _take_finished(self) -> list[Sequence]:
         """The finished sequences step() has not returned yet (out of _active)."""

@@ -1,5 +1,6 @@
 """Counts each engine step into the engine's `EngineStats`: step time split
-into device, compile and host seconds, padding, swap traffic and KV occupancy.
+into device, compile and host seconds, padding, swap traffic, KV occupancy and
+a MoE model's expert load.
 
 The block manager and scheduler count their own events (prefix-cache hits,
 preemptions) into the same object; this adds what only the step loop sees.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+import numpy as np
 
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.scheduler import SchedulerOutput
@@ -37,9 +40,10 @@ class StepStats:
 
     def record(self, out: SchedulerOutput, *, prefill: bool, started_at: float, timing: Any,
                token_slots: int, block_manager: BlockManager, running: list[Sequence],
-               swap_space: HostSwapSpace) -> None:
+               swap_space: HostSwapSpace, expert_load: np.ndarray | None = None) -> None:
         """One step, completed now: `timing` is the runner's StepTiming of it,
-        `token_slots` the bucket it ran in (0 when it computed nothing).  Its wall:
+        `token_slots` the bucket it ran in (0 when it computed nothing),
+        `expert_load` a MoE model's tokens per expert [L_moe, E] in it.  Its wall:
         since it began (`started_at`), or (a step launched while the one before
         ran) since that one completed, so overlapped steps are not counted twice."""
         now = time.perf_counter()
@@ -66,3 +70,5 @@ class StepStats:
         s.slots_filled += min(used * bs, sum(min(q.num_computed_tokens, len(t.block_ids) * bs) - t.start * bs
                                              for q in running for t in block_manager.tables(q)))
         s.swap_blocks_peak = max(s.swap_blocks_peak, swap_space.num_used_blocks)
+        if expert_load is not None:
+            s.add_expert_load(expert_load)

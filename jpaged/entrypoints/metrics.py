@@ -65,7 +65,16 @@ def summarize(outputs: list, llm: Any, wall_seconds: float) -> dict[str, float]:
         "memory_per_device": {d: {"weights_bytes": w, "kv_pool_bytes": p}
                               for d, (w, p) in llm.memory_per_device().items()},
         "replicas": llm.replica_summary(),
+        **expert_load_summary(llm, stats),
     }
+
+
+def expert_load_summary(llm: Any, stats: Any) -> dict[str, list]:
+    """A MoE model's tokens per expert in each MoE layer, [L_moe][E], when the
+    config's expert_load_summary asks (off by default: an ablation's extra lines)."""
+    if not llm.config.expert_load_summary or stats.expert_load is None:
+        return {}
+    return {"expert_load": stats.expert_load.tolist()}
 
 
 def format_summary(summary: dict[str, float]) -> str:
@@ -110,6 +119,10 @@ def format_summary(summary: dict[str, float]) -> str:
                      f"draft tokens accepted ({summary['draft_acceptance_pct']:.1f} %), mean accepted length "
                      f"{summary['mean_accepted_length']:.2f}, {summary['tokens_per_step']:.2f} output tokens "
                      f"per step"))
+    for layer, load in enumerate(summary.get("expert_load", [])):
+        mean = sum(load) / len(load)
+        rows.append((f"expert load, MoE layer {layer}", f"max / mean {max(load) / mean if mean else 0.0:.2f}: "
+                                                        + " ".join(map(str, load))))
     if "process_wall_s" in summary:  # serve_batch: start-up (load, compiles) included
         rows.insert(3, ("wall time (whole run)", f"{summary['process_wall_s']:.2f} s"))
     width = max(len(k) for k, _ in rows)

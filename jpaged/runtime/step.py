@@ -16,6 +16,7 @@ from flax import nnx
 from jpaged.core.block_manager import NULL_BLOCK
 from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.models.base import StepMetadata, forward
+from jpaged.models.moe_common import expert_load
 from jpaged.layers import batch_invariant
 from jpaged.layers.lora import LoraBatch, LoraWeights, token_slots
 from jpaged.runtime.sampling import (RowSum, SamplingArrays, greedy, processed_logits,
@@ -49,15 +50,18 @@ def ragged_metadata(block_tables: jax.Array, context_lens: jax.Array, q_lens: ja
 
 def forward_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array,
                  tokens: jax.Array, meta: StepMetadata, *, attention_impl: str = "reference",
-                 logits: str = "last", lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
+                 logits: str = "last", lora: LoraBatch | None = None, aux: bool = False
+                 ) -> tuple[jax.Array, ...]:
     """Runs the flat tokens[T] (prefill chunks and decode tokens mixed) through the model.
 
     Returns (logits, new kv_pool): logits [S, vocab] of each sequence's last
     new token, or [T, vocab] with logits="all".  `lora`: adapter slots and each
-    token's slot (jpaged.layers.lora), None for the base model alone.
+    token's slot (jpaged.layers.lora), None for the base model alone.  `aux=True`:
+    also what the layers recorded (a MoE model's routed experts, see
+    `jpaged.models.base.Decoder.__call__`).
     """
     return forward(graphdef, params, tokens, meta, kv_pool, attention_impl=attention_impl,
-                   logits=logits, lora=lora)
+                   logits=logits, lora=lora, aux=aux)
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays | None) -> jax.Array:
@@ -82,13 +86,14 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
     """generate_step_with_logprobs, also returning the logits at logits_indices
     (raw: before `logit_mask`, which only what is sampled and processed logprobs
     see): [S, vocab], or [S * (k + 1), vocab] when the step verifies drafts
-    (`num_seqs` S given: each row samples from its column 0)."""
+    (`num_seqs` S given: each row samples from its column 0), and the layers'
+    records (`forward_step`'s aux)."""
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     every = prompt_targets is not None
     row_sum = _logprob_row_sum(nnx.merge(graphdef, params))
-    logits, kv_pool = forward_step(graphdef, params, kv_pool, tokens, meta,
-                                   attention_impl=attention_impl, logits="all" if every else "last", lora=lora)
+    logits, kv_pool, recorded = forward_step(graphdef, params, kv_pool, tokens, meta, attention_impl=attention_impl,
+                                             logits="all" if every else "last", lora=lora, aux=True)
     at_indices = logits[meta.logits_indices] if every else logits
     last = _sampling_rows(at_indices, num_seqs or at_indices.shape[0])
     allowed = apply_logit_mask(last, logit_mask)
@@ -99,7 +104,8 @@ def _generate_step_with_logprobs(graphdef, params, kv_pool, tokens, meta, sampli
         next_tokens = sample_processed(processed, sampling)
     source = processed if logprobs_mode == "processed" else last
     prompt = token_logprobs(logits, prompt_targets, num_logprobs, row_sum) if every else None
-    return next_tokens, token_logprobs(source, next_tokens, num_logprobs, row_sum), prompt, kv_pool, at_indices
+    return (next_tokens, token_logprobs(source, next_tokens, num_logprobs, row_sum), prompt, kv_pool, at_indices,
+            recorded)
 
 
 def _logprob_row_sum(model: nnx.Module) -> RowSum | None:
@@ -126,6 +132,9 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
     its bitmask allows (raw logprobs stay the model's; processed ones are masked).
     With `inputs.lora_slots` each row's tokens get its adapter's update from the
     slots in `lora` (jpaged.layers.lora).
+    A MoE model's step also returns its expert load (`StepResult.expert_load`,
+    padding not counted) and, with `inputs.capture_routes`, every token's routed
+    experts (`StepResult.routed_experts`); a dense model's leaves both None.
     """
     batch = None
     if inputs.lora_slots is not None:
@@ -134,20 +143,26 @@ def run_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, inpu
         prev = inputs.prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
         inputs = dataclasses.replace(inputs, tokens=jnp.where(inputs.prev_rows >= 0, prev, inputs.tokens))
     if inputs.logprobs or inputs.prompt_targets is not None:
-        tokens, logprobs, prompt, kv_pool, logits = _generate_step_with_logprobs(
+        tokens, logprobs, prompt, kv_pool, logits, recorded = _generate_step_with_logprobs(
             graphdef, params, kv_pool, inputs.tokens, inputs.meta, inputs.sampling,
             inputs.prompt_targets, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
             attention_impl=attention_impl, logit_mask=inputs.logit_mask, num_seqs=inputs.num_seqs, lora=batch)
         result = StepResult(tokens, logprobs, prompt)
     else:
-        logits, kv_pool = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
-                                       attention_impl=attention_impl, lora=batch)
+        logits, kv_pool, recorded = forward_step(graphdef, params, kv_pool, inputs.tokens, inputs.meta,
+                                                 attention_impl=attention_impl, lora=batch, aux=True)
         last = _sampling_rows(logits, inputs.num_seqs)
         result = StepResult(sample(apply_logit_mask(last, inputs.logit_mask), inputs.sampling))
     if inputs.draft_tokens is not None:  # speculative decoding
         rows = logits.reshape(inputs.num_seqs, -1, logits.shape[-1])
         result.tokens, result.num_accepted = verify(rows, inputs.draft_tokens, inputs.num_drafts,
                                                     inputs.sampling, result.tokens)
+    if "experts" in recorded:  # a MoE model: [L_moe, T, k]
+        experts = recorded["experts"]
+        valid = jnp.arange(inputs.num_tokens) < inputs.meta.cu_q_lens[-1]  # padding comes last
+        result.expert_load = expert_load(experts, valid, nnx.merge(graphdef, params).cfg.num_experts)
+        if inputs.capture_routes:
+            result.routed_experts = jnp.swapaxes(experts, 0, 1)  # [T, L_moe, k]
     # A row's logits: [vocab], or [(k + 1) * vocab] when it verified drafts.
     result.nan_rows = jnp.isnan(logits.reshape(inputs.num_seqs, -1)).any(axis=-1)
     if inputs.prev_tokens is not None:  # the next step's prev_tokens: one fixed shape for every bucket

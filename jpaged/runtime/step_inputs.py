@@ -86,6 +86,9 @@ class StepInputs:
     lora_slots[S]      int32, each row's LoRA adapter slot (-1: the base model);
                        None when no scheduled row uses an adapter (jpaged.layers.lora)
     logprobs           static: the step also returns the sampled tokens' logprobs
+    capture_routes     static: a row asked for its routed experts (SamplingParams.
+                       capture_routes; a MoE model): the step returns every token's
+                       routed experts too
     """
 
     tokens: np.ndarray | jax.Array
@@ -99,6 +102,7 @@ class StepInputs:
     num_drafts: np.ndarray | jax.Array | None = None
     lora_slots: np.ndarray | jax.Array | None = None
     logprobs: bool = False
+    capture_routes: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +116,7 @@ class StepInputs:
 jax.tree_util.register_dataclass(StepInputs, data_fields=["tokens", "meta", "sampling", "prompt_targets",
                                                           "prev_rows", "prev_tokens", "logit_mask",
                                                           "draft_tokens", "num_drafts", "lora_slots"],
-                                 meta_fields=["logprobs"])
+                                 meta_fields=["logprobs", "capture_routes"])
 
 
 @dataclasses.dataclass
@@ -131,10 +135,15 @@ class StepResult:
     # Asynchronous scheduling: `tokens` padded to the runner's largest S, which the
     # next step reads on the device (never fetched to the host).
     token_buffer: jax.Array | None = None
+    # A MoE model: tokens routed to each expert [L_moe, E] (padding not counted),
+    # and with StepInputs.capture_routes each flat token's experts [T, L_moe, k].
+    expert_load: np.ndarray | jax.Array | None = None
+    routed_experts: np.ndarray | jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(StepResult, data_fields=["tokens", "logprobs", "prompt_logprobs", "nan_rows",
-                                                          "num_accepted", "token_buffer"],
+                                                          "num_accepted", "token_buffer", "expert_load",
+                                                          "routed_experts"],
                                  meta_fields=[])
 
 

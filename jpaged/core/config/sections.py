@@ -183,6 +183,9 @@ class RuntimeConfig(Section):
                                   "tensor_parallel_size 1 only; costs speed.")
     logprobs_mode: LogprobsMode = field("raw", "Requests' logprobs: raw (log_softmax of the model's logits) or "
                                         "processed (of what was sampled from: temperature, top-k/p applied).")
+    expert_load_summary: bool = field(False, "The run summary (jpaged batch) also lists a mixture-of-experts "
+                                      "model's tokens per expert in each MoE layer and their imbalance (max / "
+                                      "mean); the step counts them either way (LLM.stats.expert_load, /metrics).")
 
     @property
     def compiler_options(self) -> dict[str, xla_options.OptionValue]:

@@ -130,6 +130,19 @@ class _SnapshotCollector(Collector):
                       snap.totals.spec_decode_num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       snap.totals.spec_decode_num_accepted_tokens)
+        if snap.totals.expert_load is not None:  # a mixture-of-experts model
+            yield expert_load_counter(m.model_name, snap.totals.expert_load)
+
+
+def expert_load_counter(model_name: str, load: Any) -> CounterMetricFamily:
+    """`jpaged:moe_expert_tokens`, tokens routed to each expert since the engine
+    started, labelled by MoE layer (i: the model's i-th layer with experts) and expert."""
+    c = CounterMetricFamily("jpaged:moe_expert_tokens", "Tokens routed to each expert (padding not counted).",
+                            labels=["model_name", "moe_layer", "expert"])
+    for layer, row in enumerate(load):
+        for expert, tokens in enumerate(row):
+            c.add_metric([model_name, str(layer), str(expert)], int(tokens))
+    return c
 
 
 class LoraRequestsInfo(Collector):
