@@ -51,6 +51,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0              # each expert's MLP width (intermediate_size: the dense layers')
     norm_topk_prob: bool = True                 # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] | None = None   # the layers with experts; None: every layer (when num_experts)
+    expert_parallel: bool = False               # the engine's layout, not the checkpoint's: experts split whole
+    #                                             over the 'model' mesh axis (enable_expert_parallel)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":

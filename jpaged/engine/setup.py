@@ -28,7 +28,7 @@ from jpaged.runtime.dummy_weights import load_dummy
 from jpaged.core.kv_layout import KVLayout, kv_layout
 from jpaged.runtime.kv_pool import bytes_per_block, check_swap_space, num_blocks_for, pool_dtype
 from jpaged.layers.sharding import (Mesh, check_heads, make_mesh, replicate_kv_heads, shard_params,
-                                     tensor_parallel_size)
+                                     tensor_parallel_size, with_expert_parallel)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     tp = tensor_parallel_size(mesh)
     check_heads(loaded.config, tp)
     model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
+    model_config = with_expert_parallel(model_config, tp, cfg.enable_expert_parallel)
     graphdef, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype),
                                                scan_layers=scan_layers, batch_invariant=cfg.batch_invariant,
                                                merge_projections=cfg.merge_projections, tensor_parallel_size=tp))
@@ -143,6 +144,7 @@ def params_from_path(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, b
         raise ValueError(f"{path}: its config differs from the served model's ({_config_diff(loaded.config, base)})")
     tp = tensor_parallel_size(mesh)
     model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
+    model_config = with_expert_parallel(model_config, tp, cfg.enable_expert_parallel)
     _, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype), scan_layers=scan_layers,
                                         merge_projections=cfg.merge_projections, tensor_parallel_size=tp))
     return params if mesh is None else shard_params(params, model_config, mesh)

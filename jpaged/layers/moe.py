@@ -21,10 +21,12 @@ one-hot combine matrix: E / k times the work, kept as the test oracle.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -102,19 +104,76 @@ def grouped_swiglu_experts(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
             *, top_k: int, renormalize: bool, grouped: Callable[..., jax.Array] = grouped_swiglu_experts,
-            routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+            routing: tuple[jax.Array, jax.Array] | None = None, expert_parallel: bool = False) -> jax.Array:
     """The MoE MLP of x [T, d]: router [d, E], experts w_gate / w_up [E, d, f],
     w_down [E, f, d].  Dropless grouped matmuls (see the module docstring);
     `grouped`: which (tests and benchmarks pick `swiglu_experts` or `tiled_swiglu_experts`);
-    `routing`: `route`'s (weights, experts) when the caller computed them already."""
-    T, E = x.shape[0], router.shape[-1]
+    `routing`: `route`'s (weights, experts) when the caller computed them already.
+    Under a mesh with a 'model' axis (tensor parallelism), the experts are split as
+    `expert_split` says (`expert_parallel`: whole experts per device)."""
+    E = router.shape[-1]
     weights, experts = route(x, router, top_k, renormalize) if routing is None else routing
-    flat = experts.reshape(-1)                        # [T * k], (token, slot) order
-    order = jnp.argsort(flat, stable=True)            # rows sorted by expert
-    rows = grouped(x[order // top_k], w_gate, w_up, w_down, expert_load(experts, E))
-    unsorted = jnp.zeros_like(rows).at[order].set(rows, unique_indices=True).reshape(T, top_k, -1)
-    out = jnp.einsum("tkd,tk->td", unsorted.astype(jnp.float32), weights)
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty else mesh.shape.get("model", 1)
+    split = expert_split(E, w_gate.shape[-1], tp, expert_parallel)
+    mlp = functools.partial(routed_experts, top_k=top_k, num_experts=E, grouped=grouped)
+    if split == REPLICATED:
+        return mlp(x, weights, experts, w_gate, w_up, w_down).astype(x.dtype)
+
+    # Tokens and routes are replicated over 'model' (as attention leaves them): each
+    # device runs its own share of the experts over them, and one all-reduce of the
+    # [T, d] partial sums combines the devices.  shard_map keeps XLA from gathering
+    # the experts: the grouped matmuls see only this device's slices.
+    def per_device(*args: jax.Array) -> jax.Array:
+        return jax.lax.psum(mlp(*args), "model")
+    out = jax.shard_map(per_device, mesh=mesh, check_vma=False, in_specs=(P(), P(), P(), *EXPERT_SPECS[split]),
+                        out_specs=P())(x, weights, experts, w_gate, w_up, w_down)
     return out.astype(x.dtype)
+
+
+# How a MoE layer's experts lie over the 'model' mesh axis (jpaged.layers.sharding follows it).
+EXPERTS, UNITS, REPLICATED = "experts", "units", "replicated"
+EXPERT_SPECS: dict[str, tuple[P, P, P]] = {  # (w_gate, w_up, w_down) of one layer, [E, d, f] / [E, f, d]
+    EXPERTS: (P("model", None, None),) * 3,
+    UNITS: (P(None, None, "model"), P(None, None, "model"), P(None, "model", None)),
+    REPLICATED: (P(), P(), P()),
+}
+
+
+def expert_split(num_experts: int, moe_intermediate_size: int, tp: int, expert_parallel: bool) -> str:
+    """How tp devices share a MoE layer: EXPERTS (expert parallelism: each holds
+    num_experts / tp whole experts), UNITS (tensor parallelism within the experts:
+    every expert's MLP units split, as a dense MLP's are), or REPLICATED (one
+    device, or a width tp does not divide: every device runs every expert)."""
+    if tp == 1:
+        return REPLICATED
+    if expert_parallel:
+        if num_experts % tp:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {tp} devices")
+        return EXPERTS
+    return UNITS if moe_intermediate_size % tp == 0 else REPLICATED
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, *, top_k: int, num_experts: int, grouped: Callable[..., jax.Array]
+                   ) -> jax.Array:
+    """Each token's routing-weighted sum over the experts of `w_gate` ... (fp32 [T, d]).
+    With fewer than num_experts of them (expert parallelism, under shard_map), they
+    are this device's slice: its rows sort first, the others' rows sort last and
+    are left out of the grouped matmuls (zeros), so every shape stays T * k rows."""
+    T, here_count = x.shape[0], w_gate.shape[0]
+    if here_count == num_experts:
+        key, group_sizes = experts.reshape(-1), expert_load(experts, num_experts)
+    else:
+        local = experts - jax.lax.axis_index("model") * here_count
+        local = jnp.where((local >= 0) & (local < here_count), local, here_count)  # elsewhere: one group last
+        key, group_sizes = local.reshape(-1), expert_load(local, here_count + 1)[:here_count]
+    order = jnp.argsort(key, stable=True)             # rows sorted by expert, (token, slot) order within
+    rows = grouped(x[order // top_k], w_gate, w_up, w_down, group_sizes)
+    if here_count < num_experts:                     # rows past the groups: other devices' experts
+        rows = jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], rows, 0)
+    unsorted = jnp.zeros_like(rows).at[order].set(rows, unique_indices=True).reshape(T, top_k, -1)
+    return jnp.einsum("tkd,tk->td", unsorted.astype(jnp.float32), weights)
 
 
 def moe_mlp_dense(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,

@@ -14,7 +14,11 @@ name (the last part of its `nnx.State` path):
     wo w_down              [in, d]   split by row: XLA adds one all-reduce
     embed                  [V, d]    split on vocab (a masked gather + all-reduce)
     lm_head                [d, V]    split on vocab (logits stay vocab-sharded)
-    everything else                  replicated (norms, RoPE tables)
+    experts_gate experts_up          [E, d, f] a MoE layer's experts, as jpaged.layers.moe's
+    experts_down                     [E, f, d] expert_split says: whole experts per device
+                                     (enable_expert_parallel), or each expert's units split
+                                     as a dense MLP's (the default)
+    everything else                  replicated (norms, RoPE tables, MoE routers)
 
 Scanned layers carry a leading layer axis, which is never split.  The KV pool
 is split on its kv-head axis, so each device holds the K/V of its own heads;
@@ -38,6 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jpaged.core.config import ConfigError
 from jpaged.core.model_config import ModelConfig
+from jpaged.layers.moe import EXPERT_SPECS, REPLICATED, expert_split
 
 MESH_AXES = ("data", "model")
 
@@ -49,6 +54,7 @@ WEIGHT_RULES: dict[str, P] = {
     "wo": ROW, "w_down": ROW,
     "embed": VOCAB_ROWS, "lm_head": COLUMN,
 }
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")  # in EXPERT_SPECS' order
 # The pool [blocks, layers, 2, kv_heads, block_size, head_dim]: split on kv heads.
 POOL_SPEC = P(None, None, None, "model", None, None)
 
@@ -95,6 +101,29 @@ def split_problems(cfg: ModelConfig, tp: int) -> list[str]:
         (cfg.intermediate_size, "MLP units", cfg.intermediate_size % tp == 0)) if not ok]
 
 
+def check_experts(cfg: ModelConfig, tp: int, expert_parallel: bool) -> None:
+    """ConfigError (raised at start-up) when expert parallelism cannot split `cfg`'s
+    experts over tp devices (the config's own check has made sure tp > 1)."""
+    if not expert_parallel:
+        return
+    if not cfg.num_experts:
+        raise ConfigError("enable_expert_parallel", f"{cfg.architecture} is a dense model (no experts to split)",
+                          "false for this model (true only for a mixture of experts: qwen3_moe, mixtral)")
+    if cfg.num_experts % tp:
+        sizes = [d for d in range(2, cfg.num_experts + 1) if cfg.num_experts % d == 0 and not split_problems(cfg, d)]
+        raise ConfigError("enable_expert_parallel", f"tensor_parallel_size {tp} does not divide "
+                          f"{cfg.architecture}'s {cfg.num_experts} experts",
+                          f"false, or a tensor_parallel_size in {sizes} (whole experts per device, and the "
+                          "heads split evenly)")
+
+
+def with_expert_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool) -> ModelConfig:
+    """`cfg` as the engine lays it out: its experts split whole over the tp devices
+    with `expert_parallel` (checked by check_experts first)."""
+    check_experts(cfg, tp, expert_parallel)
+    return dataclasses.replace(cfg, expert_parallel=True) if expert_parallel else cfg
+
+
 def replicate_kv_heads(cfg: ModelConfig, arrays: dict[str, Any], tp: int
                        ) -> tuple[ModelConfig, dict[str, Any]]:
     """With fewer KV heads than devices, repeats each KV head tp / kv_heads times
@@ -119,10 +148,11 @@ def replicate_kv_heads(cfg: ModelConfig, arrays: dict[str, Any], tp: int
     return dataclasses.replace(cfg, num_kv_heads=kv * repeat), out
 
 
-def weight_spec(name: str, ndim: int, vocab_split: bool = True) -> P:
-    """The PartitionSpec of the weight called `name` (last path part) with ndim axes."""
-    spec = WEIGHT_RULES.get(name)
-    if spec is None or (name in ("embed", "lm_head") and not vocab_split):
+def weight_spec(name: str, ndim: int, vocab_split: bool = True, experts: str = REPLICATED) -> P:
+    """The PartitionSpec of the weight called `name` (last path part) with ndim axes;
+    `experts`: how a MoE layer's experts are split (jpaged.layers.moe.expert_split)."""
+    spec = EXPERT_SPECS[experts][EXPERT_WEIGHTS.index(name)] if name in EXPERT_WEIGHTS else WEIGHT_RULES.get(name)
+    if not spec or (name in ("embed", "lm_head") and not vocab_split):
         return P()
     return P(*([None] * (ndim - len(spec))), *spec)  # a scanned layer axis stays whole
 
@@ -130,11 +160,12 @@ def weight_spec(name: str, ndim: int, vocab_split: bool = True) -> P:
 def param_specs(params: Any, cfg: ModelConfig, tp: int) -> Any:
     """The PartitionSpec of every leaf of `params` (an nnx.State)."""
     vocab_split = cfg.vocab_size % tp == 0
+    experts = expert_split(cfg.num_experts, cfg.moe_intermediate_size, tp, cfg.expert_parallel)
 
     def spec(path: tuple, leaf: Any) -> P:
         names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         name = next((n for n in reversed(names) if isinstance(n, str) and n != "value"), "")
-        return weight_spec(name, np.ndim(leaf), vocab_split)
+        return weight_spec(name, np.ndim(leaf), vocab_split, experts)
     return jax.tree_util.tree_map_with_path(spec, params)
 
 

@@ -108,7 +108,8 @@ class MoEMixin:
         if "aux" in w:
             w["aux"]["experts"] = routing[1]
         return moe_mlp(x, w["router"], w["experts_gate"], w["experts_up"], w["experts_down"],
-                       top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, routing=routing)
+                       top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, routing=routing,
+                       expert_parallel=cfg.expert_parallel)
 
 
 def expert_load(experts: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:

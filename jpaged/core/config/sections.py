@@ -198,6 +198,18 @@ class ParallelConfig(Section):
                                       ge=1, le=4096)
     data_parallel_size: int = field(1, "Replicas, each on its own tensor_parallel_size devices with its own "
                                     "pool, taking requests from a router.", ge=1, le=4096)
+    enable_expert_parallel: bool = field(False, "A mixture-of-experts model's experts split whole over the "
+                                         "tensor_parallel_size devices (num_experts / tensor_parallel_size "
+                                         "each), as vLLM's --enable-expert-parallel; false: every expert's MLP "
+                                         "units split over them.")
+
+    @model_validator(mode="after")
+    def _experts_need_devices(self) -> ParallelConfig:
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("enable_expert_parallel", "is set but tensor_parallel_size is 1 (one device holds "
+                              "every expert)", "false, or true with tensor_parallel_size > 1 (the experts "
+                              "are split over its devices)")
+        return self
 
 
 class SpeculativeConfig(Section):
