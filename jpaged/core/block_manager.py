@@ -82,8 +82,8 @@ class BlockManager(BlockPool):
     def match(self, seq) -> tuple[list[Any], list[int]]:
         """(handles, blocks) of the longest cached run of seq's leading full blocks.
         Changes nothing: the caller shares the blocks once it admits seq.  A
-        sequence still owing prompt logprobs computes every prompt token."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        sequence still owing prompt logprobs or routes computes every prompt token."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.owes_routes:
             return [], []
         token_ids, extra = seq.token_ids, seq.extra_keys
         handles, blocks = [], []

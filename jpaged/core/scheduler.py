@@ -90,7 +90,7 @@ class Scheduler:
         for seq in list(self.running):
             # (prompt logprobs of a prefill still on the device are not in yet: the forks copy them)
             if (seq.forks and seq.status is Status.PREFILLING and seq.num_computed_tokens >= seq.prefill_target
-                    and not seq.needs_prompt_logprobs):
+                    and not seq.needs_prompt_logprobs and not seq.owes_routes):
                 self._fork(seq)
         budget = self.max_num_batched_tokens
         scheduled = []
@@ -169,6 +169,7 @@ class Scheduler:
         if s.output_index is not None and s.output_index >= len(seq.output_token_ids):
             return False  # the sequence stopped at an earlier token: this row ran past its end
         output.record_logprobs(s, tokens[0], row, offset)
+        output.record_routes(s, offset)
         if s.output_index is None:
             return False  # a prefill chunk
         seq.output_token_ids[s.output_index] = tokens[0]
@@ -314,6 +315,7 @@ class Scheduler:
         for child in leader.forks:
             self.block_manager.fork(leader, child)
             child.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt's, computed once
+            child.routes = list(leader.routes)
             child.num_computed_tokens = leader.num_computed_tokens
             child.status = Status.PREFILLING
         self.running[at:at] = leader.forks

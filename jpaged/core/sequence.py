@@ -58,6 +58,10 @@ class SamplingParams:
     # step it ran in, with each sample's new tokens, text and logprobs (a server
     # that streams).
     output_kind: str = "final"
+    # Routing capture (a mixture-of-experts model): the output also holds the experts
+    # each token was routed to in each MoE layer (RequestOutput.routed_experts), to
+    # replay in training; its prompt is then computed whole (no prefix-cache reuse).
+    capture_routes: bool = False
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field: its type, range and, for
@@ -76,6 +80,8 @@ class SamplingParams:
         if (not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) for s in self.stop)
                 or len(self.stop) > MAX_STOP_STRINGS):
             raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {self.stop!r}")
+        if not isinstance(self.capture_routes, bool):
+            raise ValueError(f"capture_routes must be true or false, got {self.capture_routes!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -169,6 +175,9 @@ class Sequence:
         # prompt token (None for the first, which nothing predicts).
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
+        # params.capture_routes: routes[p], the experts [L_moe, k] token p went to, set
+        # when a step computes position p (a recomputed or rejected draft's overwritten).
+        self.routes: list = []
         # The output's text as it grows, for stop strings and streaming (a SampleText,
         # made by the engine's output processor on the sample's first token when it
         # has params.stop or streams); None: decoded once at the end.
@@ -195,6 +204,12 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute: such a prefill must not skip cached tokens."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def owes_routes(self) -> bool:
+        """Routes to capture of tokens before the next sample not in yet: its prefill
+        must not skip cached tokens (they would have none), and forks wait for them."""
+        return self.params.capture_routes and len(self.routes) < self.prefill_target
 
     @property
     def extra_keys(self) -> tuple:

@@ -87,6 +87,16 @@ class StepOutput:
             seq.logprobs.append(self.logprobs.token_logprob(row, token, p.logprobs))
 
 
+    def record_routes(self, s: ScheduledSeq, offset: int) -> None:
+        """Sets s.seq's routes at the positions this step computed for it (its
+        tokens from flat index `offset`), when it captures them."""
+        if self.routed_experts is None or not s.seq.params.capture_routes:
+            return
+        routes, end = s.seq.routes, s.start + s.num_new
+        routes.extend([None] * (end - len(routes)))
+        routes[s.start:end] = list(self.routed_experts[offset:offset + s.num_new])
+
+
 class StopConditions(Protocol):
     """When a sample ends (the engine's output processor: EOS, stop ids and
     strings, length); the scheduler asks, it does not know the tokenizer."""

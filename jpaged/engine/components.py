@@ -99,7 +99,8 @@ def build_components(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Engin
                 if model.tokenizer is not None else None)
     inputs = InputProcessor(model.tokenizer, vocab_size=model.model_config.vocab_size,
                             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                            block_size=cfg.block_size, num_blocks=num_blocks, grammars=grammars)
+                            block_size=cfg.block_size, num_blocks=num_blocks, grammars=grammars,
+                            has_experts=model.model_config.num_experts > 0)
     return EngineComponents(model, scan_layers, dtype, kv_dtype, attention_impl, attention_note, layout, num_blocks, step_stats,
                             block_manager, swap_space, runner, lora, speculator, outputs, scheduler, grammars,
                             inputs)

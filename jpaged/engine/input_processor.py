@@ -33,9 +33,12 @@ class InputProcessor:
     """Turns what generate() takes into token ids and says why a request cannot run."""
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 block_size: int, num_blocks: int, grammars: GrammarCompiler | None = None):
+                 block_size: int, num_blocks: int, grammars: GrammarCompiler | None = None,
+                 has_experts: bool = False):
         """`grammars`: compiles structured-output constraints (None: the model has no
-        tokenizer, and a constrained request is refused)."""
+        tokenizer, and a constrained request is refused); `has_experts`: a mixture-of-
+        experts model (else SamplingParams.capture_routes is refused)."""
+        self.has_experts = has_experts
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.vocab_size = vocab_size
@@ -92,6 +95,8 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
+        if params.capture_routes and not self.has_experts:
+            return "capture_routes needs a mixture-of-experts model; this one has no experts to route to"
         if params.n > self.max_num_seqs:
             return f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}"
         if cdiv(len(ids) + 1, self.block_size) > self.num_blocks - 1:

@@ -144,11 +144,14 @@ class OutputProcessor:
         if p.logprobs is not None:
             for sample, s in zip(samples, seq.group):
                 sample["logprobs"] = list(s.logprobs)
+        if p.capture_routes:
+            for sample, s in zip(samples, seq.group):
+                sample["routed_experts"] = np.array(s.routes[:s.num_tokens - 1], np.int32)
         last = max((s.finish_time for s in seq.group if s.finish_time is not None), default=None)
         return RequestOutput(
             request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=samples[0]["text"], token_ids=samples[0]["token_ids"], finish_reason=seq.finish_reason,
             error=seq.error, ttft_ms=ms(seq.first_token_time), latency_ms=ms(last),
             samples=samples, num_cached_tokens=seq.num_cached_tokens, index=index,
-            logprobs=samples[0].get("logprobs"),
+            logprobs=samples[0].get("logprobs"), routed_experts=samples[0].get("routed_experts"),
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from jpaged.core.sequence import TokenLogprob
 
 
@@ -35,9 +37,17 @@ class RequestOutput:
     # SamplingParams.logprobs / prompt_logprobs (samples[i]["logprobs"] for each sample)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # SamplingParams.capture_routes: the experts [num_tokens - 1, L_moe, k] (int32) each
+    # token but the last (prompt, then output) was routed to in each MoE layer
+    # (samples[i]["routed_experts"] for each sample)
+    routed_experts: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for d in (out, *out["samples"]):
+            if d.get("routed_experts") is not None:
+                d["routed_experts"] = d["routed_experts"].tolist()
+        return out
 
 
 @dataclasses.dataclass

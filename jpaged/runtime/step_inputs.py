@@ -164,7 +164,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], *, num_tokens: int, num_seq
                         prompt_targets=_prompt_targets(scheduled, num_tokens) if logprobs else None,
                         prev_rows=_prev_rows(scheduled, tokens) if chained else None,
                         logit_mask=_logit_mask(scheduled, num_seqs, vocab_size),
-                        lora_slots=_lora_slots(scheduled, num_seqs), logprobs=logprobs)
+                        lora_slots=_lora_slots(scheduled, num_seqs), logprobs=logprobs,
+                        capture_routes=any(s.seq.params.capture_routes for s in scheduled))
     if not any(s.drafts for s in scheduled):
         return inputs
     return _with_drafts(inputs, scheduled, num_seqs, num_speculative_tokens)

@@ -10,6 +10,7 @@ Qwen3-MoE's layer 0 is dense (one MoE layer), Mixtral's both are MoE.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,48 @@ def test_metrics_leave_out_the_counters_for_a_dense_model():
     metrics = ServerMetrics("dense", block_size=16)
     metrics.on_snapshot(EngineSnapshot())
     assert "moe_expert_tokens" not in metrics.render().decode()
+
+
+# Chunked prefill (16-token steps), blocks of 8, prefix caching and a pool small enough
+# for preemption: a request's captured routes still cover each of its tokens once.
+CAPTURE_ENGINE = {**TINY_ENGINE, "block_size": 8, "num_blocks": 15, "max_num_batched_tokens": 16,
+                  "enable_prefix_caching": True, "max_num_seqs": 6, "preemption_mode": "recompute"}
+
+
+def test_requests_capture_their_routes_through_the_engine(tiny_qwen3_moe):
+    """Each capturing request's routes (every token but the last, per MoE layer) are
+    the ones decode.score computes for its whole token sequence; n=2 samples share
+    the prompt's; a request that does not ask gets none."""
+    from jpaged.core.sequence import SamplingParams
+    from jpaged.engine.llm import LLM
+    llm = LLM(model=str(tiny_qwen3_moe[0]), **CAPTURE_ENGINE)
+    shared = random_prompts([24], seed=9)[0]
+    llm.generate([shared + [5]], SamplingParams(max_tokens=4, ignore_eos=True))  # its blocks cached
+    prompts = [shared + p for p in random_prompts([3, 11], seed=10)] + random_prompts([30, 9], seed=11)
+    capture = SamplingParams(max_tokens=12, ignore_eos=True, capture_routes=True)
+    params = [capture, dataclasses.replace(capture, n=2), dataclasses.replace(capture, capture_routes=False),
+              capture]
+    outs = llm.generate(prompts, params)
+    assert llm.stats.preemptions > 0
+    assert outs[2].routed_experts is None
+    num_moe = len(llm.model_config.mlp_layers(moe=True))
+    for out in (outs[0], outs[1], outs[3]):
+        for sample in out.samples:
+            tokens = out.prompt_token_ids + sample["token_ids"]
+            got = sample["routed_experts"]
+            assert got.shape == (len(tokens) - 1, num_moe, K) and got.dtype == np.int32
+            _, want = score(llm.graphdef, llm.params, jnp.asarray([tokens[:-1]]), jnp.array([len(tokens) - 1]),
+                            return_routes=True)
+            np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(np.asarray(want[0]), axis=-1))
+    np.testing.assert_array_equal(outs[0].routed_experts, outs[0].samples[0]["routed_experts"])
+    assert outs[0].to_json()["routed_experts"] == outs[0].routed_experts.tolist()
+
+
+def test_capture_routes_is_refused_for_a_dense_model(tiny_llama):
+    from jpaged.core.sequence import SamplingParams
+    from jpaged.engine.llm import LLM
+    llm = LLM(model=str(tiny_llama[0]), **TINY_ENGINE)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, capture_routes=True))[0]
+    assert out.finish_reason == "error" and "capture_routes needs a mixture-of-experts model" in out.error
+    with pytest.raises(ValueError, match="capture_routes must be true or false"):
+        SamplingParams(capture_routes=1).validate()
