@@ -81,6 +81,12 @@ _thread = threading.local()
 # program again (the single-device step is shared: model_runner._shared_step),
 # with no cache-hit event then.  A stale id can only keep an entry unwritten.
 _from_xla_cache: set[int] = set()
+# Step programs are built one at a time in the process: engines share the step
+# (model_runner._shared_step) and with it JAX's traces and lowered modules, and
+# builds on two threads at once (an engine's background builder beside another
+# engine's step) crashed the process twice in one suite run.  On this scale
+# (a build takes ~1 s for a 2-layer model) the queue costs little.
+_build_lock = threading.Lock()
 
 
 @functools.cache
@@ -311,17 +317,18 @@ class StepPrograms:
     def _build(self, inputs: StepInputs) -> tuple[jax.stages.Compiled, bool]:
         """Traces, lowers and compiles (or takes the process's program: JAX's in-memory
         caches); True with it when JAX's persistent cache served the compile."""
-        t0 = time.perf_counter()
-        with self._mesh_context():
-            lowered = self._trace(self._params_spec, self._pool_spec, inputs).lower()
-        t1 = time.perf_counter()
-        _watch_xla_cache()
-        _thread.xla_cache_hit = False
-        exe = lowered.compile(self.compiler_options or None)
-        self._count(compiled=1, trace_lower_seconds=t1 - t0, compile_seconds=time.perf_counter() - t1)
-        if _thread.xla_cache_hit:
-            _from_xla_cache.add(id(exe.runtime_executable()))
-        return exe, id(exe.runtime_executable()) in _from_xla_cache
+        with _build_lock:
+            t0 = time.perf_counter()
+            with self._mesh_context():
+                lowered = self._trace(self._params_spec, self._pool_spec, inputs).lower()
+            t1 = time.perf_counter()
+            _watch_xla_cache()
+            _thread.xla_cache_hit = False
+            exe = lowered.compile(self.compiler_options or None)
+            self._count(compiled=1, trace_lower_seconds=t1 - t0, compile_seconds=time.perf_counter() - t1)
+            if _thread.xla_cache_hit:
+                _from_xla_cache.add(id(exe.runtime_executable()))
+            return exe, id(exe.runtime_executable()) in _from_xla_cache
 
     def _count(self, **amounts: float) -> None:
         with self._lock:
