@@ -15,6 +15,12 @@ dense matmul per expert, the grouped matmuls run as tiles of one expert each
 routing (no capacity factor, no token dropped), so routing never compiles a
 new program; only the group sizes (data) change.
 
+Under tensor parallelism (a mesh with a 'model' axis) the layer runs under
+`jax.shard_map`, as `expert_split` says: whole experts per device (expert
+parallelism) or every expert's units split.  Tokens and routes are replicated
+over the devices; each runs its own experts' rows (or its own units) and one
+all-reduce of the [T, d] partial sums combines them.
+
 `moe_mlp_dense` runs every expert on every token and weights the results by a
 one-hot combine matrix: E / k times the work, kept as the test oracle.
 """
@@ -102,6 +108,29 @@ def grouped_swiglu_experts(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
     return jax.lax.platform_dependent(*args, cpu=tiled_swiglu_experts, default=swiglu_experts)
 
 
+# How a MoE layer's experts lie over the 'model' mesh axis (jpaged.layers.sharding follows it).
+EXPERTS, UNITS, REPLICATED = "experts", "units", "replicated"
+EXPERT_SPECS: dict[str, tuple[P, P, P]] = {  # (w_gate, w_up, w_down) of one layer, [E, d, f] / [E, f, d]
+    EXPERTS: (P("model", None, None),) * 3,
+    UNITS: (P(None, None, "model"), P(None, None, "model"), P(None, "model", None)),
+    REPLICATED: (P(), P(), P()),
+}
+
+
+def expert_split(num_experts: int, moe_intermediate_size: int, tp: int, expert_parallel: bool) -> str:
+    """How tp devices share a MoE layer: EXPERTS (expert parallelism: each holds
+    num_experts / tp whole experts), UNITS (tensor parallelism within the experts:
+    every expert's MLP units split, as a dense MLP's are), or REPLICATED (one
+    device, or a width tp does not divide: every device runs every expert)."""
+    if tp == 1:
+        return REPLICATED
+    if expert_parallel:
+        if num_experts % tp:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {tp} devices")
+        return EXPERTS
+    return UNITS if moe_intermediate_size % tp == 0 else REPLICATED
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
             *, top_k: int, renormalize: bool, grouped: Callable[..., jax.Array] = grouped_swiglu_experts,
             routing: tuple[jax.Array, jax.Array] | None = None, expert_parallel: bool = False) -> jax.Array:
@@ -129,29 +158,6 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     out = jax.shard_map(per_device, mesh=mesh, check_vma=False, in_specs=(P(), P(), P(), *EXPERT_SPECS[split]),
                         out_specs=P())(x, weights, experts, w_gate, w_up, w_down)
     return out.astype(x.dtype)
-
-
-# How a MoE layer's experts lie over the 'model' mesh axis (jpaged.layers.sharding follows it).
-EXPERTS, UNITS, REPLICATED = "experts", "units", "replicated"
-EXPERT_SPECS: dict[str, tuple[P, P, P]] = {  # (w_gate, w_up, w_down) of one layer, [E, d, f] / [E, f, d]
-    EXPERTS: (P("model", None, None),) * 3,
-    UNITS: (P(None, None, "model"), P(None, None, "model"), P(None, "model", None)),
-    REPLICATED: (P(), P(), P()),
-}
-
-
-def expert_split(num_experts: int, moe_intermediate_size: int, tp: int, expert_parallel: bool) -> str:
-    """How tp devices share a MoE layer: EXPERTS (expert parallelism: each holds
-    num_experts / tp whole experts), UNITS (tensor parallelism within the experts:
-    every expert's MLP units split, as a dense MLP's are), or REPLICATED (one
-    device, or a width tp does not divide: every device runs every expert)."""
-    if tp == 1:
-        return REPLICATED
-    if expert_parallel:
-        if num_experts % tp:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {tp} devices")
-        return EXPERTS
-    return UNITS if moe_intermediate_size % tp == 0 else REPLICATED
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,

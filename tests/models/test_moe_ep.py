@@ -121,3 +121,15 @@ def test_experts_that_do_not_divide_are_refused():
         check_experts(cfg, 4, True)
     check_experts(cfg, 2, True)
     check_experts(cfg, 4, False)  # without expert parallelism nothing is split by expert
+
+
+def test_scanned_layers_and_merged_projections(family):
+    """EP = 2 with Mixtral's layers in a scan (the experts stacked [L, E, ...], split
+    on E) and with Qwen3-MoE's merged projections (its dense layer's gate|up)."""
+    from jpaged.engine.llm import LLM
+    kind, path, want = family
+    extra = {"layer_loop": "scan"} if kind == "mixtral" else {"merge_projections": True}
+    llm = LLM(model=str(path), **TINY_ENGINE, tensor_parallel_size=2, enable_expert_parallel=True, **extra)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
+    stacked = P(None, "model", None, None) if kind == "mixtral" else P("model", None, None)
+    assert {x.sharding.spec for x in _leaves(llm.params, "experts_").values()} == {stacked}
