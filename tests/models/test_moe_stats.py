@@ -187,17 +187,37 @@ def test_requests_capture_their_routes_through_the_engine(tiny_qwen3_moe):
     outs = llm.generate(prompts, params)
     assert llm.stats.preemptions > 0
     assert outs[2].routed_experts is None
-    num_moe = len(llm.model_config.mlp_layers(moe=True))
     for out in (outs[0], outs[1], outs[3]):
-        for sample in out.samples:
-            tokens = out.prompt_token_ids + sample["token_ids"]
-            got = sample["routed_experts"]
-            assert got.shape == (len(tokens) - 1, num_moe, K) and got.dtype == np.int32
-            _, want = score(llm.graphdef, llm.params, jnp.asarray([tokens[:-1]]), jnp.array([len(tokens) - 1]),
-                            return_routes=True)
-            np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(np.asarray(want[0]), axis=-1))
+        _assert_routes_are_scores(llm, out)
     np.testing.assert_array_equal(outs[0].routed_experts, outs[0].samples[0]["routed_experts"])
     assert outs[0].to_json()["routed_experts"] == outs[0].routed_experts.tolist()
+
+
+def _assert_routes_are_scores(llm, out) -> None:
+    """Each sample's captured routes are what decode.score routes for its tokens."""
+    num_moe = len(llm.model_config.mlp_layers(moe=True))
+    for sample in out.samples:
+        tokens = out.prompt_token_ids + sample["token_ids"]
+        got = sample["routed_experts"]
+        assert got.shape == (len(tokens) - 1, num_moe, K) and got.dtype == np.int32
+        _, want = score(llm.graphdef, llm.params, jnp.asarray([tokens[:-1]]), jnp.array([len(tokens) - 1]),
+                        return_routes=True)
+        np.testing.assert_array_equal(got, np.asarray(want[0]))
+
+
+def test_captured_routes_under_speculative_decoding(tiny_mixtral):
+    """Rows verifying drafts compute several positions at once, and rejected drafts'
+    positions are computed again: each position keeps the routes of its final token."""
+    from jpaged.core.sequence import SamplingParams
+    from jpaged.engine.llm import LLM
+    llm = LLM(model=str(tiny_mixtral[0]), **TINY_ENGINE, speculative_method="ngram", prompt_lookup_min=1,
+              speculative_disable_by_batch_size=0)
+    prompts = [(p * 8)[:n] for p, n in zip(random_prompts([3, 5], seed=12), (30, 41))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, capture_routes=True))
+    s = llm.stats
+    assert s.spec_decode_num_drafts > 0 and s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    for out in outs:
+        _assert_routes_are_scores(llm, out)
 
 
 def test_capture_routes_is_refused_for_a_dense_model(tiny_llama):
