@@ -133,3 +133,19 @@ def test_scanned_layers_and_merged_projections(family):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
     stacked = P(None, "model", None, None) if kind == "mixtral" else P("model", None, None)
     assert {x.sharding.spec for x in _leaves(llm.params, "experts_").values()} == {stacked}
+
+
+def test_decode_step_gathers_no_expert(family):
+    """The EP = 2 decode step's collectives: one all-reduce of the [8, d] activations
+    after the embedding and two per layer (attention's o, then the MoE layer's
+    combine or a dense layer's down), one of the [8] NaN flags, and no all-gather but
+    the argmax's [8, tp] candidates: no expert moves between devices."""
+    from jpaged.engine.llm import LLM
+    llm = LLM(model=str(family[1]), **TINY_ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
+    llm.precompile(8)  # the decode bucket
+    (exe,) = llm.runner.executables()
+    ops = collectives(exe.as_text())
+    activations = 8 * llm.model_config.hidden_size * 4
+    assert sorted(b for op, _, b in ops if op == "all-reduce") == \
+           [8] + [activations] * (1 + 2 * llm.model_config.num_layers)
+    assert sorted(b for op, _, b in ops if op == "all-gather") == [8 * 2 * 4] * 2, ops
