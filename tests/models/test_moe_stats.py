@@ -228,3 +228,22 @@ def test_capture_routes_is_refused_for_a_dense_model(tiny_llama):
     assert out.finish_reason == "error" and "capture_routes needs a mixture-of-experts model" in out.error
     with pytest.raises(ValueError, match="capture_routes must be true or false"):
         SamplingParams(capture_routes=1).validate()
+
+
+def test_expert_parallel_gives_one_devices_load_and_routes(tiny_mixtral):
+    """Under expert parallelism (2 simulated devices) the step routes the replicated
+    tokens once: the same load and captured routes as one device."""
+    from jpaged.core.sequence import SamplingParams
+    from jpaged.engine.llm import LLM
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py simulates them on the CPU)")
+    path = str(tiny_mixtral[0])
+    params = SamplingParams(max_tokens=8, ignore_eos=True, capture_routes=True)
+    prompts = random_prompts([7, 20], seed=13)
+    one = LLM(model=path, **TINY_ENGINE)
+    ep = LLM(model=path, **TINY_ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
+    want, got = one.generate(prompts, params), ep.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_array_equal(g.routed_experts, w.routed_experts)
+    np.testing.assert_array_equal(ep.stats.expert_load, one.stats.expert_load)
