@@ -198,6 +198,8 @@ class Decoder(nnx.Module):
     wq|wk|wv and w_gate|w_up as one matrix each (jpaged.models.merged), their
     columns laid out for `tensor_parallel_size` column shards; families project
     with `linears` / `project_qkv`, which take either form.
+    A layer may record values of its own in w["aux"] (a dict: a MoE layer's
+    routed experts); `__call__(aux=True)` returns them stacked over the layers.
     """
 
     norm_offset = 0.0  # RMSNorm scales by (norm_offset + weight)
