@@ -187,7 +187,7 @@ def smollm_llm():
 # around them.  Roughly longest first; modules not named keep their place after.
 LONG_MODULES = ("test_serve_batch.py", "test_server.py", "test_structured_server.py", "test_serve_batch_failures.py",
                 "test_sharding.py",
-                "test_hf_parity.py", "test_moe.py", "test_moe_ep.py", "test_speculative_decoding.py", "test_request_parsing.py", "test_weights.py", "test_server_data_parallel.py",
+                "test_hf_parity.py", "test_moe.py", "test_moe_ep.py", "test_moe_stats.py", "test_speculative_decoding.py", "test_request_parsing.py", "test_weights.py", "test_server_data_parallel.py",
                 "test_server_hardening.py", "test_ray_serve.py", "test_startup_matrix.py", "test_async_scheduling.py",
                 "test_compilation.py", "test_device_check.py", "test_gpu_probe.py")
 

@@ -11,6 +11,7 @@ Qwen3-MoE's layer 0 is dense (one MoE layer), Mixtral's both are MoE.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,8 @@ def test_requests_capture_their_routes_through_the_engine(tiny_qwen3_moe):
         _assert_routes_are_scores(llm, out)
     np.testing.assert_array_equal(outs[0].routed_experts, outs[0].samples[0]["routed_experts"])
     assert outs[0].to_json()["routed_experts"] == outs[0].routed_experts.tolist()
+    sample = json.loads(json.dumps(outs[1].to_json()))["samples"][1]  # what jpaged batch writes
+    assert sample["routed_experts"] == outs[1].samples[1]["routed_experts"].tolist()
 
 
 def _assert_routes_are_scores(llm, out) -> None:
