@@ -13,7 +13,7 @@ from typing import Any
 from jpaged.core.sequence import TokenLogprob
 from jpaged.entrypoints.openai.responses import (chat_choice, chat_chunk_choice, chat_logprobs, completion_choice,
                                                  completion_logprobs, envelope, token_logprob_json,
-                                                 tool_calls_finish_reason)
+                                                 tool_calls_finish_reason, with_routes)
 from jpaged.entrypoints.openai.serving import Answer, ChoiceUpdate, GenerationRun
 from jpaged.entrypoints.openai.state import ServerState
 from jpaged.structured.tool_parser import ToolCallStreamParser
@@ -48,7 +48,7 @@ class CompletionAnswer(Answer):
     def body(self) -> dict[str, Any]:
         run = self.run
         choices = [completion_choice(c, self._echo(c) + s.text, run.finish_reasons[c],
-                                     self._logprobs(c, run.logprobs[c], run.gen.echo, 0))
+                                     self._logprobs(c, run.logprobs[c], run.gen.echo, 0), run.routes[c])
                    for c, s in enumerate(run.samples)]
         return envelope(self.id, "text_completion", run.gen.model, choices, run.usage())
 
@@ -63,7 +63,7 @@ class CompletionAnswer(Answer):
         if logprobs is not None:
             self._offsets[c] += sum(map(len, logprobs["tokens"]))
         text = (self._echo(c) if echo else "") + update.text
-        return self._chunk([completion_choice(c, text, update.finish_reason, logprobs)])
+        return self._chunk([completion_choice(c, text, update.finish_reason, logprobs, update.routes)])
 
     def usage_chunk(self) -> dict[str, Any]:
         return envelope(self.id, "text_completion", self.run.gen.model, [], self.run.usage())
@@ -86,7 +86,7 @@ class ChatAnswer(Answer):
     def body(self) -> dict[str, Any]:
         run = self.run
         choices = [chat_choice(c, s.text, run.finish_reasons[c], self._logprobs(run.logprobs[c]),
-                               run.gen.declared_tools)
+                               run.gen.declared_tools, run.routes[c])
                    for c, s in enumerate(run.samples)]
         return envelope(self.id, "chat.completion", run.gen.model, choices, run.usage())
 
@@ -102,7 +102,7 @@ class ChatAnswer(Answer):
         if self._tool_parsers is None:
             delta = {"content": update.text} if update.text else {}
             return [self._chunk([chat_chunk_choice(update.index, delta, update.finish_reason,
-                                                   self._logprobs(update.logprobs))])]
+                                                   self._logprobs(update.logprobs), update.routes)])]
         parser = self._tool_parsers[update.index]
         deltas = parser.feed(update.text) + (parser.finish() if update.finish_reason else [])
         reason = tool_calls_finish_reason(update.finish_reason, parser.calls)
@@ -113,8 +113,9 @@ class ChatAnswer(Answer):
         if reason is not None:  # the finish in a chunk of its own
             deltas.append({})
         logprobs, held[:] = self._logprobs(list(held)), []
-        return [self._chunk([chat_chunk_choice(update.index, delta, reason if i == len(deltas) - 1 else None,
-                                               logprobs if i == 0 else None)])
+        last = len(deltas) - 1  # the finish's chunk (with the routes), or the last one so far
+        return [self._chunk([chat_chunk_choice(update.index, delta, reason if i == last else None,
+                                               logprobs if i == 0 else None, update.routes if i == last else None)])
                 for i, delta in enumerate(deltas)]
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -131,6 +132,7 @@ class GenerateAnswer(Answer):
         if params.logprobs is not None:
             for sample, logprobs in zip(samples, run.logprobs):
                 sample["logprobs"] = [token_logprob_json(lp) for lp in logprobs]
+        samples = [with_routes(sample, routes) for sample, routes in zip(samples, run.routes)]
         body = {**samples[0], "samples": samples, "usage": run.usage()}
         if params.prompt_logprobs is not None:
             body["prompt_logprobs"] = [token_logprob_json(lp) for lp in run.prompt_logprobs[0] or []]

@@ -8,6 +8,8 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from jpaged.core.sequence import TokenLogprob
 from jpaged.structured import tools as structured_tools
 
@@ -31,13 +33,21 @@ def envelope(request_id: str, obj: str, model: str, choices: list[dict[str, Any]
     return body
 
 
+def with_routes(choice: dict[str, Any], routes: np.ndarray | None) -> dict[str, Any]:
+    """`choice` with the vLLM-style extension field `routed_experts` (capture_routes):
+    the experts [num_tokens - 1][L_moe][k] every token of the choice but its last
+    (prompt, then output) went to in each MoE layer.  Absent when not captured."""
+    return choice if routes is None else {**choice, "routed_experts": np.asarray(routes).tolist()}
+
+
 def completion_choice(index: int, text: str, finish_reason: str | None,
-                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                      logprobs: dict[str, Any] | None = None, routes: np.ndarray | None = None) -> dict[str, Any]:
+    return with_routes({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, routes)
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
-                tools: structured_tools.DeclaredTools | None = None) -> dict[str, Any]:
+                tools: structured_tools.DeclaredTools | None = None,
+                routes: np.ndarray | None = None) -> dict[str, Any]:
     """A chat choice; with the request's `tools`, the text's `<tool_call>` blocks
     calling them become `message.tool_calls` (finish_reason "tool_calls" for a sample
     that stopped after whole calls; a call cut short keeps "length")."""
@@ -47,7 +57,8 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
             finish_reason = tool_calls_finish_reason(finish_reason, calls)
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return with_routes({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason},
+                       routes)
 
 
 def tool_calls_finish_reason(finish_reason: str | None, calls: Sequence[structured_tools.ToolCall]) -> str | None:
@@ -58,8 +69,9 @@ def tool_calls_finish_reason(finish_reason: str | None, calls: Sequence[structur
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None,
-                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                      logprobs: dict[str, Any] | None = None, routes: np.ndarray | None = None) -> dict[str, Any]:
+    return with_routes({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason},
+                       routes)
 
 
 # Token strings: each token id decoded alone (as vLLM does), special tokens included.

@@ -44,6 +44,7 @@ class SamplingFields(BaseModel):
     n: Optional[int] = None
     cache_salt: Optional[str] = None
     ignore_eos: Optional[bool] = None
+    capture_routes: Optional[bool] = None  # a MoE model's routed experts in each choice (SamplingParams')
     stop: Union[str, list[str], None] = None
     # Structured outputs (request_fields.STRUCTURED_FIELDS): any JSON here; their
     # shapes are checked where they become SamplingParams.structured.

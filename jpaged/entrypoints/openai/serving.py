@@ -14,7 +14,8 @@ streamed answer's text equals the library's by construction.
 A client that goes away, mid-stream or while waiting for a whole answer, has
 its requests aborted; a request that fails inside the engine fails alone.
 Logprobs travel with the text: each streamed chunk carries those of the tokens
-consumed since the previous one.
+consumed since the previous one.  Captured routes (capture_routes, a MoE model)
+come whole, in each choice's last chunk: see GenerationRun._with_routes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import logging
 from typing import Any, AsyncIterator, Callable
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -58,6 +60,8 @@ class ChoiceUpdate:
     finish_reason: str | None   # set once, on the choice's last update
     # The logprobs of the tokens consumed since the choice's last update (when asked for).
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # capture_routes: the choice's routed experts [num_tokens - 1, L_moe, k], on its last update.
+    routes: np.ndarray | None = None
 
 
 class GenerationRun:
@@ -75,6 +79,10 @@ class GenerationRun:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in self.samples]
         self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(submission.requests)
         self._logprobs_sent = [0] * len(self.samples)
+        # capture_routes: each choice's routed experts (its request's output's), and the
+        # last updates that wait for them (_with_routes).
+        self.routes: list[np.ndarray | None] = [None] * len(self.samples)
+        self._waiting: list[ChoiceUpdate] = []
         self.error: str | None = None
         self._disconnect = asyncio.ensure_future(wait_for_disconnect(request))
         self._runs = state.runs
@@ -123,6 +131,9 @@ class GenerationRun:
             return []
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
+        if delta.output is not None and self.gen.params.capture_routes:
+            for j, sample in enumerate(delta.output.samples):
+                self.routes[index * self.n + j] = sample.get("routed_experts")
         updates = []
         for j, sample in enumerate(delta.samples):
             c = index * self.n + j
@@ -131,7 +142,25 @@ class GenerationRun:
             choice = self._advance_sample(c, sample.token_ids, sample.text, sample.logprobs, sample.finish_reason)
             if choice is not None:
                 updates.append(choice)
-        return updates
+        return self._with_routes(updates)
+
+    def _with_routes(self, updates: list[ChoiceUpdate]) -> list[ChoiceUpdate]:
+        """Capturing routes, each choice's last update carries them whole (a rollout
+        replays the routes of the whole sequence, prompt included, so pieces per chunk
+        would only have to be joined again; and the prompt's come at once, not with
+        any text).  They come with the request's output, once all its n samples have
+        ended: a sample that ends before its siblings has its last update wait."""
+        if not self.gen.params.capture_routes:
+            return updates
+        pending, self._waiting = self._waiting + updates, []
+        all_ended = None not in self.finish_reasons  # (an output without routes: release all)
+        ready = []
+        for u in pending:
+            if u.finish_reason is None or all_ended or self.routes[u.index] is not None:
+                ready.append(dataclasses.replace(u, routes=self.routes[u.index]) if u.finish_reason else u)
+            else:
+                self._waiting.append(u)
+        return ready
 
     def _advance_sample(self, c: int, token_ids: list[int], text: str, logprobs: list[TokenLogprob],
                         reason: str | None) -> ChoiceUpdate | None:
@@ -233,7 +262,7 @@ def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest,
                 and state.llm.check_request(ids, dataclasses.replace(gen.params, structured=None)) is None):
             # The constraint's own problem (a bad schema or regex, one no output satisfies): its field's.
             raise RequestError(f"{gen.constraint_field}: {problem}", gen.constraint_field)
-        raise RequestError(problem, "n" if problem.startswith("n=") else param)
+        raise RequestError(problem, _problem_field(problem, param))
     limit, asked = state.config.max_model_len, gen.params.max_tokens
     if explicit_max_tokens is not None and len(ids) + asked > limit:
         where = "messages" if param == "messages" else "prompt"
@@ -245,6 +274,13 @@ def _tokenized(state: ServerState, prompt: Any, gen: GenerationRequest,
         # Token ids: their text with special tokens, as the echoed logprobs' tokens show them.
         return ids, state.llm.tokenizer.decode(ids, skip_special_tokens=False)
     return ids, prompt if isinstance(prompt, str) else state.decode(ids)
+
+
+def _problem_field(problem: str, param: str) -> str:
+    """The body field a check_request problem is about: `param` (the prompt's) unless it names another."""
+    if problem.startswith("n="):
+        return "n"
+    return "capture_routes" if problem.startswith("capture_routes") else param
 
 
 def _explicit_max_tokens(raw: Any, chat: bool) -> str | None:
