@@ -108,6 +108,16 @@ def test_chat_returns_routes_whole_and_in_the_last_chunk(served):
     assert chunks[-1]["finish_reason"] is not None and "routed_experts" in chunks[-1]
 
 
+def test_openai_clients_extra_body_asks_for_routes(served):
+    """As an RL rollout worker would ask: OpenAI's client, the field in extra_body."""
+    openai = pytest.importorskip("openai")
+    url, _, _, expected = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=SECONDS, max_retries=0)
+    answer = client.chat.completions.create(model="tiny-moe", messages=MESSAGES, max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True, "capture_routes": True})
+    assert answer.choices[0].model_extra["routed_experts"] == routes(expected["chat"][0].samples[0])
+
+
 def test_a_sample_that_ends_first_gets_its_routes_in_its_last_chunk(served):
     """n=2: sample 0 hits its stop token steps before sample 1 ends; its finishing
     chunk waits for the request's routes and carries sample 0's own."""
