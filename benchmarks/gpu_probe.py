@@ -35,6 +35,13 @@ at its time cap still reports what it measured.
                       batch 32 over partitions; µs, GB/s, % of copy bandwidth.
   7. quantized_pools  int8 and float8_e4m3fn pools against bf16 at batch 32/128,
                       context 4k, the kernel's default tuning.
+  8. moe_grouped      the MoE layer's grouped matmuls (jpaged.layers.moe.swiglu_experts:
+                      three jax.lax.ragged_dot, bf16) at decode token counts 1..64 on
+                      one layer of Qwen3-30B-A3B (128 experts, top-8) and Mixtral-8x7B
+                      (8 experts, top-2) shapes, random routing: µs, GB/s of the bytes
+                      of the experts the tokens were routed to (what a grouped matmul
+                      must read) and of all the layer's experts, % of copy bandwidth;
+                      and the whole MoE MLP (router, sort, ragged_dot, combine).
 
 On a CPU (CI) everything runs with a tiny Llama shape and tiny kernel points, in
 interpret mode for the kernels: the numbers are code-path only and the report says
@@ -83,12 +90,13 @@ import device_check as dc  # noqa: E402
 absl_flags.FLAGS.mark_as_parsed()
 
 PARTS = ("environment", "gemm_chain", "anatomy", "trace", "command_buffers", "attention_sweep",
-         "quantized_pools")
+         "quantized_pools", "moe_grouped")
 TITLES = {"environment": "1. Environment", "gemm_chain": "2. GEMM chain (8B weight GEMMs + LM head)",
           "anatomy": "3. Engine anatomy (decode per layer-loop variant)",
           "trace": "4. Profiler trace and optimized HLO", "command_buffers": "5. XLA command buffers",
           "attention_sweep": "6. Attention sweep (context 4k)",
-          "quantized_pools": "7. Quantized pools vs bf16"}
+          "quantized_pools": "7. Quantized pools vs bf16",
+          "moe_grouped": "8. MoE grouped matmuls (ragged_dot) at decode"}
 
 DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"
 # Engine variants: layer_loop and the XLA flags of their process.
@@ -127,6 +135,10 @@ class Plan:
     kernel_reps: int = 3
     kernel_dims: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"num_kv_heads": 8, "gqa": 4, "head_dim": 128, "block_size": 16})
+    # MoE layer shapes of part 8: name -> (hidden d, expert width f, experts E, top-k).
+    moe_shapes: dict[str, tuple[int, int, int, int]] = dataclasses.field(default_factory=lambda: {
+        "qwen3_30b_a3b": (2048, 768, 128, 8), "mixtral_8x7b": (4096, 14336, 8, 2)})
+    moe_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     caps: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -137,18 +149,19 @@ def gpu_plan() -> Plan:
     # Time caps (s) per subprocess (gemm: per variant), about the plan's (gpu-plan.md 7.2);
     # the parts run in its rank order and --budget_s cuts the tail, rerun with --parts=.
     caps = {"gemm": 30, "anatomy": 70, "large_pool": 45, "trace": 60, "command_buffers": 45,
-            "attention_sweep": 60, "quantized_pools": 45}
+            "attention_sweep": 60, "quantized_pools": 45, "moe_grouped": 45}
     return Plan("8b", dc.LLAMA3_8B, sweep_b1=sweep_b1, sweep_b32=sweep_b32, caps=caps)
 
 
 def cpu_plan() -> Plan:
     caps = {"gemm": 60, "anatomy": 90, "large_pool": 60, "trace": 90, "command_buffers": 60,
-            "attention_sweep": 90, "quantized_pools": 90}
+            "attention_sweep": 90, "quantized_pools": 90, "moe_grouped": 60}
     one = {"batch": 1, "num_partitions": 2, "num_stages": 2, "num_warps": 4, "block_k": 32}
     return Plan("tiny", dc.LLAMA_TINY, gemm_ms=(8,), gemm_calls=2, batches=(1,), trace_batches=(1,),
                 decode_steps=3, trace_steps=2, context=64, sweep_b1=(one,), sweep_b32=(),
                 quant_batches=(2,), quant_dtypes=("int8",), kernel_iters=1, kernel_programs=1, kernel_reps=1,
-                kernel_dims={"num_kv_heads": 2, "gqa": 4, "head_dim": 64, "block_size": 16}, caps=caps)
+                kernel_dims={"num_kv_heads": 2, "gqa": 4, "head_dim": 64, "block_size": 16},
+                moe_shapes={"tiny": (64, 32, 8, 2)}, moe_tokens=(1, 4), caps=caps)
 
 
 # ------------------------------------------------------------------ context
@@ -817,6 +830,83 @@ def worker_kernel(spec: dict[str, Any], out: "Results") -> None:
         out.add(row)
 
 
+# ------------------------------------------------------------ 8. MoE
+def part_moe_grouped(ctx: Probe, part: dc.Part) -> None:
+    errors: list[str] = []
+    result = run_worker(ctx, "moe", "moe_grouped", {}, [], ctx.plan.caps["moe_grouped"])
+    take(part, result, "moe", errors, info_prefix=False)
+    finish_kernel_rows(ctx, part)
+    for shape in ctx.plan.moe_shapes:
+        timed = [r for r in part.rows if r.get("shape") == shape and r.get("variant") == "ragged_dot" and r.get("us")]
+        if timed:
+            best = max(timed, key=lambda r: r["GB_s"])
+            part.info[f"{shape}: best ragged_dot GB/s (routed experts' bytes)"] = \
+                f"{best['GB_s']} at {best['tokens']} tokens ({best['pct_copy']}% of copy)"
+    part.notes.append(f"Per shape, one MoE layer's experts in bf16 (w_gate, w_up [E, d, f], w_down [E, f, d]) "
+                      f"and T tokens (bf16) routed by a random router (top-k of a softmax); ragged_dot = "
+                      f"jpaged.layers.moe.swiglu_experts on the rows sorted by expert (the three grouped "
+                      f"matmuls alone); moe_mlp = the whole layer (fp32 router, sort, grouped matmuls, "
+                      f"combine). us = wall of {ctx.plan.kernel_programs} programs back to back (median of "
+                      f"{ctx.plan.kernel_reps}); GB_s = bytes of the experts the tokens were routed to "
+                      "(experts_touched x 3 d f x 2 B) / time; GB_s_all = all E experts' bytes / time "
+                      "(what a lowering that reads every expert moves).")
+    if not ctx.on_gpu:
+        part.notes.append(CPU_NOTE + " (XLA:CPU expands ragged_dot into one masked matmul per expert.)")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def moe_weights(key: Any, shape: tuple[int, int, int, int]) -> dict[str, Any]:
+    """One MoE layer's router and experts (bf16, std 0.02), drawn on the device."""
+    import jax
+    import jax.numpy as jnp
+    d, f, E, _ = shape
+    draw = jax.jit(lambda key, s: (jax.random.normal(key, s, jnp.float32) * 0.02).astype(jnp.bfloat16),
+                   static_argnums=1)
+    kr, kg, ku, kd = jax.random.split(key, 4)
+    return {"router": draw(kr, (d, E)), "gate": draw(kg, (E, d, f)), "up": draw(ku, (E, d, f)),
+            "down": draw(kd, (E, f, d))}
+
+
+def moe_tokens(key: Any, w: dict[str, Any], top_k: int, tokens: int) -> tuple[Any, Any, Any, int]:
+    """T tokens (bf16) and their routing: (x, rows sorted by expert, group sizes, experts touched)."""
+    import jax
+    import jax.numpy as jnp
+    from jpaged.layers.moe import expert_load, route
+    d, E = w["router"].shape
+    x = (jax.random.normal(key, (tokens, d), jnp.float32)).astype(jnp.bfloat16)
+    _, experts = route(x, w["router"], top_k, True)
+    group_sizes = expert_load(experts, E)
+    xs = x[jnp.argsort(experts.reshape(-1), stable=True) // top_k]
+    return x, xs, group_sizes, int(jnp.sum(group_sizes > 0))
+
+
+def worker_moe(spec: dict[str, Any], out: "Results") -> None:
+    import functools
+    import jax
+    from jpaged.layers.moe import moe_mlp, swiglu_experts
+    plan = spec["plan"]
+    grouped = jax.jit(swiglu_experts)
+    for name, shape in plan["moe_shapes"].items():
+        d, f, E, k = shape
+        expert_bytes = 3 * d * f * 2
+        w = moe_weights(jax.random.key(E), tuple(shape))
+        layer = jax.jit(functools.partial(moe_mlp, top_k=k, renormalize=True, grouped=swiglu_experts))
+        for T in plan["moe_tokens"]:
+            if out.remaining() < 5:
+                out.rows.append({"shape": name, "tokens": T, "note": "skipped: time cap"})
+                continue
+            x, xs, group_sizes, touched = moe_tokens(jax.random.key(T), w, k, T)
+            for variant, fn, args in (("ragged_dot", grouped, (xs, w["gate"], w["up"], w["down"], group_sizes)),
+                                      ("moe_mlp", layer, (x, w["router"], w["gate"], w["up"], w["down"]))):
+                secs = kernel_seconds(fn, args, plan["kernel_programs"], plan["kernel_reps"])
+                read = touched * expert_bytes
+                out.add({"variant": variant, "shape": name, "tokens": T, "experts_touched": f"{touched}/{E}",
+                         "MB": round(read / 1e6, 1), "us": round(1e6 * secs, 2),
+                         "GB_s": round(read / secs / 1e9, 1), "GB_s_all": round(E * expert_bytes / secs / 1e9, 1)})
+        del w  # one layer's experts on the device at a time
+
+
 # ------------------------------------------------------------------ workers
 @dataclasses.dataclass
 class Results:
@@ -845,7 +935,7 @@ class Results:
         tmp.replace(self.path)
 
 
-WORKERS = {"gemm": worker_gemm, "engine": worker_engine, "kernel": worker_kernel}
+WORKERS = {"gemm": worker_gemm, "engine": worker_engine, "kernel": worker_kernel, "moe": worker_moe}
 
 
 def run_worker_main(task: str, spec_path: str, result_path: str) -> int:
@@ -865,10 +955,11 @@ def run_worker_main(task: str, spec_path: str, result_path: str) -> int:
 # ------------------------------------------------------------------ report
 PART_FNS = {"environment": part_environment, "gemm_chain": part_gemm_chain, "anatomy": part_anatomy,
             "trace": part_trace, "command_buffers": part_command_buffers,
-            "attention_sweep": part_attention_sweep, "quantized_pools": part_quantized_pools}
+            "attention_sweep": part_attention_sweep, "quantized_pools": part_quantized_pools,
+            "moe_grouped": part_moe_grouped}
 
-COLUMNS = ["variant", "M", "batch", "kv_dtype", "context", "bucket", "bucket_ok", "ms", "median_step_ms",
-           "device_ms", "host_ms", "dispatch_us", "floor_ms", "decode_tok_per_s", "us", "GB_s", "pct_copy",
+COLUMNS = ["variant", "shape", "tokens", "experts_touched", "MB", "M", "batch", "kv_dtype", "context", "bucket", "bucket_ok", "ms", "median_step_ms",
+           "device_ms", "host_ms", "dispatch_us", "floor_ms", "decode_tok_per_s", "us", "GB_s", "GB_s_all", "pct_copy",
            "pct_nominal", "bf16_us / us", "temp_bytes", "alias_bytes", "argument_bytes", "pool_bytes",
            "compile_s", "note"]
 

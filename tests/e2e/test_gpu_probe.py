@@ -24,7 +24,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_probe.py"
 PARTS = ("environment", "gemm_chain", "anatomy", "trace", "command_buffers", "attention_sweep",
-         "quantized_pools")
+         "quantized_pools", "moe_grouped")
 GEMM_VARIANTS = ("unrolled", "scan", "scan_dsf", "unrolled_no_triton", "merged")
 ENGINE_VARIANTS = ("scan", "unroll", "scan_dsf")
 
@@ -74,7 +74,7 @@ def test_report_rows(cpu_run):
     _, _, md, data, _ = cpu_run
     parts = parts_of(data)
     for title in ("1. Environment", "2. GEMM chain", "3. Engine anatomy", "4. Profiler trace",
-                  "5. XLA command buffers", "6. Attention sweep", "7. Quantized pools"):
+                  "5. XLA command buffers", "6. Attention sweep", "7. Quantized pools", "8. MoE grouped matmuls"):
         assert f"## {title}" in md
     env = parts["environment"]["info"]
     assert any(k.startswith("measured copy bandwidth") for k in env)
@@ -103,6 +103,12 @@ def test_report_rows(cpu_run):
     quant = {r["kv_dtype"]: r for r in parts["quantized_pools"]["rows"]}
     assert set(quant) == {"bfloat16", "int8"}
     assert quant["int8"]["us"] > 0 and quant["int8"]["bf16_us / us"] > 0
+    moe = {(r["variant"], r["tokens"]): r for r in parts["moe_grouped"]["rows"]}
+    assert set(moe) == {(v, t) for v in ("ragged_dot", "moe_mlp") for t in (1, 4)}
+    for r in moe.values():  # the tiny CPU shape: 8 experts, top-2
+        touched, experts = map(int, r["experts_touched"].split("/"))
+        assert r["shape"] == "tiny" and experts == 8 and 2 <= touched <= min(8, 2 * r["tokens"])
+        assert r["us"] > 0 and r["GB_s_all"] >= r["GB_s"] >= 0
 
 
 def test_files_for_the_device_tool(cpu_run):
