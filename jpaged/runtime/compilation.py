@@ -76,17 +76,6 @@ def code_fingerprint() -> str:
 
 
 _thread = threading.local()
-# Runtime executables (by id) that JAX's persistent cache served: JAX's in-memory
-# caches hand the same one to every engine of the process that builds that
-# program again (the single-device step is shared: model_runner._shared_step),
-# with no cache-hit event then.  A stale id can only keep an entry unwritten.
-_from_xla_cache: set[int] = set()
-# Step programs are built one at a time in the process: engines share the step
-# (model_runner._shared_step) and with it JAX's traces and lowered modules, and
-# builds on two threads at once (an engine's background builder beside another
-# engine's step) crashed the process twice in one suite run.  On this scale
-# (a build takes ~1 s for a 2-layer model) the queue costs little.
-_build_lock = threading.Lock()
 
 
 @functools.cache
@@ -168,8 +157,7 @@ def lower_thread_priority() -> None:
 
 
 class StepPrograms:
-    """The compiled programs of one jitted step(params, kv_pool, inputs), which
-    `trace(params, kv_pool, inputs)` traces (its jitted function's `trace`).
+    """The compiled programs of one jitted step(params, kv_pool, inputs).
 
     `params` and `kv_pool` are read for their shapes, dtypes and shardings only,
     once, here; the runner may replace both later with arrays of the same specs
@@ -179,12 +167,11 @@ class StepPrograms:
     (jpaged.core.xla_options) go to XLA with every program built here, and into
     every key: an entry built with other options is never loaded."""
 
-    def __init__(self, trace: Callable[..., jax.stages.Traced], params: Any, kv_pool: jax.Array, *,
-                 static: dict[str, Any],
+    def __init__(self, step: Any, params: Any, kv_pool: jax.Array, *, static: dict[str, Any],
                  model_config: Any, mesh: Any, cache_dir: pathlib.Path | None,
                  mesh_context: Callable[[], contextlib.AbstractContextManager],
                  compiler_options: dict[str, OptionValue] | None = None):
-        self._trace = trace
+        self._step = step
         self.compiler_options = dict(compiler_options or {})
         self._params_spec, self._pool_spec = shape_specs(params), shape_specs(kv_pool)
         self._devices = (list(mesh.devices.flat) if mesh is not None
@@ -315,20 +302,16 @@ class StepPrograms:
         return exe
 
     def _build(self, inputs: StepInputs) -> tuple[jax.stages.Compiled, bool]:
-        """Traces, lowers and compiles (or takes the process's program: JAX's in-memory
-        caches); True with it when JAX's persistent cache served the compile."""
-        with _build_lock:
-            t0 = time.perf_counter()
-            with self._mesh_context():
-                lowered = self._trace(self._params_spec, self._pool_spec, inputs).lower()
-            t1 = time.perf_counter()
-            _watch_xla_cache()
-            _thread.xla_cache_hit = False
-            exe = lowered.compile(self.compiler_options or None)
-            self._count(compiled=1, trace_lower_seconds=t1 - t0, compile_seconds=time.perf_counter() - t1)
-            if _thread.xla_cache_hit:
-                _from_xla_cache.add(id(exe.runtime_executable()))
-            return exe, id(exe.runtime_executable()) in _from_xla_cache
+        """Traces, lowers and compiles; True with it when JAX's persistent cache served the compile."""
+        t0 = time.perf_counter()
+        with self._mesh_context():
+            lowered = self._step.trace(self._params_spec, self._pool_spec, inputs).lower()
+        t1 = time.perf_counter()
+        _watch_xla_cache()
+        _thread.xla_cache_hit = False
+        exe = lowered.compile(self.compiler_options or None)
+        self._count(compiled=1, trace_lower_seconds=t1 - t0, compile_seconds=time.perf_counter() - t1)
+        return exe, _thread.xla_cache_hit
 
     def _count(self, **amounts: float) -> None:
         with self._lock:

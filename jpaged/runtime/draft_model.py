@@ -82,12 +82,6 @@ def draft_step(graphdef: nnx.GraphDef, params: nnx.State, kv_pool: jax.Array, to
     return drafts, kv_pool
 
 
-# The drafters' step, jitted once per process: graphdef and the ints static (equal
-# ones share JAX's traces and programs), the pool donated (written in place).
-_shared_draft_step = jax.jit(draft_step, static_argnums=0, donate_argnums=(2,),
-                             static_argnames=("num_speculative_tokens", "block_size", "attention_impl"))
-
-
 @dataclasses.dataclass
 class _DraftSeq:
     """One sequence's draft state: its blocks in the draft pool and what they hold."""
@@ -138,10 +132,10 @@ class DraftModelProposer:
         self._new_pool = functools.partial(create_kv_pool, model_config, num_blocks, block_size, kv_dtype)
         self.kv_pool = self._new_pool()
         self._seqs: dict[int, _DraftSeq] = {}
-        # One program per (S, T), shared by the drafters of the process that have an equal graphdef and ints.
+        # One program per (S, T): graphdef and the ints static, the pool donated (written in place).
         static = dict(num_speculative_tokens=num_speculative_tokens, block_size=block_size,
                       attention_impl=attention_impl)
-        self._step = functools.partial(_shared_draft_step, graphdef, **static)
+        self._step = jax.jit(functools.partial(draft_step, graphdef, **static), donate_argnums=(1,))
         self._shapes: set[tuple[int, int]] = set()  # (S, T) of every call so far: one program each
 
     @property

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,15 +73,6 @@ def _weighted_step(graphdef: nnx.GraphDef, treedef: Any, weights: Weights | list
     the tree's `treedef` closed over (static, part of the program)."""
     params, lora = weights if treedef is None else jax.tree.unflatten(treedef, weights)
     return run_step(graphdef, params, kv_pool, inputs, lora=lora, **static)
-
-
-# The step of every single-device engine in the process, jitted once: engines
-# whose graphdef, weights' tree and static arguments are equal (compared by value)
-# share JAX's traces, lowerings and compiled programs of it, so a second engine
-# of the same model and buckets builds nothing (an RL loop or an ablation that
-# makes engines in turn; the test suite makes hundreds).  The pool is donated.
-_STEP_STATIC = ("attention_impl", "num_logprobs", "logprobs_mode")
-_shared_step = jax.jit(_weighted_step, static_argnums=(0, 1), static_argnames=_STEP_STATIC, donate_argnums=(3,))
 
 
 @dataclasses.dataclass
@@ -153,8 +144,9 @@ class ModelRunner:
         static = dict(attention_impl=runtime.attention_impl, num_logprobs=MAX_LOGPROBS,
                       logprobs_mode=runtime.logprobs_mode)
         self._weights_treedef = jax.tree.structure(self.weights) if runtime.flat_weights else None
+        self._step = self._jit(functools.partial(_weighted_step, graphdef, self._weights_treedef, **static))
         self._programs = StepPrograms(
-            self._step_tracer(graphdef, static), self.step_weights(), self.kv_pool, model_config=model_cfg, mesh=mesh,
+            self._step, self.step_weights(), self.kv_pool, model_config=model_cfg, mesh=mesh,
             cache_dir=program_cache_dir, mesh_context=self._mesh_context, compiler_options=runtime.compiler_options,
             static={**static, "block_size": block_size, "table_width": self.table_width, "donate": (1,),
                     "graphdef": graphdef, "num_speculative_tokens": self.num_speculative_tokens,
@@ -208,18 +200,17 @@ class ModelRunner:
             raise ValueError("this engine keeps no LoRA slots (max_loras = 0)")
         self.lora = write_slot(self.lora, slot, modules)
 
-    def _step_tracer(self, graphdef: nnx.GraphDef, static: dict[str, Any]) -> Callable[..., jax.stages.Traced]:
-        """trace(step_weights(), kv_pool, inputs) of the step (result, kv_pool), the
-        pool donated: the process's shared step on one device; on a mesh, a step of
-        this engine's with every input's and output's sharding fixed (the
+    def _jit(self, step):
+        """step(step_weights(), kv_pool, inputs) -> (result, kv_pool) jitted with the pool
+        donated; on a mesh, with every input's and output's sharding fixed (the
         StepInputs and the StepResult replicated whole, whatever their fields,
         the pool split on heads), so the donated pool never meets a resharding."""
         if self.mesh is None:
-            return functools.partial(_shared_step.trace, graphdef, self._weights_treedef, **static)
+            return jax.jit(step, donate_argnums=(1,))
         rep, pool = replicated(self.mesh), pool_sharding(self.mesh)
         weights = jax.tree.map(lambda x: x.sharding, self.step_weights())
-        step = functools.partial(_weighted_step, graphdef, self._weights_treedef, **static)
-        return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, pool, rep), out_shardings=(rep, pool)).trace
+        return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, pool, rep),
+                       out_shardings=(rep, pool))
 
     def _mesh_context(self):
         """Traces a step under the mesh, where the attention kernels find it."""

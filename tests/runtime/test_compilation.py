@@ -18,7 +18,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from helpers import random_prompts
 from jpaged.core.sequence import SamplingParams
 from jpaged.entrypoints.metrics import format_summary, summarize
-from jpaged.runtime import compilation, model_runner
+from jpaged.runtime import compilation
 
 ENGINE = dict(num_blocks=61, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, buckets_per_octave=8)
 RUNGS = 4  # precompile(): buckets 4, 8, 16, 32 of (4, 8, 16, 18, ..., 32)
@@ -157,35 +157,3 @@ def test_background_builds_run_below_the_serving_threads(make_tiny_llm):
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     for t in builders:  # every engine's builder, this one's included
         assert os.getpriority(os.PRIO_PROCESS, t.native_id) >= max(own, compilation.BACKGROUND_NICE)
-
-
-def test_programs_from_jax_cache_are_never_written(make_tiny_llm, tmp_path, caplog, monkeypatch):
-    """JAX's persistent cache serves executables that do not survive a second
-    serialization: not written by the engine it served, nor by a later engine of
-    the process that is handed the same program from JAX's memory."""
-    engine = {**ENGINE, "num_blocks": 59}  # programs no other test here builds
-    settings = {"jax_compilation_cache_dir": str(tmp_path / "xla"), "jax_enable_compilation_cache": True,
-                "jax_persistent_cache_min_compile_time_secs": 0}
-    old = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
-    try:
-        run(make_tiny_llm(**engine))  # compiled, written to JAX's cache
-        def _weighted_step(*args, **kwargs):  # the same program from another function: JAX's memory
-            return model_runner._weighted_step(*args, **kwargs)  # has none of it, its persistent cache has
-        monkeypatch.setattr(model_runner, "_shared_step", jax.jit(
-            _weighted_step, static_argnums=(0, 1), static_argnames=model_runner._STEP_STATIC, donate_argnums=(3,)))
-        with caplog.at_level(logging.INFO, logger=compilation.__name__):
-            served = cached_engine(make_tiny_llm, tmp_path / "served", **engine)
-            assert run(served) == run(make_tiny_llm(**engine))
-        assert served.program_build["programs_compiled"] > 0
-        assert any("came from JAX's persistent compilation cache" in r.getMessage() for r in caplog.records)
-        shared = cached_engine(make_tiny_llm, tmp_path / "shared", **engine)
-        run(shared)
-        assert shared.program_build["programs_compiled"] == served.program_build["programs_compiled"]
-        assert not entries(tmp_path / "served") and not entries(tmp_path / "shared")
-    finally:
-        for name, value in old.items():
-            jax.config.update(name, value)
-        jax_cache.reset_cache()
