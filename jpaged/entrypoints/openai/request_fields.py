@@ -16,7 +16,7 @@ from jpaged.structured import spec as structured_spec
 from jpaged.structured.json_values import json_type, short
 
 # capture_routes: vLLM-style extension (SamplingParams.capture_routes): a MoE model's
-# answer carries each choice's routed experts (responses.routes_json).
+# answer carries each choice's routed experts (responses.with_routes).
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
                    "cache_salt", "ignore_eos", "capture_routes", "logprobs", "prompt_logprobs")
 # The fields that constrain the output, all mapped to SamplingParams.structured

@@ -145,11 +145,11 @@ class GenerationRun:
         return self._with_routes(updates)
 
     def _with_routes(self, updates: list[ChoiceUpdate]) -> list[ChoiceUpdate]:
-        """Capturing routes, each choice's last update carries them whole (a rollout
-        replays the routes of the whole sequence, prompt included, so pieces per chunk
-        would only have to be joined again; and the prompt's come at once, not with
-        any text).  They come with the request's output, once all its n samples have
-        ended: a sample that ends before its siblings has its last update wait."""
+        """Capturing routes, each choice's last update carries them whole: an RL rollout
+        replays the routes of its whole sequence (prompt included) in the trainer, so
+        routes per chunk would only have to be joined again, and the prompt's match no
+        chunk's text.  They come with the request's output, once all its n samples
+        have ended: a sample that ends before its siblings has its last update wait."""
         if not self.gen.params.capture_routes:
             return updates
         pending, self._waiting = self._waiting + updates, []
