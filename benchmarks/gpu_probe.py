@@ -958,8 +958,9 @@ PART_FNS = {"environment": part_environment, "gemm_chain": part_gemm_chain, "ana
             "attention_sweep": part_attention_sweep, "quantized_pools": part_quantized_pools,
             "moe_grouped": part_moe_grouped}
 
-COLUMNS = ["variant", "shape", "tokens", "experts_touched", "MB", "M", "batch", "kv_dtype", "context", "bucket", "bucket_ok", "ms", "median_step_ms",
-           "device_ms", "host_ms", "dispatch_us", "floor_ms", "decode_tok_per_s", "us", "GB_s", "GB_s_all", "pct_copy",
+COLUMNS = ["variant", "shape", "tokens", "experts_touched", "MB", "M", "batch", "kv_dtype", "context", "bucket",
+           "bucket_ok", "ms", "median_step_ms", "device_ms", "host_ms", "dispatch_us", "floor_ms", "decode_tok_per_s",
+           "us", "GB_s", "GB_s_all", "pct_copy",
            "pct_nominal", "bf16_us / us", "temp_bytes", "alias_bytes", "argument_bytes", "pool_bytes",
            "compile_s", "note"]
 

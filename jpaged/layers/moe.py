@@ -13,7 +13,12 @@ routing weights.  On the CPU, where XLA expands `ragged_dot` into one masked
 dense matmul per expert, the grouped matmuls run as tiles of one expert each
 (`tiled_swiglu_experts`), chosen when the program is lowered.  Every shape is static: always T * k rows, whatever the
 routing (no capacity factor, no token dropped), so routing never compiles a
-new program; only the group sizes (data) change.
+new program; only the group sizes (data) change.  At a single token (T <=
+CPU_ALL_EXPERTS_MAX_TOKENS, static per step bucket) the CPU skips the sort and
+runs every expert on every token as one batched matmul, weighted by a combine
+matrix that is zero for the experts a token was not routed to
+(`all_experts_routed`): each expert's weights are read once, where the tiles
+copy a slice of them per tile (benchmarks/results/moe_cpu.md).
 
 Under tensor parallelism (a mesh with a 'model' axis) the layer runs under
 `jax.shard_map`, as `expert_split` says: whole experts per device (expert
@@ -131,12 +136,36 @@ def expert_split(num_experts: int, moe_intermediate_size: int, tp: int, expert_p
     return UNITS if moe_intermediate_size % tp == 0 else REPLICATED
 
 
+# At most this many tokens (a static step bucket), the CPU runs `all_experts_routed`:
+# measured faster than the tiles at 1 token (~1.4-1.8x) in every run; at 2-4 tokens
+# it won some runs and lost others on the loaded VM, slower from 8 on (SmolLM2
+# widths, 8 experts, top-2, weights as arguments; benchmarks/results/moe_cpu.md).
+CPU_ALL_EXPERTS_MAX_TOKENS = 1
+
+
+def all_experts_routed(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                       w_down: jax.Array, *, num_experts: int) -> jax.Array:
+    """`routed_experts` without the sort: every expert of `w_gate` ... on every token
+    (one batched matmul over the experts, T * E rows), combined by a [T, E] matrix
+    of routing weights that is zero where a token was not routed (fp32 [T, d]).
+    Under expert parallelism the experts are this device's slice: routes to the
+    others' experts fall outside it and weigh nothing."""
+    here_count = w_gate.shape[0]
+    first = 0 if here_count == num_experts else jax.lax.axis_index("model") * here_count
+    combine = jnp.einsum("tke,tk->te", jax.nn.one_hot(experts - first, here_count, dtype=jnp.float32), weights)
+    xs = jnp.broadcast_to(x, (here_count, *x.shape))  # batched over the experts: no transpose of the weights
+    h = jax.nn.silu(jnp.einsum("etd,edf->etf", xs, w_gate)) * jnp.einsum("etd,edf->etf", xs, w_up)
+    y = jnp.einsum("etf,efd->etd", h.astype(x.dtype), w_down)
+    return jnp.einsum("etd,te->td", y.astype(jnp.float32), combine)
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-            *, top_k: int, renormalize: bool, grouped: Callable[..., jax.Array] = grouped_swiglu_experts,
+            *, top_k: int, renormalize: bool, grouped: Callable[..., jax.Array] | None = None,
             routing: tuple[jax.Array, jax.Array] | None = None, expert_parallel: bool = False) -> jax.Array:
     """The MoE MLP of x [T, d]: router [d, E], experts w_gate / w_up [E, d, f],
     w_down [E, f, d].  Dropless grouped matmuls (see the module docstring);
-    `grouped`: which (tests and benchmarks pick `swiglu_experts` or `tiled_swiglu_experts`);
+    `grouped`: which grouped matmuls (tests and benchmarks pick `swiglu_experts` or
+    `tiled_swiglu_experts`); None: the platform's choice (`platform_routed_experts`);
     `routing`: `route`'s (weights, experts) when the caller computed them already.
     Under a mesh with a 'model' axis (tensor parallelism), the experts are split as
     `expert_split` says (`expert_parallel`: whole experts per device)."""
@@ -161,9 +190,34 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, *, top_k: int, num_experts: int, grouped: Callable[..., jax.Array]
+                   w_down: jax.Array, *, top_k: int, num_experts: int, grouped: Callable[..., jax.Array] | None
                    ) -> jax.Array:
-    """Each token's routing-weighted sum over the experts of `w_gate` ... (fp32 [T, d]).
+    """Each token's routing-weighted sum over the experts of `w_gate` ... (fp32 [T, d]):
+    `sorted_routed_experts` with `grouped`, or (None) `platform_routed_experts`."""
+    args = (x, weights, experts, w_gate, w_up, w_down)
+    if grouped is None:
+        return platform_routed_experts(*args, top_k=top_k, num_experts=num_experts)
+    return sorted_routed_experts(*args, top_k=top_k, num_experts=num_experts, grouped=grouped)
+
+
+def platform_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
+                            w_up: jax.Array, w_down: jax.Array, *, top_k: int, num_experts: int) -> jax.Array:
+    """The routed experts for the platform the program is lowered for: on the CPU,
+    `all_experts_routed` at <= CPU_ALL_EXPERTS_MAX_TOKENS tokens (T is static) and
+    the tiles above; elsewhere the sort and `ragged_dot`."""
+    if x.shape[0] <= CPU_ALL_EXPERTS_MAX_TOKENS:
+        cpu = functools.partial(all_experts_routed, num_experts=num_experts)
+    else:
+        cpu = functools.partial(sorted_routed_experts, top_k=top_k, num_experts=num_experts,
+                                grouped=tiled_swiglu_experts)
+    default = functools.partial(sorted_routed_experts, top_k=top_k, num_experts=num_experts, grouped=swiglu_experts)
+    return jax.lax.platform_dependent(x, weights, experts, w_gate, w_up, w_down, cpu=cpu, default=default)
+
+
+def sorted_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
+                          w_up: jax.Array, w_down: jax.Array, *, top_k: int, num_experts: int,
+                          grouped: Callable[..., jax.Array]) -> jax.Array:
+    """`routed_experts` through the sort and the grouped matmuls `grouped`.
     With fewer than num_experts of them (expert parallelism, under shard_map), they
     are this device's slice: its rows sort first, the others' rows sort last and
     are left out of the grouped matmuls (zeros), so every shape stays T * k rows."""

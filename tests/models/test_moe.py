@@ -21,8 +21,8 @@ import pytest
 from helpers import TINY_ENGINE, import_torch, make_peft_adapter, random_prompts
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
-from jpaged.layers.moe import (expert_load, grouped_swiglu_experts, moe_mlp, moe_mlp_dense, route,
-                               swiglu_experts, tile_rows, tiled_swiglu_experts)
+from jpaged.layers.moe import (CPU_ALL_EXPERTS_MAX_TOKENS, all_experts_routed, expert_load, grouped_swiglu_experts,
+                               moe_mlp, moe_mlp_dense, route, swiglu_experts, tile_rows, tiled_swiglu_experts)
 
 torch = import_torch()
 
@@ -50,7 +50,8 @@ def _layer_weights(seed: int, d: int = 16, f: int = 8, E: int = 4):
 
 
 _moe = jax.jit(moe_mlp, static_argnames=("top_k", "renormalize", "grouped"))
-GROUPED = {"platform": grouped_swiglu_experts, "ragged_dot": swiglu_experts, "tiles": tiled_swiglu_experts}
+GROUPED = {"default": None, "platform": grouped_swiglu_experts, "ragged_dot": swiglu_experts,
+           "tiles": tiled_swiglu_experts}
 
 
 @pytest.mark.parametrize("grouped", GROUPED)
@@ -62,6 +63,20 @@ def test_grouped_matmuls_equal_the_dense_oracle(seed, top_k, renormalize, groupe
     got = _moe(x, router, *experts, top_k=top_k, renormalize=renormalize, grouped=GROUPED[grouped])
     want = moe_mlp_dense(x, router, *experts, top_k=top_k, renormalize=renormalize)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", sorted({1, 2, CPU_ALL_EXPERTS_MAX_TOKENS, CPU_ALL_EXPERTS_MAX_TOKENS + 1, 17}))
+def test_platform_choice_by_token_count_equals_the_dense_oracle(tokens):
+    """The default (the CPU: every expert on every token up to CPU_ALL_EXPERTS_MAX_TOKENS,
+    the tiles above) on both sides of the switch, and the all-experts form itself."""
+    router, experts = _layer_weights(3)
+    x = np.random.default_rng(tokens).standard_normal((tokens, 16)).astype(np.float32)
+    want = moe_mlp_dense(x, router, *experts, top_k=2, renormalize=True)
+    got = _moe(x, router, *experts, top_k=2, renormalize=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    weights, chosen = route(jnp.asarray(x), jnp.asarray(router), 2, True)
+    direct = jax.jit(all_experts_routed, static_argnames="num_experts")(x, weights, chosen, *experts, num_experts=4)
+    np.testing.assert_allclose(np.asarray(direct), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("sizes", [(40, 0, 0, 0), (0, 0, 0, 40), (1, 0, 38, 1), (9, 8, 16, 7), (3, 0, 0, 0)])
@@ -118,11 +133,13 @@ def test_moe_layer_is_differentiable():
     """decode.score's gradients go through the grouped matmuls: they equal the oracle's."""
     router, experts = _layer_weights(11)
     x = np.random.default_rng(12).standard_normal((9, 16)).astype(np.float32)
+
     def loss(x, w, fn, **kw):
         return (fn(x, router, *w, top_k=2, renormalize=True, **kw) ** 2).sum()
 
-    want = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp_dense)
-    for grouped in (swiglu_experts, tiled_swiglu_experts):
+    few = x[:CPU_ALL_EXPERTS_MAX_TOKENS]  # grouped=None at as few tokens: the CPU's all-experts form
+    for grouped, x in ((swiglu_experts, x), (tiled_swiglu_experts, x), (None, few)):
+        want = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp_dense)
         got = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp, grouped=grouped)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
