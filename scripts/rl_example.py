@@ -250,6 +250,9 @@ def main(argv):
         # The engine's logprobs (those it sampled with) against the trainer's, same weights.
         engine_lp = np.array([lp.logprob for o in outs for s in o.samples for lp in s["logprobs"]])
         lp_err = float(np.max(np.abs(policy_lp[mask > 0] - engine_lp)))
+        # A step may have run padded to a larger ready bucket while its own was built
+        # in the background: count that program in its round, not in a later one.
+        llm.runner.wait_for_programs()
         row = dict(round=rnd + 1, reward=float(r.mean()), kl=kl, sample_tok_s=num_generated / rollout_s,
                    rollout_s=rollout_s, score_s=score_s, update_s=update_s, update_params_ms=1000 * swap_s,
                    sleep_wake_s=sleep_s,
