@@ -164,8 +164,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
             routing: tuple[jax.Array, jax.Array] | None = None, expert_parallel: bool = False) -> jax.Array:
     """The MoE MLP of x [T, d]: router [d, E], experts w_gate / w_up [E, d, f],
     w_down [E, f, d].  Dropless grouped matmuls (see the module docstring);
-    `grouped`: which grouped matmuls (tests and benchmarks pick `swiglu_experts` or
-    `tiled_swiglu_experts`); None: the platform's choice (`platform_routed_experts`);
+    `grouped`: which grouped matmuls (tests and benchmarks pick `swiglu_experts`,
+    `tiled_swiglu_experts` or the Pallas kernels' `pallas_kernels.grouped_matmul.
+    gmm_swiglu_experts`); None: the platform's choice (`platform_routed_experts`);
     `routing`: `route`'s (weights, experts) when the caller computed them already.
     Under a mesh with a 'model' axis (tensor parallelism), the experts are split as
     `expert_split` says (`expert_parallel`: whole experts per device)."""
@@ -210,6 +211,8 @@ def platform_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array
     else:
         cpu = functools.partial(sorted_routed_experts, top_k=top_k, num_experts=num_experts,
                                 grouped=tiled_swiglu_experts)
+    # ragged_dot stays the default off the CPU until a GPU measures the Pallas grouped
+    # matmul (gmm_swiglu_experts, gpu_probe.py part 8) faster: it has only run interpreted.
     default = functools.partial(sorted_routed_experts, top_k=top_k, num_experts=num_experts, grouped=swiglu_experts)
     return jax.lax.platform_dependent(x, weights, experts, w_gate, w_up, w_down, cpu=cpu, default=default)
 
