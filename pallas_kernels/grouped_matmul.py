@@ -142,7 +142,9 @@ def _gpu_kernel(tile_group_ref, used_ref, x_ref, *refs, tm: int, tk: int, tn: in
         x = x_ref[rows, ks]
         return tuple(acc + _dot(x, w_ref[g, ks, cols], fp32_precision) for acc, w_ref in zip(accs, w_refs))
 
-    trips = jnp.where(i < used_ref[0], num_k, 0)     # unused tiles: no weight read, zeros
+    # Unused tiles: no weight read, zeros.  Integer arithmetic, not a select: Triton's
+    # lowering of where(c, 1, 0) (num_k == 1) gave the loop an i1 bound.
+    trips = jnp.clip(used_ref[0] - i, 0, 1) * num_k
     accs = lax.fori_loop(0, trips, step, (jnp.zeros((tm, tn), jnp.float32),) * len(w_refs))
     o_ref[...] = _epilogue(accs).astype(o_ref.dtype)
 
