@@ -1,6 +1,9 @@
-"""The MoE MLP alone (jpaged.layers.moe), jitted: its two dropless grouped forms
+"""The MoE MLP alone (jpaged.layers.moe), jitted: its three dropless grouped forms
 (tiles of one expert, what the CPU runs above CPU_ALL_EXPERTS_MAX_TOKENS;
-`jax.lax.ragged_dot`, what other platforms run), the all-experts form (every
+`jax.lax.ragged_dot`, what other platforms run; the Pallas grouped matmul
+`pallas_kernels.grouped_matmul.gmm_swiglu_experts`, which off a GPU / TPU runs
+in interpret mode: that column is then a code-path figure, not a kernel speed,
+and it is timed only up to --pallas_max_tokens), the all-experts form (every
 expert on every token, one batched matmul: what the CPU runs at a few tokens),
 the default (the platform's choice) against the dense one-hot oracle and against
 a dense SwiGLU MLP with the same active parameters (k experts' width), at
@@ -10,6 +13,7 @@ weights that favour the dense forms).
 
     python benchmarks/bench_moe.py [--tokens=1,4,16,64,256,1024] [--hidden=576] [--expert_width=768]
                                    [--experts=8] [--top_k=2] [--dtype=float32] [--iters=20] [--split]
+                                   [--pallas_max_tokens=1024]
 
 --split: instead, the default layer's pieces jitted one by one (router; sort and
 dispatch: group sizes, argsort, the gather of the rows; the grouped matmuls;
@@ -33,6 +37,7 @@ import numpy as np
 
 from jpaged.layers.moe import (CPU_ALL_EXPERTS_MAX_TOKENS, all_experts_routed, expert_load, moe_mlp, moe_mlp_dense,
                                route, swiglu_experts, tile_rows, tiled_swiglu_experts)
+from pallas_kernels.grouped_matmul import gmm_swiglu_experts
 
 
 def fastest_ms(fns: list, args: list[tuple], iters: int) -> list[float]:
@@ -90,6 +95,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--split", action="store_true", help="time the default layer's pieces one by one")
+    ap.add_argument("--pallas_max_tokens", type=int, default=1024,
+                    help="time the Pallas column only up to this many tokens (interpret mode is slow)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if min(tokens) < 1 or args.iters < 1:
@@ -116,14 +123,20 @@ def main() -> None:
         "default": jax.jit(lambda x, *w: moe_mlp(x, *w, top_k=k, renormalize=True)),
         "one-hot dense": jax.jit(lambda x, *w: moe_mlp_dense(x, *w, top_k=k, renormalize=True)),
     }
+    on_device = jax.devices()[0].platform in ("gpu", "tpu")
+    pallas = "Pallas gmm" + ("" if on_device else " (interpret mode)")
+    variants[pallas] = jax.jit(lambda x, *w: moe_mlp(x, *w, top_k=k, renormalize=True, grouped=gmm_swiglu_experts))
     mlp = jax.jit(lambda x, g, u, dn: (jax.nn.silu(x @ g) * (x @ u)) @ dn)
-    print(f"(default: all experts at <= {CPU_ALL_EXPERTS_MAX_TOKENS} token(s) on the CPU, tiles above)")
+    print(f"(default: all experts at <= {CPU_ALL_EXPERTS_MAX_TOKENS} token(s) on the CPU, tiles above"
+          + ("" if on_device else f"; {pallas}: not a kernel speed, - above {args.pallas_max_tokens} tokens") + ")")
     print(f"| tokens | {' | '.join(variants)} | dense MLP, same active params | default / dense MLP |")
     print("|---:" * (len(variants) + 3) + "|")
     for T in tokens:
         x = weights(T, d) * 50
-        ms = fastest_ms([*variants.values(), mlp], [(x, *moe)] * len(variants) + [(x, *dense)], args.iters)
-        print(f"| {T} | {' | '.join(f'{m:.2f}' for m in ms)} | {ms[3] / ms[-1]:.2f} |", flush=True)
+        timed = [fn for name, fn in variants.items() if name != pallas or T <= args.pallas_max_tokens]
+        ms = fastest_ms([*timed, mlp], [(x, *moe)] * len(timed) + [(x, *dense)], args.iters)
+        cells = [f"{m:.2f}" for m in ms[:-1]] + ["-"] * (len(variants) - len(timed)) + [f"{ms[-1]:.2f}"]
+        print(f"| {T} | {' | '.join(cells)} | {ms[3] / ms[-1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
