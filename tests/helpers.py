@@ -22,12 +22,17 @@ def import_torch():
 
 # Engine settings for the tiny Llama: small pool and lengths keep compiles cheap, and
 # so does the power-of-two ladder (buckets_per_octave=1: a few programs per engine;
-# tests of the finer default ladder ask for it).
+# tests of the finer default ladder ask for it).  A step whose bucket is not built runs
+# padded to a larger built one and builds nothing more (build_padded_buckets=False):
+# most engines here run a few steps, and a background build of a decode bucket after
+# the prefill's cost more than the steps it would have saved (tests of the background
+# builds ask for them).
 # Prefix caching is off so that these tests exercise plain paging (tests turn it on
 # where they mean to; tests/core/test_prefix_cache.py covers it in depth).
 TINY_ENGINE = dict(load_format="hf", max_model_len=128, block_size=16, num_blocks=64,
                    max_num_seqs=8, max_num_batched_tokens=128, attention_impl="reference",
-                   enable_prefix_caching=False, buckets_per_octave=1, min_step_tokens=8)
+                   enable_prefix_caching=False, buckets_per_octave=1, min_step_tokens=8,
+                   build_padded_buckets=False)
 
 
 def assert_all_blocks_free(llm) -> None:

@@ -128,6 +128,7 @@ class ModelRunner:
         self.kv_groups = layout.num_groups if layout else 1  # block tables per sequence (jpaged.core.kv_layout)
         self.max_num_seqs = sched.max_num_seqs
         self.vocab_size = model_cfg.vocab_size  # the logit masks' width
+        self.build_padded_buckets = sched.build_padded_buckets
         self.token_buckets = token_buckets(sched.max_num_batched_tokens, sched.max_num_seqs, sched.buckets_per_octave,
                                            min_step_tokens(sched.min_step_tokens, runtime.attention_impl))
         self._new_pool = functools.partial(create_kv_pool, model_cfg, cache.num_blocks, block_size,
@@ -346,15 +347,16 @@ class ModelRunner:
     def _ready_bucket(self, inputs: StepInputs) -> int:
         """The bucket to run `inputs` in now: its own when ready (or loadable from
         disk, which traces nothing), else the smallest larger ready bucket of the
-        same structure, its own queued on the builder; its own (to be built, or
-        waited for) when none is ready.  Padding is masked out of every real
-        token's attention and sampling, so the bucket never changes a token."""
+        same structure, its own queued on the builder (unless build_padded_buckets
+        is off); its own (to be built, or waited for) when none is ready.  Padding
+        is masked out of every real token's attention and sampling, so the bucket
+        never changes a token."""
         T, S, structure = program_key(inputs)
         if self._programs.is_ready((T, S, structure)) or self._programs.on_disk(inputs):
             return T
         larger = next((b for b in self.token_buckets
                        if b > T and self._programs.is_ready((b, self.seq_bucket(b), structure))), None)
-        if larger is not None:
+        if larger is not None and self.build_padded_buckets:
             self._programs.submit(inputs)
         return T if larger is None else larger
 

@@ -164,7 +164,7 @@ def test_precompile_covers_the_workload(make_tiny_llm):
     two rungs runs padded to the next while its own bucket is built in the
     background), and its tokens equal those of a fresh engine's: the warm-up steps
     (all padding) leave the pool as it was."""
-    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, build_padded_buckets=True)
     llm = make_tiny_llm(**engine)
     n = llm.precompile()
     assert n == llm.num_compilations == 4
@@ -178,3 +178,21 @@ def test_precompile_covers_the_workload(make_tiny_llm):
     assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
     llm.runner.wait_for_programs()
     assert llm.precompile() == 0
+
+
+def test_padded_steps_build_their_bucket_only_when_asked(make_tiny_llm):
+    """A 30-token prompt's first step builds bucket 32; its decodes (1 row, bucket 4)
+    then run padded to 32.  With build_padded_buckets bucket 4 is built in the
+    background; without it nothing more is built and every step stays in 32.  The
+    tokens are the same either way: padding is masked out."""
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    lazy = make_tiny_llm(**engine, build_padded_buckets=False)
+    eager = make_tiny_llm(**engine, build_padded_buckets=True)
+    prompts, params = random_prompts([30], seed=21), SamplingParams(max_tokens=12, ignore_eos=True)
+    lazy_tokens, eager_tokens = (llm.generate(prompts, params)[0].token_ids for llm in (lazy, eager))
+    assert lazy_tokens == eager_tokens and len(lazy_tokens) == 12
+    for llm in (lazy, eager):
+        llm.runner.wait_for_programs()
+    assert [k[0] for k in lazy.runner.compiled_shapes] == [32]
+    assert sorted(k[0] for k in eager.runner.compiled_shapes) == [4, 32]
+    assert lazy.stats.padding_ratio > 9  # 12 steps of 32 slots for 30 + 11 tokens

@@ -82,7 +82,7 @@ def test_mixed_steps_equal_each_request_alone(make_tiny_llm):
     budget: every request's greedy tokens equal those it gets alone."""
     prompts = random_prompts([5, 40, 17, 3, 64, 9, 33], seed=11)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    llm = make_tiny_llm(max_num_batched_tokens=24, max_num_seqs=4)
+    llm = make_tiny_llm(max_num_batched_tokens=24, max_num_seqs=4, build_padded_buckets=True)
     together = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone

@@ -135,6 +135,10 @@ class SchedulerConfig(Section):
         "this CPU a one-row decode in the 1-token bucket ran 1.9x faster than padded to 8), 8 with the Pallas "
         "kernels (their tiles are 8 rows; a step that small costs what 8 tokens cost on an accelerator).",
         allowed="0 (by attention kernel), 1, 2, 4 or 8", ge=0, le=8)
+    build_padded_buckets: bool = field(True, "A step whose bucket is not compiled yet runs padded to a larger "
+                                       "compiled one while its own builds in the background; false: it keeps "
+                                       "running padded and builds nothing (fewer compiles for short runs and "
+                                       "tests; a step with no larger compiled bucket still builds its own).")
     async_scheduling: bool = field(True, "The host schedules and prepares step n+1 while the device runs step "
                                    "n (the tokens step n samples reach step n+1 on the device); false: one "
                                    "after the other.")
