@@ -36,7 +36,8 @@ at its time cap still reports what it measured.
   7. quantized_pools  int8 and float8_e4m3fn pools against bf16 at batch 32/128,
                       context 4k, the kernel's default tuning.
   8. moe_grouped      the MoE layer's grouped matmuls (jpaged.layers.moe.swiglu_experts:
-                      three jax.lax.ragged_dot, bf16) at decode token counts 1..64 on
+                      three jax.lax.ragged_dot, bf16; beside them the Pallas grouped
+                      matmul, pallas_kernels.grouped_matmul) at decode token counts 1..64 on
                       one layer of Qwen3-30B-A3B (128 experts, top-8) and Mixtral-8x7B
                       (8 experts, top-2) shapes, random routing: µs, GB/s of the bytes
                       of the experts the tokens were routed to (what a grouped matmul
@@ -96,7 +97,7 @@ TITLES = {"environment": "1. Environment", "gemm_chain": "2. GEMM chain (8B weig
           "trace": "4. Profiler trace and optimized HLO", "command_buffers": "5. XLA command buffers",
           "attention_sweep": "6. Attention sweep (context 4k)",
           "quantized_pools": "7. Quantized pools vs bf16",
-          "moe_grouped": "8. MoE grouped matmuls (ragged_dot) at decode"}
+          "moe_grouped": "8. MoE grouped matmuls (ragged_dot, Pallas gmm) at decode"}
 
 DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"
 # Engine variants: layer_loop and the XLA flags of their process.
@@ -149,7 +150,7 @@ def gpu_plan() -> Plan:
     # Time caps (s) per subprocess (gemm: per variant), about the plan's (gpu-plan.md 7.2);
     # the parts run in its rank order and --budget_s cuts the tail, rerun with --parts=.
     caps = {"gemm": 30, "anatomy": 70, "large_pool": 45, "trace": 60, "command_buffers": 45,
-            "attention_sweep": 60, "quantized_pools": 45, "moe_grouped": 45}
+            "attention_sweep": 60, "quantized_pools": 45, "moe_grouped": 70}  # moe: + the Pallas gmm's compiles
     return Plan("8b", dc.LLAMA3_8B, sweep_b1=sweep_b1, sweep_b32=sweep_b32, caps=caps)
 
 
@@ -842,10 +843,17 @@ def part_moe_grouped(ctx: Probe, part: dc.Part) -> None:
             best = max(timed, key=lambda r: r["GB_s"])
             part.info[f"{shape}: best ragged_dot GB/s (routed experts' bytes)"] = \
                 f"{best['GB_s']} at {best['tokens']} tokens ({best['pct_copy']}% of copy)"
+        us = {(r["variant"], r["tokens"]): r["us"] for r in part.rows if r.get("shape") == shape and r.get("us")}
+        ratios = [f"{t}: {us[('pallas_gmm', t)] / us[('ragged_dot', t)]:.2f}" for t in ctx.plan.moe_tokens
+                  if ("pallas_gmm", t) in us and ("ragged_dot", t) in us]
+        if ratios:
+            part.info[f"{shape}: pallas_gmm us / ragged_dot us, by tokens"] = ", ".join(ratios)
     part.notes.append(f"Per shape, one MoE layer's experts in bf16 (w_gate, w_up [E, d, f], w_down [E, f, d]) "
                       f"and T tokens (bf16) routed by a random router (top-k of a softmax); ragged_dot = "
                       f"jpaged.layers.moe.swiglu_experts on the rows sorted by expert (the three grouped "
-                      f"matmuls alone); moe_mlp = the whole layer (fp32 router, sort, grouped matmuls, "
+                      f"matmuls alone); pallas_gmm = pallas_kernels.grouped_matmul.gmm_swiglu_experts on "
+                      f"the same rows (the Pallas grouped matmul: gate and up fused, then down; its row says "
+                      f"its max abs difference from ragged_dot's output); moe_mlp = the whole layer (fp32 router, sort, grouped matmuls, "
                       f"combine). us = wall of {ctx.plan.kernel_programs} programs back to back (median of "
                       f"{ctx.plan.kernel_reps}); GB_s = bytes of the experts the tokens were routed to "
                       "(experts_touched x 3 d f x 2 B) / time; GB_s_all = all E experts' bytes / time "
@@ -884,9 +892,11 @@ def moe_tokens(key: Any, w: dict[str, Any], top_k: int, tokens: int) -> tuple[An
 def worker_moe(spec: dict[str, Any], out: "Results") -> None:
     import functools
     import jax
+    import jax.numpy as jnp
     from jpaged.layers.moe import moe_mlp, swiglu_experts
+    from pallas_kernels.grouped_matmul import gmm_swiglu_experts
     plan = spec["plan"]
-    grouped = jax.jit(swiglu_experts)
+    grouped, pallas = jax.jit(swiglu_experts), jax.jit(gmm_swiglu_experts)
     for name, shape in plan["moe_shapes"].items():
         d, f, E, k = shape
         expert_bytes = 3 * d * f * 2
@@ -897,13 +907,22 @@ def worker_moe(spec: dict[str, Any], out: "Results") -> None:
                 out.rows.append({"shape": name, "tokens": T, "note": "skipped: time cap"})
                 continue
             x, xs, group_sizes, touched = moe_tokens(jax.random.key(T), w, k, T)
-            for variant, fn, args in (("ragged_dot", grouped, (xs, w["gate"], w["up"], w["down"], group_sizes)),
+            experts_args = (xs, w["gate"], w["up"], w["down"], group_sizes)
+            for variant, fn, args in (("ragged_dot", grouped, experts_args), ("pallas_gmm", pallas, experts_args),
                                       ("moe_mlp", layer, (x, w["router"], w["gate"], w["up"], w["down"]))):
-                secs = kernel_seconds(fn, args, plan["kernel_programs"], plan["kernel_reps"])
+                row = {"variant": variant, "shape": name, "tokens": T, "experts_touched": f"{touched}/{E}"}
+                try:
+                    secs = kernel_seconds(fn, args, plan["kernel_programs"], plan["kernel_reps"])
+                except Exception as e:  # the Pallas kernel's first GPU compile: keep the other rows
+                    out.add({**row, "note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+                    continue
                 read = touched * expert_bytes
-                out.add({"variant": variant, "shape": name, "tokens": T, "experts_touched": f"{touched}/{E}",
-                         "MB": round(read / 1e6, 1), "us": round(1e6 * secs, 2),
-                         "GB_s": round(read / secs / 1e9, 1), "GB_s_all": round(E * expert_bytes / secs / 1e9, 1)})
+                row.update({"MB": round(read / 1e6, 1), "us": round(1e6 * secs, 2), "GB_s": round(read / secs / 1e9, 1),
+                            "GB_s_all": round(E * expert_bytes / secs / 1e9, 1)})
+                if variant == "pallas_gmm":  # its first runs on a GPU: is it right?
+                    diff = (fn(*args).astype(jnp.float32) - grouped(*args).astype(jnp.float32))
+                    row["max_abs_diff_vs_ragged_dot"] = float(jnp.max(jnp.abs(diff)))
+                out.add(row)
         del w  # one layer's experts on the device at a time
 
 

@@ -104,11 +104,14 @@ def test_report_rows(cpu_run):
     assert set(quant) == {"bfloat16", "int8"}
     assert quant["int8"]["us"] > 0 and quant["int8"]["bf16_us / us"] > 0
     moe = {(r["variant"], r["tokens"]): r for r in parts["moe_grouped"]["rows"]}
-    assert set(moe) == {(v, t) for v in ("ragged_dot", "moe_mlp") for t in (1, 4)}
+    assert set(moe) == {(v, t) for v in ("ragged_dot", "pallas_gmm", "moe_mlp") for t in (1, 4)}
     for r in moe.values():  # the tiny CPU shape: 8 experts, top-2
         touched, experts = map(int, r["experts_touched"].split("/"))
         assert r["shape"] == "tiny" and experts == 8 and 2 <= touched <= min(8, 2 * r["tokens"])
         assert r["us"] > 0 and r["GB_s_all"] >= r["GB_s"] >= 0
+    for t in (1, 4):  # the Pallas grouped matmul (interpret mode here) agrees with ragged_dot (bf16)
+        assert moe[("pallas_gmm", t)]["max_abs_diff_vs_ragged_dot"] < 0.05
+    assert "pallas_gmm us / ragged_dot us, by tokens" in " ".join(parts["moe_grouped"]["info"])
 
 
 def test_files_for_the_device_tool(cpu_run):
