@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY_ENGINE, import_torch, make_peft_adapter, random_prompts
+from helpers import TINY_ENGINE, import_torch, make_peft_adapter, random_prompts, with_tokenizer
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
 from jpaged.layers.moe import (CPU_ALL_EXPERTS_MAX_TOKENS, all_experts_routed, expert_load, grouped_swiglu_experts,
@@ -280,6 +280,22 @@ def test_prompt_lookup_speculation_and_score(family, engine):
     grads = jax.jit(jax.grad(lambda p: jnp.sum(score(engine.graphdef, p, ids, lengths))))(engine.params)
     experts = [g for k, g in jax.tree_util.tree_flatten_with_path(grads)[0] if "experts_" in jax.tree_util.keystr(k)]
     assert experts and all(np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0 for g in experts)
+
+
+def test_structured_outputs_constrain_a_moe_model(tiny_qwen3_moe, tmp_path):
+    """Constraints mask a MoE model's logits as they do a dense one's (the byte-level
+    tokenizer of helpers.with_tokenizer: its EOS, id 2, is the byte "#"): a regex
+    greedy and a choice sampled, through the chunked, prefix-cached engine."""
+    from jpaged.engine.llm import LLM
+    from jpaged.structured.spec import StructuredOutputs
+    llm = LLM(model=str(with_tokenizer(str(tiny_qwen3_moe[0]), tmp_path / "moe")), **ENGINE)
+    params = [SamplingParams(max_tokens=8, structured=StructuredOutputs(regex=r"[0-9]{2,5}")),
+              SamplingParams(max_tokens=8, structured=StructuredOutputs(choice=("alpha", "beta")),
+                             temperature=1.0, seed=1, n=2)]
+    digits, choices = llm.generate(["abc", "a longer prompt about numbers"], params)
+    assert re.fullmatch(r"[0-9]{2,5}", digits.samples[0]["text"].removesuffix("#"))
+    assert {s["text"].removesuffix("#") for s in choices.samples} <= {"alpha", "beta"}
+    assert llm.block_manager.num_used_blocks == 0
 
 
 def test_tensor_parallel_with_merged_projections(family):
