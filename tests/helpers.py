@@ -96,6 +96,27 @@ def with_tokenizer(model_dir: str, dest: pathlib.Path) -> pathlib.Path:
 MIN_COMPILE_SECONDS = 0.1
 
 
+def tiny_gguf_writer(path: pathlib.Path, arch: str, config, head_dims: bool = True):
+    """A gguf.GGUFWriter for `arch` holding a tiny transformers config's header as
+    convert_hf_to_gguf writes it (lengths, block and head counts, RMS eps, F32): what
+    the GGUF twins of tests/loading/test_gguf_families.py and tests/models/test_moe.py
+    share; each adds its architecture's own keys, the vocabulary and the tensors."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    if head_dims:
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return w
+
+
 def cached_compiles_env(env: dict | None = None) -> dict:
     """The environment for a subprocess (a script, the CLI, a server) that compiles
     into the suite's persistent compilation cache (conftest.py) with the suite's

@@ -25,7 +25,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from helpers import import_torch
+from helpers import import_torch, tiny_gguf_writer
 from jpaged.core.model_config import FULL, SLIDING
 from jpaged.models import gemma
 from jpaged.loading.weights import load_gguf, load_hf_dir
@@ -76,18 +76,8 @@ def _write_gguf(kind: str, model, path: pathlib.Path) -> None:
     import gguf
 
     c = model.config
-    w = gguf.GGUFWriter(str(path), kind)  # the architecture strings are the kind names
+    w = tiny_gguf_writer(path, kind, c)  # the architecture strings are the kind names
     w.add_name(f"tiny-{kind}")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     rope = c.rope_parameters
     if kind == "gemma3":  # per layer type (transformers 5): the base is the global layers'
         w.add_rope_freq_base(rope[FULL]["rope_theta"])

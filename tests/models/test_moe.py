@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY_ENGINE, import_torch, make_peft_adapter, random_prompts, with_tokenizer
+from helpers import (TINY_ENGINE, import_torch, make_peft_adapter, random_prompts, tiny_gguf_writer,
+                     with_tokenizer)
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
 from jpaged.layers.moe import (CPU_ALL_EXPERTS_MAX_TOKENS, all_experts_routed, expert_load, grouped_swiglu_experts,
@@ -378,22 +379,12 @@ def _write_gguf(kind: str, ckpt: pathlib.Path, hf_config, path: pathlib.Path) ->
 
     c = hf_config
     arch = "qwen3moe" if kind == "qwen3_moe" else "llama"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = tiny_gguf_writer(path, arch, c, head_dims=kind == "qwen3_moe")
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_expert_count(c.num_experts if kind == "qwen3_moe" else c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     if kind == "qwen3_moe":
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens = ["<pad>", "<bos>", "<eos>"] + [f"<t{i}>" for i in range(3, c.vocab_size)]
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
