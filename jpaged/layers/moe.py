@@ -38,6 +38,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from pallas_kernels.grouped_matmul import tile_layout, to_tiles
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -84,14 +85,10 @@ def tiled_swiglu_experts(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_do
     E = group_sizes.shape[0]
     tile = tile_rows(R, E)
     num_tiles = -(-R // tile) + E
-    ends = jnp.cumsum(group_sizes)
-    padded = (group_sizes + tile - 1) // tile * tile
-    padded_ends = jnp.cumsum(padded)
-    expert = jnp.searchsorted(ends, jnp.arange(R), side="right")        # each sorted row's expert
-    dest = (padded_ends - padded)[expert] + jnp.arange(R) - (ends - group_sizes)[expert]
-    tiles = jnp.zeros((num_tiles * tile, d), xs.dtype).at[dest].set(xs, unique_indices=True)
-    tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * tile, side="right"), E - 1)
-    used = padded_ends[-1] // tile
+    # The Pallas grouped matmul's layout (rows past the groups' total land in unused tiles).
+    dest, tile_expert, used = tile_layout(group_sizes, R, tile)
+    tiles = to_tiles(xs, dest, num_tiles, tile)
+    used = used[0]
 
     def one_tile(_: None, inputs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         i, x, e = inputs
