@@ -1,4 +1,4 @@
-"""Ragged paged attention and the K/V write for XLA:CPU: C++ XLA FFI custom calls.
+"""Ragged paged attention, the K/V write and two matmuls for XLA:CPU: C++ XLA FFI custom calls.
 
 `paged_attention_cpu` is one kernel for decode tokens and prefill chunks
 alike (the ragged contract of `pallas_kernels.paged_attention`).  It reads K/V
@@ -39,6 +39,12 @@ k + 1, for y 1-8 ulps above 2^k; exp2(-13), exp2(15), ... are not exact).
 `matmul_cpu` is jpaged's batch-invariant matmul: each row of a @ b is computed
 alone, in an order fixed by K (one FMA chain per element), so it does not
 change with the number of rows as XLA's dot does (jpaged.layers.batch_invariant).
+
+`skinny_matmul_cpu` is the weight matmul of steps of a few tokens (decode):
+a [M <= 32, K] @ b [K, N] reading b once, b's rows streamed contiguously four
+at a time against accumulators that stay in L1.  XLA:CPU's dot costs several
+passes over the weights at these M (jpaged.layers.skinny_matmul; timings in
+benchmarks/README.md, "Skinny matmul").
 
 `paged_attention_or_reference` / `write_kv_or_reference` (what
 `pallas_kernels.get_backend("cpu")` returns) use the kernels when they apply
@@ -86,6 +92,8 @@ WRITE_TARGET = "jpaged_write_kv_cpu"
 _WRITE_SYMBOL = "JpagedWriteKvCpu"
 MATMUL_TARGET = "jpaged_matmul_cpu"
 _MATMUL_SYMBOL = "JpagedMatmulCpu"
+SKINNY_TARGET = "jpaged_skinny_matmul_cpu"
+_SKINNY_SYMBOL = "JpagedSkinnyMatmulCpu"
 _SRC = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC",
           "-std=c++17")
@@ -238,7 +246,7 @@ def _load() -> bool:
             path = _build()
             lib = ctypes.CDLL(str(path))
             for target, symbol in ((TARGET, _SYMBOL), (WRITE_TARGET, _WRITE_SYMBOL),
-                                   (MATMUL_TARGET, _MATMUL_SYMBOL)):
+                                   (MATMUL_TARGET, _MATMUL_SYMBOL), (SKINNY_TARGET, _SKINNY_SYMBOL)):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                             platform="cpu")
             _state.update(ok=True, lib=lib, reason="")
@@ -396,5 +404,30 @@ def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, soft_ca
                 soft_cap=np.float32(soft_cap or 0.0))
 
 
+# The most rows skinny_matmul_cpu takes: its accumulators (4096 floats per column
+# panel) hold 8 columns of 512 rows, but past ~48 rows XLA's dot is the faster
+# (benchmarks/README.md, "Skinny matmul").
+SKINNY_MAX_ROWS = 32
+
+
+def skinny_matmul_cpu(a: jax.Array, b: jax.Array, *, max_threads: int = 0) -> jax.Array:
+    """a [M, K] @ b [K, N] in float32 for a few rows (M <= SKINNY_MAX_ROWS: a decode
+    step's tokens), reading b once: the weight matmuls of jpaged's CPU decode steps
+    (jpaged.layers.skinny_matmul).  XLA's own dot costs several passes over b at
+    these M.  Not differentiable by itself (jpaged.layers.skinny_matmul gives it a VJP)."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"skinny_matmul_cpu: need a [M, K] and b [K, N], got {a.shape} and {b.shape}")
+    if a.shape[0] > SKINNY_MAX_ROWS:
+        raise ValueError(f"skinny_matmul_cpu: at most {SKINNY_MAX_ROWS} rows, got {a.shape[0]}")
+    if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(b.dtype) != jnp.float32:
+        raise TypeError(f"skinny_matmul_cpu: a and b must be float32, got {a.dtype} and {b.dtype}")
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(SKINNY_TARGET, jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(a, b, max_threads=np.int64(max_threads))
+
+
 __all__ = ["available", "unavailable_reason", "supports", "paged_attention_cpu", "matmul_cpu",
+           "skinny_matmul_cpu", "SKINNY_MAX_ROWS",
            "paged_attention_or_reference", "write_kv_cpu", "write_kv_or_reference"]

@@ -84,7 +84,8 @@ def build_components(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Engin
     swap_space = HostSwapSpace(swap_capacity(cfg, block_bytes, cfg.preemption_mode),
                                block_shape(model.model_config, cfg.block_size, kv_dtype, layout.layers_per_page),
                                kv_dtype)
-    engine = sections(cfg).resolved(num_blocks=num_blocks, attention_impl=attention_impl, scan_layers=scan_layers)
+    engine = sections(cfg).resolved(num_blocks=num_blocks, attention_impl=attention_impl, scan_layers=scan_layers,
+                                    matmul_impl=model.matmul_impl)
     runner = ModelRunner(model.graphdef, model.params, model.model_config, engine, layout=layout, mesh=mesh,
                          swap_space=swap_space, program_cache_dir=program_cache_dir(cfg))
     lora = LoraManager(runner, model.loaded.config, num_slots=lora_slots(cfg),

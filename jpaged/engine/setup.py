@@ -18,7 +18,7 @@ import ml_collections
 from flax import nnx
 
 import pallas_kernels
-from jpaged.core.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, ConfigError
+from jpaged.core.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MATMUL_IMPLS, ConfigError
 from jpaged.core.model_config import ModelConfig
 from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weights, read_model_config
 from jpaged.models import build_model, weight_shapes
@@ -51,6 +51,24 @@ def resolve_attention_impl(name: str) -> tuple[str, str]:
         if not cpu.available():  # the backend would fall back to the reference on every call
             return "reference", f"cpu kernel unavailable: {cpu.unavailable_reason()}"
     return name, ""
+
+
+def resolve_matmul_impl(name: str, dtype: str, tensor_parallel_size: int) -> str:
+    """The weight matmuls that will really run: "cpu" (the C++ skinny kernel for steps
+    of few tokens, jpaged.layers.skinny_matmul) or "xla".  "auto" is "cpu" on a CPU
+    backend with float32 weights, one device per engine and the C++ kernels built;
+    an explicit "cpu" (the config checked dtype and devices) runs "xla" only where
+    the kernels cannot, with a warning."""
+    if name not in MATMUL_IMPLS:
+        raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {name!r}")
+    if name == "xla" or (name == "auto" and (dtype != "float32" or tensor_parallel_size != 1)):
+        return "xla"
+    from pallas_kernels import cpu
+    why = ("not a CPU backend" if jax.default_backend() != "cpu"
+           else "" if cpu.available() else f"the C++ kernels are unavailable: {cpu.unavailable_reason()}")
+    if why and name == "cpu":
+        log.warning("matmul_impl=cpu: %s; running XLA's dot", why)
+    return "xla" if why else "cpu"
 
 
 def resolve_layer_loop(name: str) -> bool:
@@ -101,6 +119,7 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     params: nnx.State
     weight_bytes: int          # per device
+    matmul_impl: str           # resolved: "cpu" or "xla"
 
 
 def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: bool) -> LoadedModel:
@@ -117,14 +136,16 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
     check_heads(loaded.config, tp)
     model_config, arrays = replicate_kv_heads(loaded.config, loaded.arrays, tp)
     model_config = with_expert_parallel(model_config, tp, cfg.enable_expert_parallel)
+    matmul_impl = resolve_matmul_impl(cfg.matmul_impl, cfg.dtype, tp)
     graphdef, params = split_model(build_model(model_config, arrays, jnp.dtype(cfg.dtype),
                                                scan_layers=scan_layers, batch_invariant=cfg.batch_invariant,
-                                               merge_projections=cfg.merge_projections, tensor_parallel_size=tp))
+                                               merge_projections=cfg.merge_projections, tensor_parallel_size=tp,
+                                               matmul_impl=matmul_impl))
     if mesh is not None:
         params = shard_params(params, model_config, mesh)
     weight_bytes = weights_nbytes(model_config, jnp.dtype(cfg.dtype)) // tp
     loaded.arrays = {}  # the device copy in params is the one we keep
-    return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes)
+    return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes, matmul_impl)
 
 
 def params_from_path(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, base: ModelConfig,

@@ -94,12 +94,13 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def build_model(cfg: ModelConfig, arrays: dict[str, Any], dtype: Any, scan_layers: bool = False,
                 batch_invariant: bool = False, merge_projections: bool = False,
-                tensor_parallel_size: int = 1) -> Any:
+                tensor_parallel_size: int = 1, matmul_impl: str = "xla") -> Any:
     """The family's flax module holding `arrays` (named as its weight_shapes) in dtype
     (`scan_layers`, `batch_invariant`: see jpaged.models.base.Decoder).  With
     `merge_projections` its params tree holds wqkv (bqkv) and w_gate_up in place of
     wq/wk/wv (bq/bk/bv) and w_gate/w_up, laid out for `tensor_parallel_size`
-    column shards (jpaged.models.merged); without it, the separate arrays."""
+    column shards (jpaged.models.merged); without it, the separate arrays.  `matmul_impl`
+    "cpu": steps of few tokens multiply by the C++ skinny kernel (jpaged.layers.skinny_matmul)."""
     return family(cfg.architecture).Model(cfg, arrays, dtype, scan_layers=scan_layers,
                                           batch_invariant=batch_invariant, merge_projections=merge_projections,
-                                          tensor_parallel_size=tensor_parallel_size)
+                                          tensor_parallel_size=tensor_parallel_size, matmul_impl=matmul_impl)

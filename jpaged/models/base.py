@@ -36,6 +36,7 @@ from jpaged.core.model_config import ModelConfig, rope_inv_freq
 from jpaged.models import stacked_layers, weight_shapes
 from jpaged.models.merged import MERGED, merge_arrays, part_sizes, split_columns
 from jpaged.layers import batch_invariant as batch_invariant_ops
+from jpaged.layers import skinny_matmul
 from jpaged.layers.lora import LoraBatch, LoraLayer, one_hot_slots
 from jpaged.layers.sharding import POOL_SPEC
 from pallas_kernels import Backend, get_backend
@@ -198,6 +199,8 @@ class Decoder(nnx.Module):
     wq|wk|wv and w_gate|w_up as one matrix each (jpaged.models.merged), their
     columns laid out for `tensor_parallel_size` column shards; families project
     with `linears` / `project_qkv`, which take either form.
+    `matmul_impl="cpu"` multiplies by the weights with the C++ skinny kernel
+    (jpaged.layers.skinny_matmul) in steps of at most SKINNY_MAX_ROWS tokens.
     A layer may record values of its own in w["aux"] (a dict: a MoE layer's
     routed experts); `__call__(aux=True)` returns them stacked over the layers.
     """
@@ -206,7 +209,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, Any], dtype: Any = jnp.float32,
                  scan_layers: bool = False, batch_invariant: bool = False,
-                 merge_projections: bool = False, tensor_parallel_size: int = 1):
+                 merge_projections: bool = False, tensor_parallel_size: int = 1, matmul_impl: str = "xla"):
         expected = weight_shapes(cfg)
         check_weights(arrays, expected)
         if merge_projections:
@@ -226,6 +229,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.batch_invariant = batch_invariant
+        self.cpu_matmul = matmul_impl == "cpu"  # steps of few tokens: jpaged.layers.skinny_matmul
         self.merged_shards = tensor_parallel_size if merge_projections else 0  # 0: separate weights
         as_param = lambda name: nnx.Param(jnp.asarray(arrays[name], dtype=dtype))  # noqa: E731
         self.embed = as_param("embed")
@@ -251,9 +255,12 @@ class Decoder(nnx.Module):
         return self.embed[...][tokens]
 
     def matmul(self, x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
-        """x @ w (w.T with `transpose_w`), batch-invariant in that mode."""
+        """x @ w (w.T with `transpose_w`), batch-invariant in that mode; by the CPU
+        skinny kernel where matmul_impl is "cpu" and the step has few tokens."""
         if self.batch_invariant:
             return batch_invariant_ops.matmul(x, w, transpose_w=transpose_w)
+        if self.cpu_matmul and not transpose_w and skinny_matmul.applies(x, w):
+            return skinny_matmul.matmul(x, w)
         return x @ (w.T if transpose_w else w)
 
     def linear(self, x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
@@ -297,7 +304,7 @@ class Decoder(nnx.Module):
         cap = self.cfg.final_logit_softcap
         if self.batch_invariant:  # the kernel caps: XLA would fuse the cap into the logprobs' ops differently
             return batch_invariant_ops.matmul(h, head, transpose_w=tied, soft_cap=cap).astype(jnp.float32)
-        return soft_cap((h @ (head.T if tied else head)).astype(jnp.float32), cap)
+        return soft_cap(self.matmul(h, head, transpose_w=tied).astype(jnp.float32), cap)
 
     def __call__(self, tokens: jax.Array, meta: StepMetadata, kv_pool: jax.Array,
                  *, attention_impl: str | Backend = "reference", logits: str = "last",

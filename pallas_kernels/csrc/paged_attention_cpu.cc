@@ -1,5 +1,5 @@
-// Ragged paged attention, the in-place K/V write and the batch-invariant
-// matmul for XLA:CPU, as XLA FFI custom calls.  Attention semantics: see
+// Ragged paged attention, the in-place K/V write, the batch-invariant matmul
+// and the skinny matmul of decode steps for XLA:CPU, as XLA FFI custom calls.  Attention semantics: see
 // pallas_kernels.paged_attention (attributes window and soft_cap: 0 = none,
 // else the sliding window and the logit cap; token_tile: tokens per work item).
 //
@@ -1164,6 +1164,109 @@ void matmul_block(const float* a, const float* b, float* c, int64_t K, int64_t N
   }
 }
 
+// Skinny matmul (a decode step's weight matmuls): C[M, N] = A[M, K] . B[K, N] in
+// fp32 for a few rows M, reading B once.  XLA:CPU's dot runs a small-M product
+// like a large one and costs several passes over the weights (measured on the
+// 2-core AVX2 VM, SmolLM2's 30 MLPs: 4 rows 2.5x one row, 8 rows 3x); here B's
+// rows stream past contiguously, four at a time, against accumulators for every
+// row of a column panel that stay in L1 (kSkinnyAccFloats), so up to ~16 rows
+// cost about one pass over B.  Work items are (column panel, k half): each is
+// one thread's; the two halves' sums are added in a fixed order afterwards, so
+// the result depends on neither the thread count nor the panel width.
+
+constexpr int64_t kSkinnyAccFloats = 4096;  // a panel's accumulators for every row: 16 KB
+constexpr int64_t kSkinnyKChunks = 2;        // k halves (work items; fixed: they set the rounding)
+
+// B rows [k0, k1)'s part of C's columns [col0, col0 + cols) (a multiple of 8,
+// M * cols <= kSkinnyAccFloats), every row, into out (row stride N).
+void skinny_part(const float* a, const float* b, float* out, int64_t M, int64_t K, int64_t N,
+                 int64_t k0, int64_t k1, int64_t col0, int64_t cols) {
+  alignas(32) float acc[kSkinnyAccFloats];
+  const int64_t nv = cols / kLanes;
+  std::fill(acc, acc + M * cols, 0.0f);
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const float* r0 = b + k * N + col0;
+    const float* r1 = r0 + N;
+    const float* r2 = r1 + N;
+    const float* r3 = r2 + N;
+    for (int64_t i = 0; i < M; ++i) {
+      const float* ai = a + i * K + k;
+      const vf a0 = vbcast(ai[0]), a1 = vbcast(ai[1]), a2 = vbcast(ai[2]), a3 = vbcast(ai[3]);
+      vf* ci = reinterpret_cast<vf*>(acc + i * cols);
+      for (int64_t j = 0; j < nv; ++j) {
+        vf s = ci[j];
+        s = vfma(a0, vload(r0 + j * kLanes), s);
+        s = vfma(a1, vload(r1 + j * kLanes), s);
+        s = vfma(a2, vload(r2 + j * kLanes), s);
+        s = vfma(a3, vload(r3 + j * kLanes), s);
+        ci[j] = s;
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const float* r0 = b + k * N + col0;
+    for (int64_t i = 0; i < M; ++i) {
+      const vf a0 = vbcast(a[i * K + k]);
+      vf* ci = reinterpret_cast<vf*>(acc + i * cols);
+      for (int64_t j = 0; j < nv; ++j) ci[j] = vfma(a0, vload(r0 + j * kLanes), ci[j]);
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) std::memcpy(out + i * N + col0, acc + i * cols, cols * sizeof(float));
+}
+
+ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
+                            ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c, int64_t max_threads) {
+  auto ad = a.dimensions();
+  auto bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[0])
+    return ffi::Error::InvalidArgument("skinny_matmul_cpu: need a [M, K] and b [K, N]");
+  const int64_t M = ad[0], K = ad[1], N = bd[1];
+  auto cd = c->dimensions();
+  if (cd.size() != 2 || cd[0] != M || cd[1] != N)
+    return ffi::Error::InvalidArgument("skinny_matmul_cpu: the result must be [M, N]");
+  if (M * kLanes > kSkinnyAccFloats)
+    return ffi::Error::InvalidArgument("skinny_matmul_cpu: more rows than a panel's accumulators hold");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const float* ap = a.typed_data();
+  const float* bp = b.typed_data();
+  float* cp = c->typed_data();
+  int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
+  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  // Panels: as wide as the accumulators allow, and narrower where that leaves a
+  // thread without two items.
+  const int64_t vec_n = N / kLanes * kLanes;
+  const int64_t widest = kSkinnyAccFloats / M / kLanes * kLanes;
+  const int64_t wanted = std::max<int64_t>(1, 2 * threads / kSkinnyKChunks);
+  const int64_t even = (vec_n + wanted - 1) / wanted;
+  const int64_t width = std::min(widest, std::max<int64_t>(8 * kLanes, (even + kLanes - 1) / kLanes * kLanes));
+  const int64_t panels = (vec_n + width - 1) / width;
+  const int64_t kstep = (K + kSkinnyKChunks - 1) / kSkinnyKChunks;
+  thread_local std::vector<float> partial;  // [kSkinnyKChunks, M, N]
+  partial.resize(kSkinnyKChunks * M * N);
+  float* pp = partial.data();
+  if (panels > 0)
+    run_items(pool_threads, panels * kSkinnyKChunks, threads, [=](int64_t item) {
+      const int64_t kc = item % kSkinnyKChunks, j0 = item / kSkinnyKChunks * width;
+      skinny_part(ap, bp, pp + kc * M * N, M, K, N, std::min(K, kc * kstep), std::min(K, (kc + 1) * kstep),
+                  j0, std::min(width, vec_n - j0));
+    });
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < vec_n; ++j) {  // the halves, in order
+      float s = pp[i * N + j];
+      for (int64_t kc = 1; kc < kSkinnyKChunks; ++kc) s += pp[(kc * M + i) * N + j];
+      cp[i * N + j] = s;
+    }
+    for (int64_t j = vec_n; j < N; ++j) {  // columns past the last multiple of 8: one chain each
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(ap[i * K + k], bp[k * N + j], s);
+      cp[i * N + j] = s;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
                       ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c,
                       int64_t max_threads, bool transpose_b, float soft_cap) {
@@ -1323,3 +1426,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulCpu, MatmulImpl,
                                   .Attr<int64_t>("max_threads")
                                   .Attr<bool>("transpose_b")     // b is [N, K]
                                   .Attr<float>("soft_cap"));     // c = cap * tanh(c / cap); 0: none
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedSkinnyMatmulCpu, SkinnyMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b [K, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // c [M, N]
+                                  .Attr<int64_t>("max_threads"));

@@ -23,6 +23,7 @@ from jpaged.core.config.flat import (DEPRECATED_FIELDS, FIELDS, FieldSpec, apply
 from jpaged.core.config.help import config_help
 from jpaged.core.config.sections import (ATTENTION_IMPLS, DTYPES, EMBEDDED_FILE, EMBEDDED_MODEL, EMBEDDED_PACKAGE,
                                          KV_CACHE_DTYPES, LAYER_LOOPS, LOAD_FORMATS, LOGPROBS_MODES,
+                                         MATMUL_IMPLS,
                                          MAX_SPECULATIVE_TOKENS, PREEMPTION_MODES, PREFIX_CACHE_INDEXES, SCHEDULERS,
                                          SPECULATIVE_METHODS, CacheConfig, EngineConfig, LoadConfig, LoRAConfig,
                                          ParallelConfig, RuntimeConfig, SamplingDefaults, SchedulerConfig,
@@ -37,7 +38,7 @@ def lora_slots(cfg: Mapping[str, Any]) -> int:
 
 __all__ = [
     "ATTENTION_IMPLS", "DEPRECATED_FIELDS", "DTYPES", "EMBEDDED_FILE", "EMBEDDED_MODEL", "EMBEDDED_PACKAGE", "FIELDS",
-    "KV_CACHE_DTYPES", "KV_LAYOUTS", "LAYER_LOOPS", "LOAD_FORMATS", "LOGPROBS_MODES", "MAX_SPECULATIVE_TOKENS",
+    "KV_CACHE_DTYPES", "KV_LAYOUTS", "LAYER_LOOPS", "LOAD_FORMATS", "LOGPROBS_MODES", "MATMUL_IMPLS", "MAX_SPECULATIVE_TOKENS",
     "PREEMPTION_MODES", "PREFIX_CACHE_INDEXES", "SCHEDULERS", "SPECULATIVE_METHODS", "CacheConfig", "ConfigError",
     "EngineConfig", "FieldSpec", "LoRAConfig", "LoadConfig", "ParallelConfig", "RuntimeConfig", "SamplingDefaults",
     "SchedulerConfig", "ServerConfig", "SpeculativeConfig", "apply_overrides", "auto_load_format", "config_help",

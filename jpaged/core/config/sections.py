@@ -48,6 +48,7 @@ LogprobsMode = Literal["raw", "processed"]
 # tests/core/test_config_validation.py checks ATTENTION_IMPLS == ("auto", *pallas_kernels.IMPLS).
 AttentionImpl = Literal["auto", "reference", "cpu", "pallas_gpu", "pallas_tpu"]
 LayerLoop = Literal["auto", "scan", "unroll"]
+MatmulImpl = Literal["auto", "xla", "cpu"]
 SpeculativeMethod = Literal["none", "ngram", "draft"]
 
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
@@ -59,6 +60,7 @@ PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
 LAYER_LOOPS: tuple[str, ...] = get_args(LayerLoop)
+MATMUL_IMPLS: tuple[str, ...] = get_args(MatmulImpl)
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -169,6 +171,9 @@ class RuntimeConfig(Section):
     """How a step is compiled and run."""
     attention_impl: AttentionImpl = field("auto", "Attention: reference (jnp), cpu (C++ kernel), pallas_gpu, "
                                           "pallas_tpu, or auto (by backend).")
+    matmul_impl: MatmulImpl = field("auto", "Weight matmuls of steps of up to 32 tokens (decode): cpu (a C++ "
+                                    "kernel that reads each weight once; dtype float32, tensor_parallel_size 1), "
+                                    "xla (XLA's dot), or auto (cpu where it can run, on a CPU backend).")
     layer_loop: LayerLoop = field("auto", "Layer loop of the compiled step: scan (lax.scan over stacked "
                                   "weights: one layer traced and compiled), unroll (one copy per layer), or "
                                   "auto (by backend).")
@@ -322,15 +327,28 @@ class EngineConfig(pydantic.BaseModel):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
-    def resolved(self, *, num_blocks: int, attention_impl: str, scan_layers: bool) -> EngineConfig:
+    def resolved(self, *, num_blocks: int, attention_impl: str, scan_layers: bool,
+                 matmul_impl: str = "xla") -> EngineConfig:
         """This config with the engine's decisions in place of its "auto"s and 0s:
-        the pool's size, the KV dtype (auto: dtype), the attention kernel that runs
-        and the layer loop.  What the model runner takes."""
+        the pool's size, the KV dtype (auto: dtype), the attention kernel that runs,
+        the layer loop and the weight matmuls.  What the model runner takes."""
         kv_cache_dtype = self.load.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype
         cache = {**self.cache.model_dump(), "num_blocks": num_blocks, "kv_cache_dtype": kv_cache_dtype}
-        runtime = {**self.runtime.model_dump(), "attention_impl": attention_impl,
+        runtime = {**self.runtime.model_dump(), "attention_impl": attention_impl, "matmul_impl": matmul_impl,
                    "layer_loop": "scan" if scan_layers else "unroll"}
         return self.model_copy(update={"cache": CacheConfig(**cache), "runtime": RuntimeConfig(**runtime)})
+
+    @model_validator(mode="after")
+    def _cpu_matmul_runs(self) -> EngineConfig:
+        if self.runtime.matmul_impl != "cpu":
+            return self
+        if self.load.dtype != "float32":
+            raise ConfigError("matmul_impl", f"'cpu' with dtype {self.load.dtype!r}",
+                              "'xla' or 'auto': the C++ skinny matmul multiplies float32 weights")
+        if self.parallel.tensor_parallel_size != 1:
+            raise ConfigError("matmul_impl", f"'cpu' with tensor_parallel_size {self.parallel.tensor_parallel_size}",
+                              "'xla' or 'auto': the C++ skinny matmul is one call on one device")
+        return self
 
     @model_validator(mode="after")
     def _batch_invariant_runs(self) -> EngineConfig:

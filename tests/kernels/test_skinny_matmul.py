@@ -1,0 +1,89 @@
+"""The skinny matmul of CPU decode steps (pallas_kernels.cpu.skinny_matmul_cpu, C++ XLA FFI call)
+and its use by the model (jpaged.layers.skinny_matmul, config matmul_impl).
+
+* Against float64 numpy: SmolLM2's projection shapes, K and N that are not
+  multiples of 4 or 8 (the k tail, the scalar column tail), N < 8 (no vector
+  columns at all), M from 1 to SKINNY_MAX_ROWS.
+* Any thread count gives the same bits (items are column panels x fixed k halves).
+* Out-of-contract calls raise before any kernel runs.
+* Its VJP equals XLA's dot's.
+* An engine with matmul_impl "cpu" runs the kernel in its decode programs (the
+  custom call is in the compiled HLO) and generates the greedy tokens of "xla".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import random_prompts
+from jpaged import SamplingParams
+from jpaged.layers import skinny_matmul
+from pallas_kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels are unavailable")
+
+
+def _operands(seed: int, m: int, k: int, n: int) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((m, k), np.float32)),
+            jnp.asarray(rng.standard_normal((k, n), np.float32)))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (4, 1536, 576), (3, 577, 1539), (32, 128, 4100),
+                                   (7, 5, 3), (2, 3, 7), (32, 6, 64), (16, 64, 20), (5, 1, 9)])
+def test_matches_float64(m, k, n):
+    a, b = _operands(m * 1000 + k, m, k, n)
+    got = np.asarray(jax.jit(cpu.skinny_matmul_cpu)(a, b))
+    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    # fp32 FMA chains over k: relative to the largest |entry|, a few ulps times sqrt(k)
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), (m, k, n)
+
+
+def test_threads_give_the_same_bits():
+    a, b = _operands(1, 8, 1536, 576)
+    np.testing.assert_array_equal(np.asarray(cpu.skinny_matmul_cpu(a, b)),
+                                  np.asarray(cpu.skinny_matmul_cpu(a, b, max_threads=1)))
+
+
+def test_out_of_contract_calls_raise():
+    a, b = _operands(2, cpu.SKINNY_MAX_ROWS + 1, 8, 8)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        cpu.skinny_matmul_cpu(a, b)
+    with pytest.raises(ValueError, match=r"need a \[M, K\] and b \[K, N\]"):
+        cpu.skinny_matmul_cpu(a[:4], b[:7])
+    with pytest.raises(TypeError, match="float32"):
+        cpu.skinny_matmul_cpu(a[:4].astype(jnp.bfloat16), b)
+
+
+def test_layer_takes_only_what_the_kernel_can():
+    a, b = _operands(3, 4, 16, 8)
+    assert skinny_matmul.applies(a, b)
+    assert not skinny_matmul.applies(jnp.zeros((33, 16)), b)          # a prefill's rows: XLA's dot
+    assert not skinny_matmul.applies(a.astype(jnp.bfloat16), b)       # bf16 weights or activations
+    assert not skinny_matmul.applies(a, jnp.zeros((2, 16, 8)))        # stacked (LoRA slots, experts)
+
+
+def test_vjp_equals_xlas():
+    a, b = _operands(4, 6, 40, 24)
+    loss = lambda mm: lambda x, w: jnp.sum(jnp.tanh(mm(x, w)))  # noqa: E731
+    got = jax.grad(loss(skinny_matmul.matmul), argnums=(0, 1))(a, b)
+    want = jax.grad(loss(jnp.matmul), argnums=(0, 1))(a, b)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_decodes_through_the_kernel_with_xlas_tokens(make_tiny_llm):
+    prompts = random_prompts([5, 17, 9], seed=7)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for impl in ("xla", "cpu"):
+        llm = make_tiny_llm(matmul_impl=impl)
+        tokens[impl] = [o.token_ids for o in llm.generate(prompts, params)]
+        programs = {key[0]: exe.as_text() for key, exe in llm.runner.programs.items()}
+        decode = min(programs)  # the smallest bucket: the decode steps'
+        assert decode <= cpu.SKINNY_MAX_ROWS
+        assert (cpu.SKINNY_TARGET in programs[decode]) == (impl == "cpu")
+    assert tokens["cpu"] == tokens["xla"]
