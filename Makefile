@@ -107,7 +107,7 @@ bench-all: bench-snapshot bench-waste bench-latency bench-alloc bench-memory-wal
            bench-block-size bench-serving bench-throughput bench-ragged
 
 # Poisson arrivals against the live HTTP server and `transformers serve --continuous-batching`.
-.PHONY: bench-http-serving bench-http-vs-vllm
+.PHONY: bench-http-serving bench-http-vs-vllm bench-skinny-matmul
 bench-http-serving: $(STAMP)
 	$(PY) benchmarks/bench_http_serving.py $(ARGS)
 
@@ -118,6 +118,10 @@ bench-http-vs-vllm: $(STAMP)
 
 bench-cpu-attention: $(STAMP)
 	$(PY) benchmarks/bench_cpu_attention.py $(ARGS)
+
+# The decode steps' C++ skinny matmul (matmul_impl) against XLA's dot: SmolLM2's MLPs, then two engines.
+bench-skinny-matmul: $(STAMP)
+	$(PY) benchmarks/bench_skinny_matmul.py $(ARGS)
 
 # Quantized KV pools (kv_cache_dtype bfloat16 / int8 / fp8_e4m3 vs float32): greedy agreement, logprob
 # drift, the which-scale ablation, capacity (benchmarks/results/kv_quant*.{csv,md}); the timings:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import (TINY_ENGINE, import_torch, make_peft_adapter, random_prompts, tiny_gguf_writer,
                      with_tokenizer)
@@ -330,7 +331,10 @@ def test_scan_runs_an_all_moe_model_and_refuses_a_mixed_one(family, engine):
         with pytest.raises(ValueError, match=r"dense MLP layers \[0\] among its mixture-of-experts layers"):
             build_model(cfg, arrays, jnp.float32, scan_layers=True)
         return
-    graphdef, params = split_model(build_model(cfg, arrays, jnp.float32, scan_layers=True))
+    # The engine's weight matmuls too (matmul_impl: the C++ skinny kernel on a CPU), so that
+    # only the layer loop differs.
+    matmul_impl = "cpu" if nnx.merge(engine.graphdef, engine.params).cpu_matmul else "xla"
+    graphdef, params = split_model(build_model(cfg, arrays, jnp.float32, scan_layers=True, matmul_impl=matmul_impl))
     prompt = random_prompts([12], seed=5)[0]
     meta = ragged_metadata(jnp.array([[1, 2]], np.int32), jnp.zeros(1, jnp.int32), jnp.array([12], np.int32),
                            12, 8)
