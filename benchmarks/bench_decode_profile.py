@@ -11,10 +11,11 @@ host    One request at a time through the public engine (`jpaged.LLM`, fresh
         where exactly one token decodes, the mean ms per `llm.step()` split into
         schedule, commit (placeholders, prefix-cache bookkeeping), build inputs,
         program lookup, dispatch (the executable call returning), wait for the
-        device (`runner.collect`: device_get), resolve (tokens in, stop checks),
-        stats, and the rest of step() (other).  The pieces are timed by wrapping
-        the engine's own methods on this instance (private names: the script
-        says which one is missing if they move).  Then the server's streaming
+        device (`runner.collect`: device_get), resolve (Scheduler.update_from_output:
+        tokens in, stop checks), stats, the request deltas (outputs.deltas), and
+        the rest of step() (other).  The pieces are timed by wrapping the engine's
+        own methods on this instance (the script says which one is missing if
+        they move).  Then the server's streaming
         path per token: `SampleText.push` (jpaged.tokenizer.detokenizer, with the
         server's decode) and the SSE chunk encoding; and the engine thread's
         hand-off (`AsyncEngine`, as the server drives it): gap between deltas seen
@@ -63,7 +64,7 @@ _REPS = flags.DEFINE_integer("reps", 20, "Timed calls per device piece (median).
 _HANDOFF = flags.DEFINE_bool("handoff", True, "Also time the AsyncEngine hand-off per config.")
 
 HOST_PARTS = ["schedule", "commit", "build_inputs", "program_lookup", "dispatch", "wait_device", "resolve",
-              "stats"]
+              "stats", "deltas"]
 COLUMNS = ["section", "config", "item", "ms", "per", "count_per_step", "ms_per_step"]
 
 
@@ -121,11 +122,12 @@ def instrument(llm: Any) -> Clock:
     """Wraps the (disjoint) pieces of one llm.step() on this instance only."""
     clock = Clock()
     clock.wrap(llm.scheduler, "schedule", "schedule")
-    clock.wrap(llm, "_commit", "commit")
+    clock.wrap(llm.scheduler, "on_launched", "commit")
     clock.wrap(llm.runner, "_step_inputs", "build_inputs")
     clock.wrap(llm.runner, "collect", "wait_device")
-    clock.wrap(llm, "_resolve", "resolve")
+    clock.wrap(llm.scheduler, "update_from_output", "resolve")
     clock.wrap(llm.step_stats, "record", "stats")
+    clock.wrap(llm.outputs, "deltas", "deltas")
     # _executable returns the program the step then calls: its call is the dispatch.
     clock.wrap(llm.runner, "_executable", "program_lookup")
     lookup = llm.runner._executable

@@ -42,9 +42,12 @@ change with the number of rows as XLA's dot does (jpaged.layers.batch_invariant)
 
 `skinny_matmul_cpu` is the weight matmul of steps of a few tokens (decode):
 a [M <= 32, K] @ b [K, N] reading b once, b's rows streamed contiguously four
-at a time against accumulators that stay in L1.  XLA:CPU's dot costs several
-passes over the weights at these M (jpaged.layers.skinny_matmul; timings in
-benchmarks/README.md, "Skinny matmul").
+at a time against accumulators that stay in L1; with `transpose_b`, b [N, K]
+(a tied LM head), eight rows of b at a time against every row of a.
+`grouped_skinny_matmul_cpu` is the same per group of rows, each group against
+its own matrix (a MoE layer's experts, `jax.lax.ragged_dot`'s contract).
+XLA:CPU's dot costs several passes over the weights at these M
+(jpaged.layers.skinny_matmul; timings in benchmarks/README.md, "Skinny matmul").
 
 `paged_attention_or_reference` / `write_kv_or_reference` (what
 `pallas_kernels.get_backend("cpu")` returns) use the kernels when they apply
@@ -94,6 +97,8 @@ MATMUL_TARGET = "jpaged_matmul_cpu"
 _MATMUL_SYMBOL = "JpagedMatmulCpu"
 SKINNY_TARGET = "jpaged_skinny_matmul_cpu"
 _SKINNY_SYMBOL = "JpagedSkinnyMatmulCpu"
+GROUPED_SKINNY_TARGET = "jpaged_grouped_skinny_matmul_cpu"
+_GROUPED_SKINNY_SYMBOL = "JpagedGroupedSkinnyMatmulCpu"
 _SRC = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC",
           "-std=c++17")
@@ -246,7 +251,8 @@ def _load() -> bool:
             path = _build()
             lib = ctypes.CDLL(str(path))
             for target, symbol in ((TARGET, _SYMBOL), (WRITE_TARGET, _WRITE_SYMBOL),
-                                   (MATMUL_TARGET, _MATMUL_SYMBOL), (SKINNY_TARGET, _SKINNY_SYMBOL)):
+                                   (MATMUL_TARGET, _MATMUL_SYMBOL), (SKINNY_TARGET, _SKINNY_SYMBOL),
+                                   (GROUPED_SKINNY_TARGET, _GROUPED_SKINNY_SYMBOL)):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                             platform="cpu")
             _state.update(ok=True, lib=lib, reason="")
@@ -410,24 +416,47 @@ def matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, soft_ca
 SKINNY_MAX_ROWS = 32
 
 
-def skinny_matmul_cpu(a: jax.Array, b: jax.Array, *, max_threads: int = 0) -> jax.Array:
-    """a [M, K] @ b [K, N] in float32 for a few rows (M <= SKINNY_MAX_ROWS: a decode
-    step's tokens), reading b once: the weight matmuls of jpaged's CPU decode steps
+def skinny_matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, max_threads: int = 0) -> jax.Array:
+    """a [M, K] @ b [K, N] (b [N, K] and b.T with `transpose_b`: a tied LM head as
+    stored) in float32 for a few rows (M <= SKINNY_MAX_ROWS: a decode step's
+    tokens), reading b once: the weight matmuls of jpaged's CPU decode steps
     (jpaged.layers.skinny_matmul).  XLA's own dot costs several passes over b at
     these M.  Not differentiable by itself (jpaged.layers.skinny_matmul gives it a VJP)."""
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"skinny_matmul_cpu: need a [M, K] and b [K, N], got {a.shape} and {b.shape}")
+    k_axis = 1 if transpose_b else 0
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[k_axis]:
+        want = "[N, K]" if transpose_b else "[K, N]"
+        raise ValueError(f"skinny_matmul_cpu: need a [M, K] and b {want}, got {a.shape} and {b.shape}")
     if a.shape[0] > SKINNY_MAX_ROWS:
         raise ValueError(f"skinny_matmul_cpu: at most {SKINNY_MAX_ROWS} rows, got {a.shape[0]}")
     if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(b.dtype) != jnp.float32:
         raise TypeError(f"skinny_matmul_cpu: a and b must be float32, got {a.dtype} and {b.dtype}")
     if not available():
         raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
-    call = jax.ffi.ffi_call(SKINNY_TARGET, jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
+    call = jax.ffi.ffi_call(SKINNY_TARGET, jax.ShapeDtypeStruct((a.shape[0], b.shape[1 - k_axis]), jnp.float32),
                             vmap_method="sequential")
-    return call(a, b, max_threads=np.int64(max_threads))
+    return call(a, b, max_threads=np.int64(max_threads), transpose_b=bool(transpose_b))
+
+
+def grouped_skinny_matmul_cpu(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *,
+                              max_threads: int = 0) -> jax.Array:
+    """Rows a [R, K] sorted by group (group_sizes [E] rows each, in order) times
+    their group's b [E, K, N]: [R, N] float32, rows past the groups' total zero
+    (`jax.lax.ragged_dot`'s contract).  A MoE layer's experts in a decode step
+    (jpaged.layers.moe): each group's matrix is read once, as skinny_matmul_cpu
+    reads one, in chunks of SKINNY_MAX_ROWS rows."""
+    if a.ndim != 2 or b.ndim != 3 or group_sizes.ndim != 1 or a.shape[1] != b.shape[1] \
+            or group_sizes.shape[0] != b.shape[0]:
+        raise ValueError("grouped_skinny_matmul_cpu: need a [R, K], group_sizes [E] and b [E, K, N], got "
+                         f"{a.shape}, {group_sizes.shape} and {b.shape}")
+    if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(b.dtype) != jnp.float32:
+        raise TypeError(f"grouped_skinny_matmul_cpu: a and b must be float32, got {a.dtype} and {b.dtype}")
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(GROUPED_SKINNY_TARGET, jax.ShapeDtypeStruct((a.shape[0], b.shape[2]), jnp.float32),
+                            vmap_method="sequential")
+    return call(a, group_sizes.astype(jnp.int32), b, max_threads=np.int64(max_threads))
 
 
 __all__ = ["available", "unavailable_reason", "supports", "paged_attention_cpu", "matmul_cpu",
-           "skinny_matmul_cpu", "SKINNY_MAX_ROWS",
+           "skinny_matmul_cpu", "grouped_skinny_matmul_cpu", "SKINNY_MAX_ROWS",
            "paged_attention_or_reference", "write_kv_cpu", "write_kv_or_reference"]

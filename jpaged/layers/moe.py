@@ -11,9 +11,13 @@ SwiGLU expert's gate, up and down projections) run every expert over its own
 rows; the rows are put back in (token, slot) order and summed with their
 routing weights.  On the CPU, where XLA expands `ragged_dot` into one masked
 dense matmul per expert, the grouped matmuls run as tiles of one expert each
-(`tiled_swiglu_experts`), chosen when the program is lowered.  Every shape is static: always T * k rows, whatever the
-routing (no capacity factor, no token dropped), so routing never compiles a
-new program; only the group sizes (data) change.  At a single token (T <=
+(`tiled_swiglu_experts`), chosen when the program is lowered; in steps of at
+most SKINNY_MAX_ROWS tokens with matmul_impl "cpu" (the model decides:
+jpaged.models.moe_common) they run as the C++ grouped skinny matmul
+(`skinny_swiglu_experts`), which reads each used expert's weights once.  Every
+shape is static: always T * k rows, whatever the routing (no capacity factor,
+no token dropped), so routing never compiles a new program; only the group
+sizes (data) change.  At a single token (T <=
 CPU_ALL_EXPERTS_MAX_TOKENS, static per step bucket) the CPU skips the sort and
 runs every expert on every token as one batched matmul, weighted by a combine
 matrix that is zero for the experts a token was not routed to
@@ -40,6 +44,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from pallas_kernels.grouped_matmul import tile_layout, to_tiles
 
+from jpaged.layers import skinny_matmul
+
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """(weights [T, k] fp32, experts [T, k] int32) of x [T, d] by router [d, E]."""
@@ -64,6 +70,16 @@ def swiglu_experts(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     up = jax.lax.ragged_dot(xs, w_up, group_sizes)
     return jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(xs.dtype), w_down, group_sizes)
+
+
+def skinny_swiglu_experts(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                          group_sizes: jax.Array) -> jax.Array:
+    """`swiglu_experts` by the C++ grouped skinny matmul (jpaged.layers.skinny_matmul,
+    config matmul_impl): a decode step's experts on the CPU, each expert with rows
+    reading its weights once."""
+    gate = skinny_matmul.grouped_matmul(xs, w_gate, group_sizes)
+    up = skinny_matmul.grouped_matmul(xs, w_up, group_sizes)
+    return skinny_matmul.grouped_matmul((jax.nn.silu(gate) * up).astype(xs.dtype), w_down, group_sizes)
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:

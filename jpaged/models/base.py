@@ -259,8 +259,8 @@ class Decoder(nnx.Module):
         skinny kernel where matmul_impl is "cpu" and the step has few tokens."""
         if self.batch_invariant:
             return batch_invariant_ops.matmul(x, w, transpose_w=transpose_w)
-        if self.cpu_matmul and not transpose_w and skinny_matmul.applies(x, w):
-            return skinny_matmul.matmul(x, w)
+        if self.cpu_matmul and skinny_matmul.applies(x, w, transpose_w):
+            return skinny_matmul.matmul(x, w, transpose_w)
         return x @ (w.T if transpose_w else w)
 
     def linear(self, x: jax.Array, w: dict[str, Any], name: str) -> jax.Array:

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.core.model_config import ModelConfig
-from jpaged.layers.moe import moe_mlp, route
+from jpaged.layers import skinny_matmul
+from jpaged.layers.moe import moe_mlp, route, skinny_swiglu_experts
 from jpaged.models import GGUF_ROUTER
 
 # llama.cpp's stacked expert tensors (after "blk.N."): [E, out, in] each, transposed per expert.
@@ -107,9 +108,13 @@ class MoEMixin:
         routing = route(x, w["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
         if "aux" in w:
             w["aux"]["experts"] = routing[1]
+        # A decode step's experts by the CPU's grouped skinny kernel where matmul_impl
+        # says so (as Decoder.matmul does the dense weights); else the platform's choice.
+        grouped = (skinny_swiglu_experts if self.cpu_matmul and skinny_matmul.grouped_applies(x, w["experts_gate"])
+                   else None)
         return moe_mlp(x, w["router"], w["experts_gate"], w["experts_up"], w["experts_down"],
                        top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, routing=routing,
-                       expert_parallel=cfg.expert_parallel)
+                       expert_parallel=cfg.expert_parallel, grouped=grouped)
 
 
 def expert_load(experts: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:

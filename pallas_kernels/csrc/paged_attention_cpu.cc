@@ -1215,13 +1215,79 @@ void skinny_part(const float* a, const float* b, float* out, int64_t M, int64_t 
   for (int64_t i = 0; i < M; ++i) std::memcpy(out + i * N + col0, acc + i * cols, cols * sizeof(float));
 }
 
+// The transposed form, C = A . B^T with B [N, K] (a tied LM head as stored): rows
+// of B stream past contiguously, eight at a time, each against every row of A
+// (in L1); one 8-lane FMA chain per (row of A, row of B), then the eight chains
+// of a row of A are summed across lanes together (sum8_lanes) and the k tail is
+// chained on.  The order depends on K alone.
+
+// Lane j of the result: the lanes of v[j] summed ((0+1)+(2+3))+((4+5)+(6+7)).
+inline vf sum8_lanes(const vf* v) {
+  auto pair = [](vf x, vf y) {
+    return __builtin_shuffle(x, y, vi{0, 8, 2, 10, 4, 12, 6, 14}) +
+           __builtin_shuffle(x, y, vi{1, 9, 3, 11, 5, 13, 7, 15});
+  };
+  auto quad = [](vf x, vf y) {
+    return __builtin_shuffle(x, y, vi{0, 1, 8, 9, 4, 5, 12, 13}) +
+           __builtin_shuffle(x, y, vi{2, 3, 10, 11, 6, 7, 14, 15});
+  };
+  const vf lo = quad(pair(v[0], v[1]), pair(v[2], v[3]));
+  const vf hi = quad(pair(v[4], v[5]), pair(v[6], v[7]));
+  return __builtin_shuffle(lo, hi, vi{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(lo, hi, vi{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// C's columns [n0, n1) (n1 - n0 a multiple of 8), every row.
+void skinny_nt_part(const float* a, const float* b, float* c, int64_t M, int64_t K, int64_t N,
+                    int64_t n0, int64_t n1) {
+  const int64_t kv = K / kLanes * kLanes;
+  for (int64_t n = n0; n < n1; n += kLanes) {
+    const float* bn = b + n * K;
+    for (int64_t i = 0; i < M; ++i) {
+      const float* ai = a + i * K;
+      vf acc[kLanes];
+      for (int j = 0; j < kLanes; ++j) acc[j] = vbcast(0.0f);
+      for (int64_t k = 0; k < kv; k += kLanes) {
+        const vf av = vload(ai + k);
+        for (int j = 0; j < kLanes; ++j) acc[j] = vfma(av, vload(bn + j * K + k), acc[j]);
+      }
+      vf sum = sum8_lanes(acc);
+      for (int64_t k = kv; k < K; ++k)
+        for (int j = 0; j < kLanes; ++j) sum[j] = std::fma(ai[k], bn[j * K + k], sum[j]);
+      std::memcpy(c + i * N + n, &sum, sizeof(sum));
+    }
+  }
+}
+
+constexpr int64_t kSkinnyNtRows = 256;  // rows of B per work item
+
+void skinny_matmul_nt(ffi::ThreadPool& pool, const float* a, const float* b, float* c, int64_t M, int64_t K,
+                      int64_t N, int64_t threads) {
+  const int64_t vec_n = N / kLanes * kLanes;
+  const int64_t items = (vec_n + kSkinnyNtRows - 1) / kSkinnyNtRows;
+  if (items > 0)
+    run_items(pool, items, threads, [=](int64_t item) {
+      skinny_nt_part(a, b, c, M, K, N, item * kSkinnyNtRows, std::min(vec_n, (item + 1) * kSkinnyNtRows));
+    });
+  for (int64_t i = 0; i < M; ++i)  // rows of B past the last multiple of 8
+    for (int64_t n = vec_n; n < N; ++n) {
+      vf acc[kLanes];
+      for (int j = 0; j < kLanes; ++j) acc[j] = vbcast(0.0f);
+      for (int64_t k = 0; k + kLanes <= K; k += kLanes) acc[0] = vfma(vload(a + i * K + k), vload(b + n * K + k), acc[0]);
+      float sum = sum8_lanes(acc)[0];
+      for (int64_t k = K / kLanes * kLanes; k < K; ++k) sum = std::fma(a[i * K + k], b[n * K + k], sum);
+      c[i * N + n] = sum;
+    }
+}
+
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
-                            ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c, int64_t max_threads) {
+                            ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c, int64_t max_threads,
+                            bool transpose_b) {
   auto ad = a.dimensions();
   auto bd = b.dimensions();
-  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[0])
-    return ffi::Error::InvalidArgument("skinny_matmul_cpu: need a [M, K] and b [K, N]");
-  const int64_t M = ad[0], K = ad[1], N = bd[1];
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[transpose_b ? 1 : 0])
+    return ffi::Error::InvalidArgument("skinny_matmul_cpu: need a [M, K] and b [K, N] ([N, K] transposed)");
+  const int64_t M = ad[0], K = ad[1], N = bd[transpose_b ? 0 : 1];
   auto cd = c->dimensions();
   if (cd.size() != 2 || cd[0] != M || cd[1] != N)
     return ffi::Error::InvalidArgument("skinny_matmul_cpu: the result must be [M, N]");
@@ -1234,6 +1300,10 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
   int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
   threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
   if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (transpose_b) {
+    skinny_matmul_nt(pool_threads, ap, bp, cp, M, K, N, threads);
+    return ffi::Error::Success();
+  }
   // Panels: as wide as the accumulators allow, and narrower where that leaves a
   // thread without two items.
   const int64_t vec_n = N / kLanes * kLanes;
@@ -1264,6 +1334,89 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
       cp[i * N + j] = s;
     }
   }
+  return ffi::Error::Success();
+}
+
+// Grouped skinny matmul (a MoE layer's experts in a decode step): rows a [R, K]
+// sorted by expert, group_sizes [E] rows each, c[r] = a[r] . b[e(r)] with
+// b [E, K, N].  Each expert with rows reads its weights once, as the skinny
+// matmul does (chunks of kSkinnyGroupRows rows, panels x k halves, the halves
+// added in a fixed order), so a row's result depends on neither the thread count
+// nor the other rows.  Rows past the groups' total are zero.
+constexpr int64_t kSkinnyGroupRows = 32;
+
+ffi::Error GroupedSkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
+                                   ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> b,
+                                   ffi::ResultBuffer<ffi::F32> c, int64_t max_threads) {
+  auto ad = a.dimensions();
+  auto gd = group_sizes.dimensions();
+  auto bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 3 || gd.size() != 1 || ad[1] != bd[1] || gd[0] != bd[0])
+    return ffi::Error::InvalidArgument(
+        "grouped_skinny_matmul_cpu: need a [R, K], group_sizes [E] and b [E, K, N]");
+  const int64_t R = ad[0], K = ad[1], E = bd[0], N = bd[2];
+  auto cd = c->dimensions();
+  if (cd.size() != 2 || cd[0] != R || cd[1] != N)
+    return ffi::Error::InvalidArgument("grouped_skinny_matmul_cpu: the result must be [R, N]");
+  if (R == 0 || N == 0) return ffi::Error::Success();
+  const float* ap = a.typed_data();
+  const float* bp = b.typed_data();
+  const int32_t* gs = group_sizes.typed_data();
+  float* cp = c->typed_data();
+  int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
+  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  // (expert, first row, rows) of each chunk of a group; rows past R are dropped.
+  struct Chunk { int64_t expert, row0, rows, width, panels; };
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_item;
+  const int64_t vec_n = N / kLanes * kLanes;
+  int64_t row = 0, items = 0;
+  for (int64_t e = 0; e < E && row < R; ++e) {
+    const int64_t end = std::min(R, row + std::max<int64_t>(0, gs[e]));
+    for (int64_t r0 = row; r0 < end; r0 += kSkinnyGroupRows) {
+      const int64_t rows = std::min(kSkinnyGroupRows, end - r0);
+      const int64_t width = std::min(std::max<int64_t>(kLanes, kSkinnyAccFloats / rows / kLanes * kLanes),
+                                     std::max<int64_t>(kLanes, vec_n));
+      const int64_t panels = vec_n > 0 ? (vec_n + width - 1) / width : 0;
+      chunks.push_back({e, r0, rows, width, panels});
+      first_item.push_back(items);
+      items += panels * kSkinnyKChunks;
+    }
+    row = end;
+  }
+  const int64_t total = row;
+  const int64_t kstep = (K + kSkinnyKChunks - 1) / kSkinnyKChunks;
+  thread_local std::vector<float> partial;  // [kSkinnyKChunks, R, N]
+  partial.resize(kSkinnyKChunks * R * N);
+  float* pp = partial.data();
+  const Chunk* ch = chunks.data();
+  const int64_t* fi = first_item.data();
+  const int64_t nchunks = static_cast<int64_t>(chunks.size());
+  if (items > 0)
+    run_items(pool_threads, items, threads, [=](int64_t item) {
+      const int64_t ci = std::upper_bound(fi, fi + nchunks, item) - fi - 1;
+      const Chunk& ck = ch[ci];
+      const int64_t local = item - fi[ci], kc = local % kSkinnyKChunks, j0 = local / kSkinnyKChunks * ck.width;
+      skinny_part(ap + ck.row0 * K, bp + ck.expert * K * N, pp + (kc * R + ck.row0) * N, ck.rows, K, N,
+                  std::min(K, kc * kstep), std::min(K, (kc + 1) * kstep), j0, std::min(ck.width, vec_n - j0));
+    });
+  for (const Chunk& ck : chunks) {
+    const float* bk = bp + ck.expert * K * N;
+    for (int64_t r = ck.row0; r < ck.row0 + ck.rows; ++r) {
+      for (int64_t j = 0; j < vec_n; ++j) {  // the halves, in order
+        float s = pp[r * N + j];
+        for (int64_t kc = 1; kc < kSkinnyKChunks; ++kc) s += pp[(kc * R + r) * N + j];
+        cp[r * N + j] = s;
+      }
+      for (int64_t j = vec_n; j < N; ++j) {  // columns past the last multiple of 8: one chain each
+        float s = 0.0f;
+        for (int64_t t = 0; t < K; ++t) s = std::fma(ap[r * K + t], bk[t * N + j], s);
+        cp[r * N + j] = s;
+      }
+    }
+  }
+  std::fill(cp + total * N, cp + R * N, 0.0f);
   return ffi::Error::Success();
 }
 
@@ -1427,10 +1580,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulCpu, MatmulImpl,
                                   .Attr<bool>("transpose_b")     // b is [N, K]
                                   .Attr<float>("soft_cap"));     // c = cap * tanh(c / cap); 0: none
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedGroupedSkinnyMatmulCpu, GroupedSkinnyMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a [R, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b [E, K, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // c [R, N]
+                                  .Attr<int64_t>("max_threads"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedSkinnyMatmulCpu, SkinnyMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // a [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b [K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b [K, N], or [N, K] transposed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // c [M, N]
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<bool>("transpose_b"));

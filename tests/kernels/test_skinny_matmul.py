@@ -1,10 +1,12 @@
 """The skinny matmul of CPU decode steps (pallas_kernels.cpu.skinny_matmul_cpu, C++ XLA FFI call)
 and its use by the model (jpaged.layers.skinny_matmul, config matmul_impl).
 
-* Against float64 numpy: SmolLM2's projection shapes, K and N that are not
+* Against float64 numpy, b stored [K, N] and transposed [N, K] (a tied LM
+  head): SmolLM2's projection shapes, K and N that are not
   multiples of 4 or 8 (the k tail, the scalar column tail), N < 8 (no vector
   columns at all), M from 1 to SKINNY_MAX_ROWS.
-* Any thread count gives the same bits (items are column panels x fixed k halves).
+* Any thread count gives the same bits (items are column panels x fixed k halves,
+  or in the transposed form row ranges of b).
 * Out-of-contract calls raise before any kernel runs.
 * Its VJP equals XLA's dot's.
 * An engine with matmul_impl "cpu" runs the kernel in its decode programs (the
@@ -12,6 +14,8 @@ and its use by the model (jpaged.layers.skinny_matmul, config matmul_impl).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,20 +36,25 @@ def _operands(seed: int, m: int, k: int, n: int) -> tuple[jax.Array, jax.Array]:
             jnp.asarray(rng.standard_normal((k, n), np.float32)))
 
 
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (4, 1536, 576), (3, 577, 1539), (32, 128, 4100),
                                    (7, 5, 3), (2, 3, 7), (32, 6, 64), (16, 64, 20), (5, 1, 9)])
-def test_matches_float64(m, k, n):
+def test_matches_float64(m, k, n, transpose_b):
     a, b = _operands(m * 1000 + k, m, k, n)
-    got = np.asarray(jax.jit(cpu.skinny_matmul_cpu)(a, b))
-    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    if transpose_b:  # the same product from b stored [N, K] (a tied LM head)
+        b = jnp.asarray(np.ascontiguousarray(np.asarray(b).T))
+    got = np.asarray(jax.jit(functools.partial(cpu.skinny_matmul_cpu, transpose_b=transpose_b))(a, b))
+    want = np.asarray(a, np.float64) @ np.asarray(b.T if transpose_b else b, np.float64)
     # fp32 FMA chains over k: relative to the largest |entry|, a few ulps times sqrt(k)
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), (m, k, n)
 
 
-def test_threads_give_the_same_bits():
-    a, b = _operands(1, 8, 1536, 576)
-    np.testing.assert_array_equal(np.asarray(cpu.skinny_matmul_cpu(a, b)),
-                                  np.asarray(cpu.skinny_matmul_cpu(a, b, max_threads=1)))
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["kn", "nk"])
+def test_threads_give_the_same_bits(transpose_b):
+    a, b = _operands(1, 8, 1536, 4100)
+    b = b.T if transpose_b else b
+    np.testing.assert_array_equal(np.asarray(cpu.skinny_matmul_cpu(a, b, transpose_b=transpose_b)),
+                                  np.asarray(cpu.skinny_matmul_cpu(a, b, transpose_b=transpose_b, max_threads=1)))
 
 
 def test_out_of_contract_calls_raise():
@@ -54,6 +63,8 @@ def test_out_of_contract_calls_raise():
         cpu.skinny_matmul_cpu(a, b)
     with pytest.raises(ValueError, match=r"need a \[M, K\] and b \[K, N\]"):
         cpu.skinny_matmul_cpu(a[:4], b[:7])
+    with pytest.raises(ValueError, match=r"need a \[M, K\] and b \[N, K\]"):
+        cpu.skinny_matmul_cpu(a[:4], b[:, :7], transpose_b=True)
     with pytest.raises(TypeError, match="float32"):
         cpu.skinny_matmul_cpu(a[:4].astype(jnp.bfloat16), b)
 
@@ -64,13 +75,17 @@ def test_layer_takes_only_what_the_kernel_can():
     assert not skinny_matmul.applies(jnp.zeros((33, 16)), b)          # a prefill's rows: XLA's dot
     assert not skinny_matmul.applies(a.astype(jnp.bfloat16), b)       # bf16 weights or activations
     assert not skinny_matmul.applies(a, jnp.zeros((2, 16, 8)))        # stacked (LoRA slots, experts)
+    assert skinny_matmul.applies(a, b.T, transpose_w=True)            # a tied LM head, stored [N, K]
+    assert not skinny_matmul.applies(a, b, transpose_w=True)          # K does not match
 
 
-def test_vjp_equals_xlas():
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["kn", "nk"])
+def test_vjp_equals_xlas(transpose_w):
     a, b = _operands(4, 6, 40, 24)
+    b = b.T if transpose_w else b
     loss = lambda mm: lambda x, w: jnp.sum(jnp.tanh(mm(x, w)))  # noqa: E731
-    got = jax.grad(loss(skinny_matmul.matmul), argnums=(0, 1))(a, b)
-    want = jax.grad(loss(jnp.matmul), argnums=(0, 1))(a, b)
+    got = jax.grad(loss(lambda x, w: skinny_matmul.matmul(x, w, transpose_w)), argnums=(0, 1))(a, b)
+    want = jax.grad(loss(lambda x, w: x @ (w.T if transpose_w else w)), argnums=(0, 1))(a, b)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 

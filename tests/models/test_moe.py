@@ -24,7 +24,9 @@ from helpers import (TINY_ENGINE, import_torch, make_peft_adapter, random_prompt
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import create_kv_pool, forward_step, ragged_metadata
 from jpaged.layers.moe import (CPU_ALL_EXPERTS_MAX_TOKENS, all_experts_routed, expert_load, grouped_swiglu_experts,
-                               moe_mlp, moe_mlp_dense, route, swiglu_experts, tile_rows, tiled_swiglu_experts)
+                               moe_mlp, moe_mlp_dense, route, skinny_swiglu_experts, swiglu_experts, tile_rows,
+                               tiled_swiglu_experts)
+from pallas_kernels import cpu
 
 torch = import_torch()
 
@@ -54,6 +56,8 @@ def _layer_weights(seed: int, d: int = 16, f: int = 8, E: int = 4):
 _moe = jax.jit(moe_mlp, static_argnames=("top_k", "renormalize", "grouped"))
 GROUPED = {"default": None, "platform": grouped_swiglu_experts, "ragged_dot": swiglu_experts,
            "tiles": tiled_swiglu_experts}
+if cpu.available():  # the C++ grouped skinny matmul of CPU decode steps (matmul_impl)
+    GROUPED["skinny"] = skinny_swiglu_experts
 
 
 @pytest.mark.parametrize("grouped", GROUPED)
@@ -91,7 +95,7 @@ def test_tiles_and_ragged_dot_equal_row_by_row(sizes):
     expert = np.repeat(np.arange(4), sizes)
     h = jax.nn.silu(np.einsum("rd,rdf->rf", xs, w_gate[expert])) * np.einsum("rd,rdf->rf", xs, w_up[expert])
     want = np.einsum("rf,rfd->rd", np.asarray(h), w_down[expert])
-    for fn in (swiglu_experts, tiled_swiglu_experts):
+    for fn in (swiglu_experts, tiled_swiglu_experts, *([skinny_swiglu_experts] if cpu.available() else [])):
         got = jax.jit(fn)(xs, w_gate, w_up, w_down, jnp.asarray(sizes, jnp.int32))
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
 
@@ -140,7 +144,8 @@ def test_moe_layer_is_differentiable():
         return (fn(x, router, *w, top_k=2, renormalize=True, **kw) ** 2).sum()
 
     few = x[:CPU_ALL_EXPERTS_MAX_TOKENS]  # grouped=None at as few tokens: the CPU's all-experts form
-    for grouped, x in ((swiglu_experts, x), (tiled_swiglu_experts, x), (None, few)):
+    skinny = [(skinny_swiglu_experts, x)] if cpu.available() else []
+    for grouped, x in ((swiglu_experts, x), (tiled_swiglu_experts, x), *skinny, (None, few)):
         want = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp_dense)
         got = jax.grad(loss, argnums=(0, 1))(x, experts, moe_mlp, grouped=grouped)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -246,6 +251,9 @@ def _greedy_through(llm, want):
 
 def test_greedy_matches_hf_with_chunking_prefix_cache_and_recompute(family, engine):
     _greedy_through(engine, family[3])
+    if cpu.available():  # matmul_impl "auto" on the CPU: decode steps' experts by the grouped kernel
+        programs = {key[0]: exe.as_text() for key, exe in engine.runner.programs.items()}
+        assert all(cpu.GROUPED_SKINNY_TARGET in text for text in programs.values())  # steps of <= 16 tokens
     assert engine.stats.recompute_preemptions > 0
 
 
