@@ -5,9 +5,12 @@
 in interpret mode: that column is then a code-path figure, not a kernel speed,
 and it is timed only up to --pallas_max_tokens), the all-experts form (every
 expert on every token, one batched matmul: what the CPU runs at a few tokens),
-the default (the platform's choice) against the dense one-hot oracle and against
-a dense SwiGLU MLP with the same active parameters (k experts' width), at
-several token counts.  The weights are arguments of the jitted functions, as in
+the default (the platform's choice), and on a CPU with the C++ kernels the
+grouped skinny matmul (`skinny_swiglu_experts`: what a decode step of an engine
+with matmul_impl "cpu" runs, up to SKINNY_MAX_ROWS tokens), against the dense
+one-hot oracle and against a dense SwiGLU MLP with the same active parameters
+(k experts' width; by XLA's dot, and by the skinny kernel), at several token
+counts.  The weights are arguments of the jitted functions, as in
 the engine (closed over, XLA would fold them as constants: pre-transposed
 weights that favour the dense forms).
 
@@ -35,9 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.layers import skinny_matmul
 from jpaged.layers.moe import (CPU_ALL_EXPERTS_MAX_TOKENS, all_experts_routed, expert_load, moe_mlp, moe_mlp_dense,
-                               route, swiglu_experts, tile_rows, tiled_swiglu_experts)
+                               route, skinny_swiglu_experts, swiglu_experts, tile_rows, tiled_swiglu_experts)
+from pallas_kernels import cpu
+from pallas_kernels.cpu import SKINNY_MAX_ROWS
 from pallas_kernels.grouped_matmul import gmm_swiglu_experts
+
+SKINNY, SKINNY_DENSE = "grouped skinny (C++)", "dense MLP, skinny (C++)"
 
 
 def fastest_ms(fns: list, args: list[tuple], iters: int) -> list[float]:
@@ -126,18 +134,36 @@ def main() -> None:
     on_device = jax.devices()[0].platform in ("gpu", "tpu")
     pallas = "Pallas gmm" + ("" if on_device else " (interpret mode)")
     variants[pallas] = jax.jit(lambda x, *w: moe_mlp(x, *w, top_k=k, renormalize=True, grouped=gmm_swiglu_experts))
-    mlp = jax.jit(lambda x, g, u, dn: (jax.nn.silu(x @ g) * (x @ u)) @ dn)
+    # What an engine with matmul_impl "cpu" runs in steps of <= SKINNY_MAX_ROWS tokens.
+    skinny = cpu.available() and dtype == jnp.float32
+    if skinny:
+        variants[SKINNY] = jax.jit(lambda x, *w: moe_mlp(x, *w, top_k=k, renormalize=True,
+                                                         grouped=skinny_swiglu_experts))
+    dense_mlps = {"dense MLP": lambda x, w: x @ w}
+    if skinny:
+        dense_mlps[SKINNY_DENSE] = skinny_matmul.matmul
+    mlps = {name: jax.jit(lambda x, g, u, dn, mm=mm: mm(jax.nn.silu(mm(x, g)) * mm(x, u), dn))
+            for name, mm in dense_mlps.items()}
     print(f"(default: all experts at <= {CPU_ALL_EXPERTS_MAX_TOKENS} token(s) on the CPU, tiles above"
-          + ("" if on_device else f"; {pallas}: not a kernel speed, - above {args.pallas_max_tokens} tokens") + ")")
-    print(f"| tokens | {' | '.join(variants)} | dense MLP, same active params | default / dense MLP |")
-    print("|---:" * (len(variants) + 3) + "|")
+          + ("" if on_device else f"; {pallas}: not a kernel speed, - above {args.pallas_max_tokens} tokens")
+          + (f"; the C++ skinny forms: - above {SKINNY_MAX_ROWS} tokens" if skinny else "") + ")")
+    ratios = ["default / dense MLP"] + ([f"{SKINNY} / {SKINNY_DENSE}"] if skinny else [])
+    columns = [*variants, *mlps]
+    print(f"| tokens | {' | '.join(columns)} | {' | '.join(ratios)} |")
+    print("|---:" * (len(columns) + len(ratios) + 1) + "|")
     for T in tokens:
         x = weights(T, d) * 50
-        timed = [fn for name, fn in variants.items() if name != pallas or T <= args.pallas_max_tokens]
-        ms = fastest_ms([*timed, mlp], [(x, *moe)] * len(timed) + [(x, *dense)], args.iters)
-        cells = [f"{m:.2f}" for m in ms[:-1]] + ["-"] * (len(variants) - len(timed)) + [f"{ms[-1]:.2f}"]
-        print(f"| {T} | {' | '.join(cells)} | {ms[3] / ms[-1]:.2f} |", flush=True)
-
+        fns = {**variants, **mlps}
+        runs = {name: fn for name, fn in fns.items()
+                if (name != pallas or T <= args.pallas_max_tokens)
+                and (name not in (SKINNY, SKINNY_DENSE) or T <= SKINNY_MAX_ROWS)}
+        ms = dict(zip(runs, fastest_ms(list(runs.values()),
+                                       [(x, *(dense if name in mlps else moe)) for name in runs], args.iters)))
+        cells = [f"{ms[c]:.2f}" if c in ms else "-" for c in columns]
+        cells.append(f"{ms['default'] / ms['dense MLP']:.2f}")
+        if skinny:
+            cells.append(f"{ms[SKINNY] / ms[SKINNY_DENSE]:.2f}" if SKINNY in ms else "-")
+        print(f"| {T} | {' | '.join(cells)} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,7 @@ alone, in an order fixed by K (one FMA chain per element), so it does not
 change with the number of rows as XLA's dot does (jpaged.layers.batch_invariant).
 
 `skinny_matmul_cpu` is the weight matmul of steps of a few tokens (decode):
-a [M <= 32, K] @ b [K, N] reading b once, b's rows streamed contiguously four
+a [M <= 32, K] @ b [K, N] reading b once, b's rows streamed contiguously eight
 at a time against accumulators that stay in L1; with `transpose_b`, b [N, K]
 (a tied LM head), eight rows of b at a time against every row of a.
 `grouped_skinny_matmul_cpu` is the same per group of rows, each group against

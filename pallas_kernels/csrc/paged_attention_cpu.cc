@@ -1168,7 +1168,7 @@ void matmul_block(const float* a, const float* b, float* c, int64_t K, int64_t N
 // fp32 for a few rows M, reading B once.  XLA:CPU's dot runs a small-M product
 // like a large one and costs several passes over the weights (measured on the
 // 2-core AVX2 VM, SmolLM2's 30 MLPs: 4 rows 2.5x one row, 8 rows 3x); here B's
-// rows stream past contiguously, four at a time, against accumulators for every
+// rows stream past contiguously, eight at a time, against accumulators for every
 // row of a column panel that stay in L1 (kSkinnyAccFloats), so up to ~16 rows
 // cost about one pass over B.  Work items are (column panel, k half): each is
 // one thread's; the two halves' sums are added in a fixed order afterwards, so
@@ -1185,6 +1185,22 @@ void skinny_part(const float* a, const float* b, float* out, int64_t M, int64_t 
   const int64_t nv = cols / kLanes;
   std::fill(acc, acc + M * cols, 0.0f);
   int64_t k = k0;
+  // Eight rows of B per pass over the accumulators (one load and store of each per
+  // eight FMAs): measured 1.4x the bandwidth of four rows at 4 and 8 rows of A.
+  for (; k + 8 <= k1; k += 8) {
+    const float* r0 = b + k * N + col0;
+    for (int64_t i = 0; i < M; ++i) {
+      const float* ai = a + i * K + k;
+      vf av[8];
+      for (int g = 0; g < 8; ++g) av[g] = vbcast(ai[g]);
+      vf* ci = reinterpret_cast<vf*>(acc + i * cols);
+      for (int64_t j = 0; j < nv; ++j) {
+        vf s = ci[j];
+        for (int g = 0; g < 8; ++g) s = vfma(av[g], vload(r0 + g * N + j * kLanes), s);
+        ci[j] = s;
+      }
+    }
+  }
   for (; k + 4 <= k1; k += 4) {
     const float* r0 = b + k * N + col0;
     const float* r1 = r0 + N;

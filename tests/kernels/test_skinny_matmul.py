@@ -8,6 +8,7 @@ and its use by the model (jpaged.layers.skinny_matmul, config matmul_impl).
 * Any thread count gives the same bits (items are column panels x fixed k halves,
   or in the transposed form row ranges of b).
 * Out-of-contract calls raise before any kernel runs.
+* The grouped form (a MoE decode step's experts) against float64 per group.
 * Its VJP equals XLA's dot's.
 * An engine with matmul_impl "cpu" runs the kernel in its decode programs (the
   custom call is in the compiled HLO) and generates the greedy tokens of "xla".
@@ -67,6 +68,33 @@ def test_out_of_contract_calls_raise():
         cpu.skinny_matmul_cpu(a[:4], b[:, :7], transpose_b=True)
     with pytest.raises(TypeError, match="float32"):
         cpu.skinny_matmul_cpu(a[:4].astype(jnp.bfloat16), b)
+
+
+@pytest.mark.parametrize("sizes", [(3, 5, 0, 8), (0, 0, 40, 1), (2, 0, 3), (70,), (1, 1)])
+def test_grouped_matches_float64_per_group(sizes):
+    """Each row through its own group's matrix (a MoE layer's experts): groups left
+    empty, one over 32 rows (two chunks), and rows past the groups' total (zero)."""
+    rng = np.random.default_rng(sum(sizes))
+    R, K, N = sum(sizes) + 3, 37, 45
+    a = rng.standard_normal((R, K), np.float32)
+    b = rng.standard_normal((len(sizes), K, N), np.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(jax.jit(cpu.grouped_skinny_matmul_cpu)(a, group_sizes, b))
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    want = np.einsum("rk,rkn->rn", a[:len(group)].astype(np.float64), b[group].astype(np.float64))
+    assert np.abs(got[:len(group)] - want).max() <= 2e-6 * np.abs(want).max()
+    assert not got[len(group):].any()
+    np.testing.assert_array_equal(got, np.asarray(cpu.grouped_skinny_matmul_cpu(a, group_sizes, b, max_threads=1)))
+
+
+def test_grouped_out_of_contract_calls_raise():
+    a, b = _operands(5, 4, 8, 8)
+    with pytest.raises(ValueError, match=r"need a \[R, K\], group_sizes \[E\] and b \[E, K, N\]"):
+        cpu.grouped_skinny_matmul_cpu(a, jnp.asarray([4], jnp.int32), b)            # b not stacked
+    with pytest.raises(ValueError, match="group_sizes"):
+        cpu.grouped_skinny_matmul_cpu(a, jnp.asarray([2, 2], jnp.int32), b[None])   # 2 sizes, 1 group
+    with pytest.raises(TypeError, match="float32"):
+        cpu.grouped_skinny_matmul_cpu(a.astype(jnp.bfloat16), jnp.asarray([4], jnp.int32), b[None])
 
 
 def test_layer_takes_only_what_the_kernel_can():
