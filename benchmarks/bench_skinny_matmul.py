@@ -3,13 +3,15 @@ against XLA's dot, side by side in one process.
 
     python benchmarks/bench_skinny_matmul.py [--rows=1,2,4,8,16,32,64] [--batches=1,2,4,8,16,32]
 
-Two parts:
+Three parts:
 
 * **matmuls**: SmolLM2-135M's 30 MLPs (x @ gate, x @ up, silu, @ down: [576, 1536]
   and [1536, 576] fp32, each layer its own weights, as arguments of one jitted
   function) on M token rows, by XLA's dot and by the C++ kernel: the median of
   --iters calls each, the two interleaved call by call.  The weights (318 MB) do
   not fit any cache, so one pass over them is the floor at every M.
+* **tied head**: SmolLM2's tied LM head, x @ E.T with E [49152, 576] as stored
+  (113 MB), by XLA's dot and by the kernel's transposed form, the same way.
 * **engine**: two SmolLM2 fp32 engines in one process, `matmul_impl` "xla" and
   "cpu" (everything else the default), B fresh 16-token prompts, 96 greedy tokens
   each (EOS ignored): ms per step (a generate's wall / its steps, the prefill step
@@ -31,13 +33,14 @@ from absl import app, flags
 import harness as B  # benchmarks/harness.py (the script's own directory is on sys.path)
 from jpaged import LLM, SamplingParams
 from jpaged.layers import skinny_matmul
+from pallas_kernels.cpu import SKINNY_MAX_ROWS
 
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64"], "Token rows of the matmuls part.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32"], "Sequences of the engine part (empty: skip).")
 _ITERS = flags.DEFINE_integer("iters", 11, "Calls per variant and M (matmuls part).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed generates per engine and batch size (engine part).")
 
-HIDDEN, WIDTH, LAYERS = 576, 1536, 30  # SmolLM2-135M
+HIDDEN, WIDTH, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 
 
 def _mlps(matmul):
@@ -53,24 +56,31 @@ def _matmul_rows() -> list[dict]:
     rng = np.random.default_rng(0)
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)  # noqa: E731
     weights = [(draw(HIDDEN, WIDTH), draw(HIDDEN, WIDTH), draw(WIDTH, HIDDEN)) for _ in range(LAYERS)]
-    skinny = lambda x, w: skinny_matmul.matmul(x, w) if skinny_matmul.applies(x, w) else x @ w  # noqa: E731
-    variants = {"xla": _mlps(jnp.matmul), "cpu": _mlps(skinny)}
+    embedding = draw(VOCAB, HIDDEN)
+    # The kernel wherever its contract allows (SKINNY_MAX_ROWS), not only where the model routes it.
+    skinny = lambda x, w: skinny_matmul.matmul(x, w) if x.shape[0] <= SKINNY_MAX_ROWS else x @ w  # noqa: E731
+
+    def head(x, e):  # the tied LM head: x @ E.T with E stored [vocab, hidden]
+        return skinny_matmul.matmul(x, e, True) if x.shape[0] <= SKINNY_MAX_ROWS else x @ e.T
+    parts = {"matmuls": ({"xla": _mlps(jnp.matmul), "cpu": _mlps(skinny)}, weights),
+             "tied head": ({"xla": jax.jit(lambda x, e: x @ e.T), "cpu": jax.jit(head)}, embedding)}
     rows = []
-    for m in map(int, _ROWS.value):
-        x = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
-        outs = {name: np.asarray(f(x, weights)) for name, f in variants.items()}
-        times = {name: [] for name in variants}
-        for _ in range(_ITERS.value):
-            for name, f in variants.items():
-                t0 = time.perf_counter()
-                f(x, weights).block_until_ready()
-                times[name].append(time.perf_counter() - t0)
-        xla_ms, cpu_ms = (1e3 * float(np.median(times[n])) for n in ("xla", "cpu"))
-        rows.append({"part": "matmuls", "rows": m, "xla_ms": xla_ms, "cpu_ms": cpu_ms,
-                     "cpu_over_xla": cpu_ms / xla_ms,
-                     "max_abs_diff": float(np.abs(outs["cpu"] - outs["xla"]).max()),
-                     "kernel_used": m <= skinny_matmul.SKINNY_MAX_ROWS})
-        print(rows[-1], flush=True)
+    for part, (variants, w) in parts.items():
+        for m in map(int, _ROWS.value):
+            x = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
+            outs = {name: np.asarray(f(x, w)) for name, f in variants.items()}
+            times = {name: [] for name in variants}
+            for _ in range(_ITERS.value):
+                for name, f in variants.items():
+                    t0 = time.perf_counter()
+                    f(x, w).block_until_ready()
+                    times[name].append(time.perf_counter() - t0)
+            xla_ms, cpu_ms = (1e3 * float(np.median(times[n])) for n in ("xla", "cpu"))
+            rows.append({"part": part, "rows": m, "xla_ms": xla_ms, "cpu_ms": cpu_ms,
+                         "cpu_over_xla": cpu_ms / xla_ms,
+                         "max_abs_diff": float(np.abs(outs["cpu"] - outs["xla"]).max()),
+                         "kernel_used": m <= SKINNY_MAX_ROWS})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -115,7 +125,8 @@ def main(_):
     B.write_markdown("skinny_matmul", (
         f"# Skinny matmul vs XLA's dot ({B.machine()}, {B.today()})\n\n"
         "matmuls: SmolLM2's 30 MLPs on `rows` token rows, median ms of the jitted chain (the C++ kernel "
-        f"up to {skinny_matmul.SKINNY_MAX_ROWS} rows, XLA's dot above). engine: SmolLM2 fp32, ms per step "
+        f"up to {SKINNY_MAX_ROWS} rows, XLA's dot above). tied head: x @ E.T, E [49152, 576] "
+        "as stored, the kernel's transposed form against XLA's dot. engine: SmolLM2 fp32, ms per step "
         "(generate wall / steps; B 16-token prompts, 96 greedy tokens), median of the rounds, "
         "`matmul_impl` xla vs cpu.\n\n" + B.markdown_table(rows, columns) + "\n"))
 

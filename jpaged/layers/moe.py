@@ -12,7 +12,7 @@ rows; the rows are put back in (token, slot) order and summed with their
 routing weights.  On the CPU, where XLA expands `ragged_dot` into one masked
 dense matmul per expert, the grouped matmuls run as tiles of one expert each
 (`tiled_swiglu_experts`), chosen when the program is lowered; in steps of at
-most SKINNY_MAX_ROWS tokens with matmul_impl "cpu" (the model decides:
+most STEP_MAX_TOKENS tokens with matmul_impl "cpu" (the model decides:
 jpaged.models.moe_common) they run as the C++ grouped skinny matmul
 (`skinny_swiglu_experts`), which reads each used expert's weights once.  Every
 shape is static: always T * k rows, whatever the routing (no capacity factor,

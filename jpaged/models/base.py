@@ -200,7 +200,7 @@ class Decoder(nnx.Module):
     columns laid out for `tensor_parallel_size` column shards; families project
     with `linears` / `project_qkv`, which take either form.
     `matmul_impl="cpu"` multiplies by the weights with the C++ skinny kernel
-    (jpaged.layers.skinny_matmul) in steps of at most SKINNY_MAX_ROWS tokens.
+    (jpaged.layers.skinny_matmul) in steps of at most STEP_MAX_TOKENS tokens.
     A layer may record values of its own in w["aux"] (a dict: a MoE layer's
     routed experts); `__call__(aux=True)` returns them stacked over the layers.
     """

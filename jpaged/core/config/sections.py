@@ -171,7 +171,7 @@ class RuntimeConfig(Section):
     """How a step is compiled and run."""
     attention_impl: AttentionImpl = field("auto", "Attention: reference (jnp), cpu (C++ kernel), pallas_gpu, "
                                           "pallas_tpu, or auto (by backend).")
-    matmul_impl: MatmulImpl = field("auto", "Weight matmuls of steps of up to 32 tokens (decode): cpu (a C++ "
+    matmul_impl: MatmulImpl = field("auto", "Weight matmuls of steps of up to 16 tokens (decode): cpu (a C++ "
                                     "kernel that reads each weight once; dtype float32, tensor_parallel_size 1), "
                                     "xla (XLA's dot), or auto (cpu where it can run, on a CPU backend).")
     layer_loop: LayerLoop = field("auto", "Layer loop of the compiled step: scan (lax.scan over stacked "
