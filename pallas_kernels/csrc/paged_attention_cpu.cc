@@ -1042,6 +1042,13 @@ void run_items(ffi::ThreadPool& pool, int64_t n, int64_t threads,
   while (q->active.load() != 0) std::this_thread::yield();  // as in PagedAttentionImpl
 }
 
+// The threads a call runs on: XLA's intra-op pool, at most the host's cores and max_threads (> 0).
+int64_t call_threads(ffi::ThreadPool& pool, int64_t max_threads) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  return max_threads > 0 ? std::min(threads, max_threads) : threads;
+}
+
 inline vf vfma(vf a, vf b, vf c) {  // a * b + c, rounded once
 #if defined(__FMA__)
   return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -1231,6 +1238,26 @@ void skinny_part(const float* a, const float* b, float* out, int64_t M, int64_t 
   for (int64_t i = 0; i < M; ++i) std::memcpy(out + i * N + col0, acc + i * cols, cols * sizeof(float));
 }
 
+// Rows [r0, r1) of C = A . B (b [K, N]) from the k chunks' partial sums pp
+// [kSkinnyKChunks, R, N], added in order; columns past the last multiple of 8 as
+// one FMA chain each.
+void skinny_finish_rows(const float* a, const float* b, const float* pp, float* c, int64_t R, int64_t K,
+                        int64_t N, int64_t r0, int64_t r1) {
+  const int64_t vec_n = N / kLanes * kLanes;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < vec_n; ++j) {
+      float s = pp[r * N + j];
+      for (int64_t kc = 1; kc < kSkinnyKChunks; ++kc) s += pp[(kc * R + r) * N + j];
+      c[r * N + j] = s;
+    }
+    for (int64_t j = vec_n; j < N; ++j) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(a[r * K + k], b[k * N + j], s);
+      c[r * N + j] = s;
+    }
+  }
+}
+
 // The transposed form, C = A . B^T with B [N, K] (a tied LM head as stored): rows
 // of B stream past contiguously, eight at a time, each against every row of A
 // (in L1); one 8-lane FMA chain per (row of A, row of B), then the eight chains
@@ -1286,14 +1313,7 @@ void skinny_matmul_nt(ffi::ThreadPool& pool, const float* a, const float* b, flo
       skinny_nt_part(a, b, c, M, K, N, item * kSkinnyNtRows, std::min(vec_n, (item + 1) * kSkinnyNtRows));
     });
   for (int64_t i = 0; i < M; ++i)  // rows of B past the last multiple of 8
-    for (int64_t n = vec_n; n < N; ++n) {
-      vf acc[kLanes];
-      for (int j = 0; j < kLanes; ++j) acc[j] = vbcast(0.0f);
-      for (int64_t k = 0; k + kLanes <= K; k += kLanes) acc[0] = vfma(vload(a + i * K + k), vload(b + n * K + k), acc[0]);
-      float sum = sum8_lanes(acc)[0];
-      for (int64_t k = K / kLanes * kLanes; k < K; ++k) sum = std::fma(a[i * K + k], b[n * K + k], sum);
-      c[i * N + n] = sum;
-    }
+    for (int64_t n = vec_n; n < N; ++n) c[i * N + n] = dot_fixed(a + i * K, b + n * K, K);
 }
 
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
@@ -1313,9 +1333,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
   const float* ap = a.typed_data();
   const float* bp = b.typed_data();
   float* cp = c->typed_data();
-  int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
-  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
-  if (max_threads > 0) threads = std::min(threads, max_threads);
+  const int64_t threads = call_threads(pool_threads, max_threads);
   if (transpose_b) {
     skinny_matmul_nt(pool_threads, ap, bp, cp, M, K, N, threads);
     return ffi::Error::Success();
@@ -1338,18 +1356,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
       skinny_part(ap, bp, pp + kc * M * N, M, K, N, std::min(K, kc * kstep), std::min(K, (kc + 1) * kstep),
                   j0, std::min(width, vec_n - j0));
     });
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t j = 0; j < vec_n; ++j) {  // the halves, in order
-      float s = pp[i * N + j];
-      for (int64_t kc = 1; kc < kSkinnyKChunks; ++kc) s += pp[(kc * M + i) * N + j];
-      cp[i * N + j] = s;
-    }
-    for (int64_t j = vec_n; j < N; ++j) {  // columns past the last multiple of 8: one chain each
-      float s = 0.0f;
-      for (int64_t k = 0; k < K; ++k) s = std::fma(ap[i * K + k], bp[k * N + j], s);
-      cp[i * N + j] = s;
-    }
-  }
+  skinny_finish_rows(ap, bp, pp, cp, M, K, N, 0, M);
   return ffi::Error::Success();
 }
 
@@ -1379,9 +1386,7 @@ ffi::Error GroupedSkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi
   const float* bp = b.typed_data();
   const int32_t* gs = group_sizes.typed_data();
   float* cp = c->typed_data();
-  int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
-  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
-  if (max_threads > 0) threads = std::min(threads, max_threads);
+  const int64_t threads = call_threads(pool_threads, max_threads);
   // (expert, first row, rows) of each chunk of a group; rows past R are dropped.
   struct Chunk { int64_t expert, row0, rows, width, panels; };
   std::vector<Chunk> chunks;
@@ -1417,21 +1422,8 @@ ffi::Error GroupedSkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi
       skinny_part(ap + ck.row0 * K, bp + ck.expert * K * N, pp + (kc * R + ck.row0) * N, ck.rows, K, N,
                   std::min(K, kc * kstep), std::min(K, (kc + 1) * kstep), j0, std::min(ck.width, vec_n - j0));
     });
-  for (const Chunk& ck : chunks) {
-    const float* bk = bp + ck.expert * K * N;
-    for (int64_t r = ck.row0; r < ck.row0 + ck.rows; ++r) {
-      for (int64_t j = 0; j < vec_n; ++j) {  // the halves, in order
-        float s = pp[r * N + j];
-        for (int64_t kc = 1; kc < kSkinnyKChunks; ++kc) s += pp[(kc * R + r) * N + j];
-        cp[r * N + j] = s;
-      }
-      for (int64_t j = vec_n; j < N; ++j) {  // columns past the last multiple of 8: one chain each
-        float s = 0.0f;
-        for (int64_t t = 0; t < K; ++t) s = std::fma(ap[r * K + t], bk[t * N + j], s);
-        cp[r * N + j] = s;
-      }
-    }
-  }
+  for (const Chunk& ck : chunks)
+    skinny_finish_rows(ap, bp + ck.expert * K * N, pp, cp, R, K, N, ck.row0, ck.row0 + ck.rows);
   std::fill(cp + total * N, cp + R * N, 0.0f);
   return ffi::Error::Success();
 }
@@ -1456,9 +1448,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
     return ffi::Error::Success();
   }
   const int64_t row_blocks = (M + kMmRows - 1) / kMmRows, panels = (N + kMmCols - 1) / kMmCols;
-  int64_t threads = std::max<int64_t>(1, pool_threads.num_threads());
-  threads = std::min<int64_t>(threads, std::max<int64_t>(1, std::thread::hardware_concurrency()));
-  if (max_threads > 0) threads = std::min(threads, max_threads);
+  const int64_t threads = call_threads(pool_threads, max_threads);
   // Row-block-major: consecutive items share their block of A.
   run_items(pool_threads, row_blocks * panels, threads, [=](int64_t item) {
     const int64_t i0 = item / panels * kMmRows, j0 = item % panels * kMmCols;
