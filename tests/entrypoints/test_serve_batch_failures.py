@@ -14,7 +14,7 @@ from helpers import SMOLLM_STEP_XLA, cached_compiles_env, config_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "scripts/serve_batch.py", "--config", "configs/smollm2_135m.py",
-       "--config.max_model_len=256", "--config.num_blocks=48", "--config.attention_impl=reference",
+       "--config.max_model_len=256", "--config.num_blocks=48", "--config.attention_impl=auto",
        "--config.buckets_per_octave=1", *config_flags(SMOLLM_STEP_XLA)]
 
 

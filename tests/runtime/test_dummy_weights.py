@@ -29,7 +29,7 @@ HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size"
       "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 CFG = config_from_hf(HF)
 ENGINE = dict(load_format="dummy", max_model_len=64, block_size=16, num_blocks=32, max_num_seqs=4,
-              max_num_batched_tokens=64, attention_impl="reference", enable_prefix_caching=False,
+              max_num_batched_tokens=64, attention_impl="auto", enable_prefix_caching=False,
               buckets_per_octave=1)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 7]]
