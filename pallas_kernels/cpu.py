@@ -437,6 +437,78 @@ def skinny_matmul_cpu(a: jax.Array, b: jax.Array, *, transpose_b: bool = False, 
     return call(a, b, max_threads=np.int64(max_threads), transpose_b=bool(transpose_b))
 
 
+# GGUF block weights (jpaged.loading.gguf_blocks) for skinny_matmul_cpu: the C++
+# kBlocksQ4 / kBlocksQ8, and the arrays each registered weight's blocks live in
+# (kept here until unregistered: the registry holds only their addresses).
+BLOCK_KINDS = {"q4": 0, "q8": 1}
+_registered_blocks: dict[int, tuple[np.ndarray, ...]] = {}
+
+
+def register_block_weights(weight: jax.Array, kind: str, codes: np.ndarray, scales: np.ndarray,
+                           offsets: np.ndarray | None) -> int:
+    """From now on, skinny_matmul_cpu calls whose `b` is `weight`'s own buffer (a
+    float32 [K, N], or [N, K] read transposed, on one CPU device) read these blocks of
+    the same matrix [N, K] instead: `kind` "q4" (codes uint8 [N, K / 2], two weights a
+    byte as in a GGUF Q4 block; scales and offsets float32 [N, K / 32]; a weight is
+    scale * code + offset) or "q8" (codes int8 [N, K]; scales [N, K / 32]).  The
+    result is the one skinny_matmul_cpu gives for the dequantised matrix, transposed.
+    The caller vouches that `weight` holds exactly that dequantised matrix, and must
+    unregister before the buffer is freed or its contents change.  Returns the
+    buffer's address (the key for unregister_block_weights)."""
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    if kind not in BLOCK_KINDS:
+        raise ValueError(f"register_block_weights: kind must be one of {sorted(BLOCK_KINDS)}, got {kind!r}")
+    n, k = scales.shape[0], scales.shape[1] * 32
+    want = {"codes": ((n, k // 2) if kind == "q4" else (n, k), np.uint8 if kind == "q4" else np.int8),
+            "scales": ((n, k // 32), np.float32)}
+    if kind == "q4":
+        want["offsets"] = ((n, k // 32), np.float32)
+    arrays = {"codes": codes, "scales": scales, "offsets": offsets}
+    for name, (shape, dtype) in want.items():
+        a = arrays[name]
+        if a is None or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+            got = None if a is None else (a.shape, a.dtype)
+            raise ValueError(f"register_block_weights: {name} must be C-contiguous {np.dtype(dtype)} {shape}, got {got}")
+    if weight.dtype != jnp.float32 or sorted(weight.shape) != sorted((n, k)) or len(weight.addressable_shards) != 1:
+        raise ValueError(f"register_block_weights: the weight must be one float32 [{k}, {n}] or [{n}, {k}] array "
+                         f"on one device, got {weight.dtype} {weight.shape}")
+    address = weight.unsafe_buffer_pointer()
+    kept = tuple(a for a in (codes, scales, offsets) if a is not None)
+    lib = _state["lib"]
+    ptr = ctypes.c_void_p
+    lib.jpaged_register_block_weights.argtypes = [ptr, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ptr, ptr, ptr]
+    with _lock:
+        _registered_blocks[address] = kept
+        if lib.jpaged_register_block_weights(ptr(address), BLOCK_KINDS[kind], n, k, codes.ctypes.data,
+                                             scales.ctypes.data, None if offsets is None else offsets.ctypes.data):
+            del _registered_blocks[address]
+            raise ValueError(f"register_block_weights: blocks of [{n}, {k}] refused")
+    return address
+
+
+def unregister_block_weights(address: int) -> bool:
+    """Forgets the blocks registered under `address` (waiting for calls reading them);
+    True if there were any."""
+    if not _state.get("ok"):
+        return False
+    lib = _state["lib"]
+    lib.jpaged_unregister_block_weights.argtypes = [ctypes.c_void_p]
+    with _lock:
+        had = bool(lib.jpaged_unregister_block_weights(ctypes.c_void_p(address)))
+        _registered_blocks.pop(address, None)
+    return had
+
+
+def block_matmul_calls() -> int:
+    """How many skinny_matmul_cpu calls read registered blocks (since the library loaded)."""
+    if not available():
+        return 0
+    lib = _state["lib"]
+    lib.jpaged_block_matmul_calls.restype = ctypes.c_int64
+    return int(lib.jpaged_block_matmul_calls())
+
+
 def grouped_skinny_matmul_cpu(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *,
                               max_threads: int = 0) -> jax.Array:
     """Rows a [R, K] sorted by group (group_sizes [E] rows each, in order) times

@@ -87,7 +87,8 @@ def build_components(cfg: ml_collections.ConfigDict, mesh: Mesh | None) -> Engin
     engine = sections(cfg).resolved(num_blocks=num_blocks, attention_impl=attention_impl, scan_layers=scan_layers,
                                     matmul_impl=model.matmul_impl)
     runner = ModelRunner(model.graphdef, model.params, model.model_config, engine, layout=layout, mesh=mesh,
-                         swap_space=swap_space, program_cache_dir=program_cache_dir(cfg))
+                         swap_space=swap_space, program_cache_dir=program_cache_dir(cfg),
+                         weight_blocks=model.weight_blocks)
     lora = LoraManager(runner, model.loaded.config, num_slots=lora_slots(cfg),
                        max_rank=cfg.max_lora_rank, tensor_parallel=tensor_parallel_size(mesh))
     for name, path in parse_lora_modules(cfg.lora_modules).items():

@@ -19,7 +19,9 @@ from flax import nnx
 
 import pallas_kernels
 from jpaged.core.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MATMUL_IMPLS, ConfigError
+from jpaged import models
 from jpaged.core.model_config import ModelConfig
+from jpaged.loading.gguf_blocks import BlockMatrix, read_block_matrices
 from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weights, read_model_config
 from jpaged.models import build_model, weight_shapes
 from jpaged.models.base import split_model
@@ -120,6 +122,8 @@ class LoadedModel:
     params: nnx.State
     weight_bytes: int          # per device
     matmul_impl: str           # resolved: "cpu" or "xla"
+    # A quantised GGUF's blocks for the CPU decode kernels (gguf_weight_blocks), or None.
+    weight_blocks: dict[tuple[str, int | None], BlockMatrix] | None = None
 
 
 def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: bool) -> LoadedModel:
@@ -145,7 +149,18 @@ def load_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None, scan_layers: b
         params = shard_params(params, model_config, mesh)
     weight_bytes = weights_nbytes(model_config, jnp.dtype(cfg.dtype)) // tp
     loaded.arrays = {}  # the device copy in params is the one we keep
-    return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes, matmul_impl)
+    blocks = gguf_weight_blocks(cfg, loaded, model_config, matmul_impl)
+    return LoadedModel(loaded, model_config, loaded.tokenizer, graphdef, params, weight_bytes, matmul_impl, blocks)
+
+
+def gguf_weight_blocks(cfg: ml_collections.ConfigDict, loaded: LoadedWeights, model_config: ModelConfig,
+                       matmul_impl: str) -> dict[tuple[str, int | None], BlockMatrix] | None:
+    """A quantised GGUF's matrices in its own blocks, for the CPU decode kernels to
+    read instead of the float32 params (config gguf_blocks; jpaged.runtime.weight_blocks);
+    None unless the weights came from a GGUF and matmul_impl resolved to cpu."""
+    if not cfg.gguf_blocks or matmul_impl != "cpu" or loaded.load_format != "gguf":
+        return None
+    return read_block_matrices(loaded.source, model_config, models.gguf_family) or None
 
 
 def params_from_path(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, base: ModelConfig,

@@ -283,6 +283,7 @@ class LoadedWeights:
     # "cache entry damaged (arrays/layers.wq checksum mismatch): rebuilt".
     cache_note: str = ""
     origin: str = ""  # where the arrays came from, for the start-up line
+    load_format: str = ""  # the format read: "gguf" or "hf"
 
 
 def _resolve_format(model: str, load_format: str) -> tuple[str, pathlib.Path]:
@@ -373,7 +374,7 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
             if fmt == "hf":  # tokenizer files may change without touching the weights
                 tokenizer = _hf_tokenizer(path)
             return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, True,
-                                 origin=f"converted-weights cache {entry.name}, checksums verified")
+                                 origin=f"converted-weights cache {entry.name}, checksums verified", load_format=fmt)
 
     if fmt == "gguf":
         cfg, arrays, meta = load_gguf(path, dtype=np_dtype)
@@ -390,4 +391,4 @@ def load_weights(model: str, *, load_format: str = "auto", dtype: str = "float32
             log.warning("could not write weight cache %s: %s", entry, gist(e))
             notes.append(f"could not write the cache ({gist(e)})")
     return LoadedWeights(cfg, arrays, tokenizer, source, time.perf_counter() - t0, False, "; ".join(notes),
-                         origin)
+                         origin, load_format=fmt)

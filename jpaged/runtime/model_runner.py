@@ -51,6 +51,8 @@ from jpaged.core.scheduler import ScheduledSeq, SchedulerOutput
 from jpaged.core.sequence import MAX_LOGPROBS
 from jpaged.layers.sharding import Mesh, pool_sharding, put, replicated
 from jpaged.runtime.step_inputs import StepInputs, StepResult, build_step_inputs, padding_step_inputs
+from jpaged.runtime.weight_blocks import RegisteredBlocks, register_weight_blocks
+from jpaged.loading.gguf_blocks import BlockMatrix
 from jpaged.core.swap_space import HostSwapSpace
 
 # StepResult lives with StepInputs (the step's pytrees in and out); importable from here too.
@@ -112,11 +114,17 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig, config: EngineConfig,
                  *, layout: KVLayout | None = None, mesh: Mesh | None = None, swap_space: HostSwapSpace | None = None,
-                 program_cache_dir: pathlib.Path | None = None):
+                 program_cache_dir: pathlib.Path | None = None,
+                 weight_blocks: dict[tuple[str, int | None], BlockMatrix] | None = None):
         cache, sched, runtime = config.cache, config.scheduler, config.runtime
         if not cache.num_blocks or "auto" in (cache.kv_cache_dtype, runtime.attention_impl, runtime.layer_loop):
             raise ValueError("ModelRunner takes a resolved config (EngineConfig.resolved): no 'auto', num_blocks set")
+        # A quantised GGUF's blocks (jpaged.runtime.weight_blocks): registered for the
+        # params they were dequantised into, released whenever params are replaced.
+        self._block_matrices = weight_blocks
+        self.registered_blocks: RegisteredBlocks | None = None
         self.params = params
+        self.registered_blocks = register_weight_blocks(params, weight_blocks)
         # LoRA adapters' device slots (jpaged.layers.lora); None: adapters off.
         dtype, scan_layers = jax.tree.leaves(params)[0].dtype, runtime.layer_loop == "scan"
         self.lora = (create_lora_weights(model_cfg, config.lora.slots, config.lora.max_lora_rank, dtype,
@@ -169,6 +177,9 @@ class ModelRunner:
 
     @params.setter
     def params(self, value: nnx.State) -> None:
+        if self.registered_blocks is not None and value is not self.registered_blocks.params:
+            self.registered_blocks.release()  # the blocks are not these weights
+            self.registered_blocks = None
         self._params, self._weight_leaves = value, None
 
     @property
@@ -416,6 +427,8 @@ class ModelRunner:
             raise RuntimeError("wake_up() after sleep(level=2) needs new weights: call update_params(params) first")
         if self.params is self._asleep_specs:
             self.params = _to_devices(self._host_params, self._asleep_specs)
+            if self._host_params is not None:  # level 1's copy: the weights the blocks hold
+                self.registered_blocks = register_weight_blocks(self.params, self._block_matrices)
         if self._host_lora is not None:
             self.lora = _to_devices(self._host_lora, self._lora_specs)
         self.kv_pool = self._new_pool()

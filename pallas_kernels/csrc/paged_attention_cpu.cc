@@ -52,8 +52,11 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <thread>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -1316,6 +1319,147 @@ void skinny_matmul_nt(ffi::ThreadPool& pool, const float* a, const float* b, flo
     for (int64_t n = vec_n; n < N; ++n) c[i * N + n] = dot_fixed(a + i * K, b + n * K, K);
 }
 
+// ---------------------------------------------------------------------------
+// GGUF block weights (jpaged.loading.gguf_blocks): a quantised GGUF's matrices in
+// their own blocks of 32 -- 4-bit codes with a scale and an offset each (Q4_0,
+// Q4_1) or 8-bit codes with a scale (Q8_0) -- registered under the address of
+// the float32 weight the engine dequantised from them.  A skinny matmul whose
+// weight buffer is registered reads the blocks instead (~5 or ~8.5 bits a weight,
+// not 32): a decode step is bound by reading its weights.  Each weight is
+// dequantised exactly as gguf.quants does (d * q + m: the product is exact, so one
+// rounding, as in the FMA), and the products are summed in the transposed form's
+// order (skinny_nt_part): the result is bit-identical to skinny_matmul_cpu of the
+// dequantised weight, transposed.  The registry holds no memory: the caller keeps
+// the blocks alive until it unregisters them (which waits for calls in flight).
+
+struct BlockWeights {
+  int32_t kind;          // kBlocksQ4 or kBlocksQ8
+  int64_t n, k;          // the weight is [n, k] in GGUF's layout (rows of k, blocks of 32)
+  const uint8_t* codes;  // Q4: [n, k / 2], byte t of a block = elements t (low nibble), t + 16 (high);
+                         // Q8: [n, k] int8
+  const float* scales;   // [n, k / 32]
+  const float* offsets;  // Q4: [n, k / 32]; Q8: unused
+};
+constexpr int32_t kBlocksQ4 = 0, kBlocksQ8 = 1;
+constexpr int64_t kBlockSize = 32;
+constexpr int64_t kBlockRowsPerItem = 64;  // rows of the weight per work item
+
+std::shared_mutex blocks_mutex;
+std::unordered_map<const void*, BlockWeights> blocks_registry;
+std::atomic<int64_t> block_matmul_calls{0};
+
+// The 32 weights of one block as four 8-lane vectors, in k order.
+inline void dequant_block(const BlockWeights& w, int64_t row, int64_t blk, vf out[4]) {
+  const float d = w.scales[row * (w.k / kBlockSize) + blk];
+  if (w.kind == kBlocksQ8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.codes) + row * w.k + blk * kBlockSize;
+#if defined(__AVX2__)
+    for (int t = 0; t < 4; ++t)
+      out[t] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * t)))) *
+               vbcast(d);
+#else
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < kLanes; ++l) out[t][l] = static_cast<float>(q[8 * t + l]) * d;
+#endif
+    return;
+  }
+  const float m = w.offsets[row * (w.k / kBlockSize) + blk];
+  const uint8_t* q = w.codes + row * (w.k / 2) + blk * (kBlockSize / 2);
+#if defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int t = 0; t < 4; ++t)
+    out[t] = vfma((vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[t])), vbcast(d), vbcast(m));
+#else
+  for (int l = 0; l < 16; ++l) {
+    out[l / 8][l % 8] = std::fma(static_cast<float>(q[l] & 15), d, m);
+    out[2 + l / 8][l % 8] = std::fma(static_cast<float>(q[l] >> 4), d, m);
+  }
+#endif
+}
+
+// c[i, n0 .. n0 + 8) for MB rows of a (row stride K): each weight row's blocks
+// dequantised once for all MB rows; per (row of a, row of w) one 8-lane FMA chain
+// over k, then sum8_lanes across the eight weight rows, as skinny_nt_part does.
+template <int MB>
+void block_rows8(const BlockWeights& w, const float* a, float* c, int64_t K, int64_t N, int64_t n0) {
+  vf chains[MB][kLanes];
+  const int64_t blocks = K / kBlockSize;
+  for (int j = 0; j < kLanes; ++j) {
+    vf acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = vbcast(0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      vf wv[4];
+      dequant_block(w, n0 + j, b, wv);
+      for (int i = 0; i < MB; ++i) {
+        const float* ai = a + i * K + b * kBlockSize;
+        for (int t = 0; t < 4; ++t) acc[i] = vfma(vload(ai + t * kLanes), wv[t], acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) chains[i][j] = acc[i];
+  }
+  for (int i = 0; i < MB; ++i) {
+    const vf sum = sum8_lanes(chains[i]);
+    std::memcpy(c + i * N + n0, &sum, sizeof(sum));
+  }
+}
+
+// Rows of A in groups of up to eight (their chains stay in registers), for the
+// weight's rows [r0, r1) (multiples of 8).
+void block_part(const BlockWeights& w, const float* a, float* c, int64_t M, int64_t K, int64_t N, int64_t r0,
+                int64_t r1) {
+  for (int64_t n = r0; n < r1; n += kLanes)
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const float* am = a + m0 * K;
+      float* cm = c + m0 * N;
+      switch (std::min<int64_t>(8, M - m0)) {
+        case 1: block_rows8<1>(w, am, cm, K, N, n); break;
+        case 2: block_rows8<2>(w, am, cm, K, N, n); break;
+        case 3: block_rows8<3>(w, am, cm, K, N, n); break;
+        case 4: block_rows8<4>(w, am, cm, K, N, n); break;
+        case 5: block_rows8<5>(w, am, cm, K, N, n); break;
+        case 6: block_rows8<6>(w, am, cm, K, N, n); break;
+        case 7: block_rows8<7>(w, am, cm, K, N, n); break;
+        default: block_rows8<8>(w, am, cm, K, N, n); break;
+      }
+    }
+}
+
+// C = A . W^T from the blocks; rows of W past the last multiple of 8 dequantised
+// whole and taken by dot_fixed (as skinny_matmul_nt's tail rows).
+void block_matmul(ffi::ThreadPool& pool, const BlockWeights& w, const float* a, float* c, int64_t M,
+                  int64_t threads) {
+  const int64_t K = w.k, N = w.n, vec_n = N / kLanes * kLanes;
+  const int64_t items = (vec_n + kBlockRowsPerItem - 1) / kBlockRowsPerItem;
+  if (items > 0)
+    run_items(pool, items, threads, [&w, a, c, M, K, N, vec_n](int64_t item) {
+      block_part(w, a, c, M, K, N, item * kBlockRowsPerItem, std::min(vec_n, (item + 1) * kBlockRowsPerItem));
+    });
+  std::vector<float> row(K);
+  for (int64_t n = vec_n; n < N; ++n) {
+    for (int64_t b = 0; b < K / kBlockSize; ++b) {
+      vf wv[4];
+      dequant_block(w, n, b, wv);
+      std::memcpy(row.data() + b * kBlockSize, wv, sizeof(wv));
+    }
+    for (int64_t i = 0; i < M; ++i) c[i * N + n] = dot_fixed(a + i * K, row.data(), K);
+  }
+}
+
+// Runs C = A . W^T from the blocks registered for `weight` when there are blocks
+// of W's shape [N, K]; false (nothing done) otherwise.
+bool run_registered_blocks(ffi::ThreadPool& pool, const void* weight, const float* a, float* c, int64_t M,
+                           int64_t K, int64_t N, int64_t threads) {
+  std::shared_lock<std::shared_mutex> lock(blocks_mutex);
+  auto it = blocks_registry.find(weight);
+  if (it == blocks_registry.end() || it->second.n != N || it->second.k != K) return false;
+  block_matmul(pool, it->second, a, c, M, threads);
+  block_matmul_calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> a,
                             ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c, int64_t max_threads,
                             bool transpose_b) {
@@ -1334,6 +1478,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
   const float* bp = b.typed_data();
   float* cp = c->typed_data();
   const int64_t threads = call_threads(pool_threads, max_threads);
+  if (run_registered_blocks(pool_threads, bp, ap, cp, M, K, N, threads)) return ffi::Error::Success();
   if (transpose_b) {
     skinny_matmul_nt(pool_threads, ap, bp, cp, M, K, N, threads);
     return ffi::Error::Success();
@@ -1549,6 +1694,28 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
 }
 
 }  // namespace
+
+// The registry of GGUF block weights (ctypes, from pallas_kernels.cpu): 0 on
+// success, -1 for a shape the blocks cannot have.
+extern "C" int jpaged_register_block_weights(const void* weight, int32_t kind, int64_t n, int64_t k,
+                                             const void* codes, const float* scales, const float* offsets) {
+  if ((kind != kBlocksQ4 && kind != kBlocksQ8) || n <= 0 || k <= 0 || k % kBlockSize != 0 || !codes ||
+      !scales || (kind == kBlocksQ4 && !offsets))
+    return -1;
+  std::unique_lock<std::shared_mutex> lock(blocks_mutex);
+  blocks_registry[weight] = BlockWeights{kind, n, k, static_cast<const uint8_t*>(codes), scales, offsets};
+  return 0;
+}
+
+// Forgets `weight`'s blocks once no call is reading them; 1 if it had any.
+extern "C" int jpaged_unregister_block_weights(const void* weight) {
+  std::unique_lock<std::shared_mutex> lock(blocks_mutex);
+  return static_cast<int>(blocks_registry.erase(weight));
+}
+
+// Skinny matmuls served from registered blocks since the library was loaded.
+extern "C" int64_t jpaged_block_matmul_calls() { return block_matmul_calls.load(); }
+
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttentionCpu, PagedAttentionImpl,
                               ffi::Ffi::Bind()

@@ -174,6 +174,10 @@ class RuntimeConfig(Section):
     matmul_impl: MatmulImpl = field("auto", "Weight matmuls of steps of up to 16 tokens (decode): cpu (a C++ "
                                     "kernel that reads each weight once; dtype float32, tensor_parallel_size 1), "
                                     "xla (XLA's dot), or auto (cpu where it can run, on a CPU backend).")
+    gguf_blocks: bool = field(True, "With matmul_impl cpu, decode steps read a Q4_0 / Q4_1 / Q8_0 GGUF's weight "
+                              "matrices in the file's own blocks (5-8.5 bits a weight, the same float32 sums; "
+                              "jpaged.runtime.weight_blocks) rather than their float32 copies; unrolled layers "
+                              "and the LM head only.")
     layer_loop: LayerLoop = field("auto", "Layer loop of the compiled step: scan (lax.scan over stacked "
                                   "weights: one layer traced and compiled), unroll (one copy per layer), or "
                                   "auto (by backend).")
