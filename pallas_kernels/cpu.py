@@ -445,10 +445,10 @@ _registered_blocks: dict[int, tuple[np.ndarray, ...]] = {}
 
 
 def register_block_weights(weight: jax.Array, kind: str, codes: np.ndarray, scales: np.ndarray,
-                           offsets: np.ndarray | None) -> int:
+                           offsets: np.ndarray | None, *, transposed: bool = False) -> int:
     """From now on, skinny_matmul_cpu calls whose `b` is `weight`'s own buffer (a
-    float32 [K, N], or [N, K] read transposed, on one CPU device) read these blocks of
-    the same matrix [N, K] instead: `kind` "q4" (codes uint8 [N, K / 2], two weights a
+    float32 [K, N]; with `transposed`, [N, K] read with transpose_b=True; on one CPU
+    device) read these blocks of the same matrix [N, K] instead: `kind` "q4" (codes uint8 [N, K / 2], two weights a
     byte as in a GGUF Q4 block; scales and offsets float32 [N, K / 32]; a weight is
     scale * code + offset) or "q8" (codes int8 [N, K]; scales [N, K / 32]).  The
     result is the one skinny_matmul_cpu gives for the dequantised matrix, transposed.
@@ -470,17 +470,19 @@ def register_block_weights(weight: jax.Array, kind: str, codes: np.ndarray, scal
         if a is None or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
             got = None if a is None else (a.shape, a.dtype)
             raise ValueError(f"register_block_weights: {name} must be C-contiguous {np.dtype(dtype)} {shape}, got {got}")
-    if weight.dtype != jnp.float32 or sorted(weight.shape) != sorted((n, k)) or len(weight.addressable_shards) != 1:
-        raise ValueError(f"register_block_weights: the weight must be one float32 [{k}, {n}] or [{n}, {k}] array "
-                         f"on one device, got {weight.dtype} {weight.shape}")
+    shape = (n, k) if transposed else (k, n)
+    if weight.dtype != jnp.float32 or weight.shape != shape or len(weight.addressable_shards) != 1:
+        raise ValueError(f"register_block_weights: the weight must be one float32 {list(shape)} array on one "
+                         f"device, got {weight.dtype} {weight.shape}")
     address = weight.unsafe_buffer_pointer()
     kept = tuple(a for a in (codes, scales, offsets) if a is not None)
     lib = _state["lib"]
     ptr = ctypes.c_void_p
-    lib.jpaged_register_block_weights.argtypes = [ptr, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ptr, ptr, ptr]
+    lib.jpaged_register_block_weights.argtypes = [ptr, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                                  ctypes.c_int32, ptr, ptr, ptr]
     with _lock:
         _registered_blocks[address] = kept
-        if lib.jpaged_register_block_weights(ptr(address), BLOCK_KINDS[kind], n, k, codes.ctypes.data,
+        if lib.jpaged_register_block_weights(ptr(address), BLOCK_KINDS[kind], n, k, int(transposed), codes.ctypes.data,
                                              scales.ctypes.data, None if offsets is None else offsets.ctypes.data):
             del _registered_blocks[address]
             raise ValueError(f"register_block_weights: blocks of [{n}, {k}] refused")

@@ -40,7 +40,7 @@ class RegisteredBlocks:
             if weight is None or not _fits(weight, name, matrix):
                 continue
             self._addresses.append(cpu.register_block_weights(weight, matrix.kind, matrix.codes, matrix.scales,
-                                                              matrix.offsets))
+                                                              matrix.offsets, transposed=name == "embed"))
             self.nbytes += matrix.nbytes
 
     def __len__(self) -> int:

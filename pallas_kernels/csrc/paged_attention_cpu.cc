@@ -1335,6 +1335,7 @@ void skinny_matmul_nt(ffi::ThreadPool& pool, const float* a, const float* b, flo
 struct BlockWeights {
   int32_t kind;          // kBlocksQ4 or kBlocksQ8
   int64_t n, k;          // the weight is [n, k] in GGUF's layout (rows of k, blocks of 32)
+  bool transposed;       // the float32 buffer it stands for is [n, k] (read transposed), not [k, n]
   const uint8_t* codes;  // Q4: [n, k / 2], byte t of a block = elements t (low nibble), t + 16 (high);
                          // Q8: [n, k] int8
   const float* scales;   // [n, k / 32]
@@ -1449,12 +1450,15 @@ void block_matmul(ffi::ThreadPool& pool, const BlockWeights& w, const float* a, 
 }
 
 // Runs C = A . W^T from the blocks registered for `weight` when there are blocks
-// of W's shape [N, K]; false (nothing done) otherwise.
+// of W's shape [N, K], registered for the layout the call reads the buffer in (a
+// square weight's shape alone cannot tell); false (nothing done) otherwise.
 bool run_registered_blocks(ffi::ThreadPool& pool, const void* weight, const float* a, float* c, int64_t M,
-                           int64_t K, int64_t N, int64_t threads) {
+                           int64_t K, int64_t N, bool transpose_b, int64_t threads) {
   std::shared_lock<std::shared_mutex> lock(blocks_mutex);
   auto it = blocks_registry.find(weight);
-  if (it == blocks_registry.end() || it->second.n != N || it->second.k != K) return false;
+  if (it == blocks_registry.end() || it->second.n != N || it->second.k != K ||
+      it->second.transposed != transpose_b)
+    return false;
   block_matmul(pool, it->second, a, c, M, threads);
   block_matmul_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
@@ -1478,7 +1482,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
   const float* bp = b.typed_data();
   float* cp = c->typed_data();
   const int64_t threads = call_threads(pool_threads, max_threads);
-  if (run_registered_blocks(pool_threads, bp, ap, cp, M, K, N, threads)) return ffi::Error::Success();
+  if (run_registered_blocks(pool_threads, bp, ap, cp, M, K, N, transpose_b, threads)) return ffi::Error::Success();
   if (transpose_b) {
     skinny_matmul_nt(pool_threads, ap, bp, cp, M, K, N, threads);
     return ffi::Error::Success();
@@ -1698,12 +1702,14 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
 // The registry of GGUF block weights (ctypes, from pallas_kernels.cpu): 0 on
 // success, -1 for a shape the blocks cannot have.
 extern "C" int jpaged_register_block_weights(const void* weight, int32_t kind, int64_t n, int64_t k,
-                                             const void* codes, const float* scales, const float* offsets) {
+                                             int32_t transposed, const void* codes, const float* scales,
+                                             const float* offsets) {
   if ((kind != kBlocksQ4 && kind != kBlocksQ8) || n <= 0 || k <= 0 || k % kBlockSize != 0 || !codes ||
       !scales || (kind == kBlocksQ4 && !offsets))
     return -1;
   std::unique_lock<std::shared_mutex> lock(blocks_mutex);
-  blocks_registry[weight] = BlockWeights{kind, n, k, static_cast<const uint8_t*>(codes), scales, offsets};
+  blocks_registry[weight] =
+      BlockWeights{kind, n, k, transposed != 0, static_cast<const uint8_t*>(codes), scales, offsets};
   return 0;
 }
 

@@ -49,13 +49,15 @@ def test_registered_blocks_give_the_transposed_kernels_result(kind, n, k):
     dense = blocks.dequantize()
     kn = jax.jit(lambda x, w: cpu.skinny_matmul_cpu(x, w))
     nt = jax.jit(lambda x, w: cpu.skinny_matmul_cpu(x, w, transpose_b=True))
-    for weight, call in ((jnp.asarray(np.ascontiguousarray(dense.T)), kn), (jnp.asarray(dense), nt)):
+    for weight, call, transposed in ((jnp.asarray(np.ascontiguousarray(dense.T)), kn, False),
+                                     (jnp.asarray(dense), nt, True)):
         for m in (1, 4, 9, 16):
             x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
             want = np.asarray(nt(x, jnp.asarray(dense)))  # the transposed kernel on the float32 weights
             before = np.asarray(call(x, weight))
             calls = cpu.block_matmul_calls()
-            address = cpu.register_block_weights(weight, kind, blocks.codes, blocks.scales, blocks.offsets)
+            address = cpu.register_block_weights(weight, kind, blocks.codes, blocks.scales, blocks.offsets,
+                                                 transposed=transposed)
             try:
                 got = np.asarray(call(x, weight))
             finally:
@@ -66,6 +68,24 @@ def test_registered_blocks_give_the_transposed_kernels_result(kind, n, k):
                                        rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(np.asarray(call(x, weight)), before)  # unregistered: as before
             assert cpu.block_matmul_calls() == calls + 1
+
+
+def test_a_square_weight_is_read_only_in_its_registered_layout():
+    """[K, K] blocks registered for a [K, N] buffer: a call reading that buffer
+    transposed multiplies by the buffer's transpose, not by the blocks' matrix."""
+    rng = np.random.default_rng(5)
+    blocks = _random_blocks("q4", 64, 64, rng)
+    weight = jnp.asarray(np.ascontiguousarray(blocks.dequantize().T))
+    x = jnp.asarray(rng.standard_normal((4, 64)).astype(np.float32))
+    nt = jax.jit(lambda x, w: cpu.skinny_matmul_cpu(x, w, transpose_b=True))
+    want = np.asarray(nt(x, weight))
+    calls = cpu.block_matmul_calls()
+    address = cpu.register_block_weights(weight, "q4", blocks.codes, blocks.scales, blocks.offsets)
+    try:
+        np.testing.assert_array_equal(np.asarray(nt(x, weight)), want)
+    finally:
+        cpu.unregister_block_weights(address)
+    assert cpu.block_matmul_calls() == calls
 
 
 def test_block_matrix_reads_what_gguf_dequantizes():
@@ -86,6 +106,9 @@ def test_registration_checks_its_arrays():
         cpu.register_block_weights(weight, "q4", blocks.codes, blocks.scales, None)
     with pytest.raises(ValueError, match="the weight must be one float32"):
         cpu.register_block_weights(jnp.zeros((64, 17), jnp.float32), "q4", blocks.codes, blocks.scales,
+                                   blocks.offsets)
+    with pytest.raises(ValueError, match="the weight must be one float32"):  # [N, K] needs transposed=True
+        cpu.register_block_weights(jnp.zeros((16, 64), jnp.float32), "q4", blocks.codes, blocks.scales,
                                    blocks.offsets)
     assert not cpu.unregister_block_weights(12345)
 
