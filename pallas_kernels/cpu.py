@@ -250,6 +250,7 @@ def _load() -> bool:
         try:
             path = _build()
             lib = ctypes.CDLL(str(path))
+            _declare_block_registry(lib)
             for target, symbol in ((TARGET, _SYMBOL), (WRITE_TARGET, _WRITE_SYMBOL),
                                    (MATMUL_TARGET, _MATMUL_SYMBOL), (SKINNY_TARGET, _SKINNY_SYMBOL),
                                    (GROUPED_SKINNY_TARGET, _GROUPED_SKINNY_SYMBOL)):
@@ -444,6 +445,15 @@ BLOCK_KINDS = {"q4": 0, "q8": 1}
 _registered_blocks: dict[int, tuple[np.ndarray, ...]] = {}
 
 
+def _declare_block_registry(lib: ctypes.CDLL) -> None:
+    """The C signatures of the block-weights registry (csrc: jpaged_register_block_weights, ...)."""
+    ptr = ctypes.c_void_p
+    lib.jpaged_register_block_weights.argtypes = [ptr, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                                  ctypes.c_int32, ptr, ptr, ptr]
+    lib.jpaged_unregister_block_weights.argtypes = [ptr]
+    lib.jpaged_block_matmul_calls.restype = ctypes.c_int64
+
+
 def register_block_weights(weight: jax.Array, kind: str, codes: np.ndarray, scales: np.ndarray,
                            offsets: np.ndarray | None, *, transposed: bool = False) -> int:
     """From now on, skinny_matmul_cpu calls whose `b` is `weight`'s own buffer (a
@@ -477,12 +487,9 @@ def register_block_weights(weight: jax.Array, kind: str, codes: np.ndarray, scal
     address = weight.unsafe_buffer_pointer()
     kept = tuple(a for a in (codes, scales, offsets) if a is not None)
     lib = _state["lib"]
-    ptr = ctypes.c_void_p
-    lib.jpaged_register_block_weights.argtypes = [ptr, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
-                                                  ctypes.c_int32, ptr, ptr, ptr]
     with _lock:
         _registered_blocks[address] = kept
-        if lib.jpaged_register_block_weights(ptr(address), BLOCK_KINDS[kind], n, k, int(transposed), codes.ctypes.data,
+        if lib.jpaged_register_block_weights(address, BLOCK_KINDS[kind], n, k, int(transposed), codes.ctypes.data,
                                              scales.ctypes.data, None if offsets is None else offsets.ctypes.data):
             del _registered_blocks[address]
             raise ValueError(f"register_block_weights: blocks of [{n}, {k}] refused")
@@ -495,9 +502,8 @@ def unregister_block_weights(address: int) -> bool:
     if not _state.get("ok"):
         return False
     lib = _state["lib"]
-    lib.jpaged_unregister_block_weights.argtypes = [ctypes.c_void_p]
     with _lock:
-        had = bool(lib.jpaged_unregister_block_weights(ctypes.c_void_p(address)))
+        had = bool(lib.jpaged_unregister_block_weights(address))
         _registered_blocks.pop(address, None)
     return had
 
@@ -506,9 +512,7 @@ def block_matmul_calls() -> int:
     """How many skinny_matmul_cpu calls read registered blocks (since the library loaded)."""
     if not available():
         return 0
-    lib = _state["lib"]
-    lib.jpaged_block_matmul_calls.restype = ctypes.c_int64
-    return int(lib.jpaged_block_matmul_calls())
+    return int(_state["lib"].jpaged_block_matmul_calls())
 
 
 def grouped_skinny_matmul_cpu(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *,

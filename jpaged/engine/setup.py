@@ -19,11 +19,10 @@ from flax import nnx
 
 import pallas_kernels
 from jpaged.core.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MATMUL_IMPLS, ConfigError
-from jpaged import models
 from jpaged.core.model_config import ModelConfig
 from jpaged.loading.gguf_blocks import BlockMatrix, read_block_matrices
 from jpaged.loading.weights import LoadedWeights, default_cache_dir, load_weights, read_model_config
-from jpaged.models import build_model, weight_shapes
+from jpaged.models import build_model, gguf_family, weight_shapes
 from jpaged.models.base import split_model
 from jpaged.runtime.distributed import broadcast_step
 from jpaged.runtime.dummy_weights import load_dummy
@@ -160,7 +159,7 @@ def gguf_weight_blocks(cfg: ml_collections.ConfigDict, loaded: LoadedWeights, mo
     None unless the weights came from a GGUF and matmul_impl resolved to cpu."""
     if not cfg.gguf_blocks or matmul_impl != "cpu" or loaded.load_format != "gguf":
         return None
-    return read_block_matrices(loaded.source, model_config, models.gguf_family) or None
+    return read_block_matrices(loaded.source, model_config, gguf_family) or None
 
 
 def params_from_path(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, base: ModelConfig,

@@ -1438,7 +1438,8 @@ void block_matmul(ffi::ThreadPool& pool, const BlockWeights& w, const float* a, 
     run_items(pool, items, threads, [&w, a, c, M, K, N, vec_n](int64_t item) {
       block_part(w, a, c, M, K, N, item * kBlockRowsPerItem, std::min(vec_n, (item + 1) * kBlockRowsPerItem));
     });
-  std::vector<float> row(K);
+  if (vec_n == N) return;
+  std::vector<float> row(K);  // a tail row, dequantised
   for (int64_t n = vec_n; n < N; ++n) {
     for (int64_t b = 0; b < K / kBlockSize; ++b) {
       vf wv[4];
