@@ -9,7 +9,7 @@ from typing import Any
 
 from jpaged.core.model_config import ModelConfig
 
-# The projections an adapter may target, in jpaged's names (PEFT's: jpaged.loading.peft.PEFT_MODULES).
+# The projections an adapter may target, in jpaged's names (PEFT's: jpaged.loading.peft_config.PEFT_MODULES).
 LORA_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 

@@ -17,8 +17,9 @@ from safetensors.numpy import load_file, save_file
 from helpers import import_torch
 from jpaged.core.model_config import ModelConfig
 from jpaged.core.lora_adapters import LORA_TARGETS, adapter_name_error, lora_module_shapes, parse_lora_modules
-from jpaged.loading.peft import (MAX_CONFIG_BYTES, MAX_HEADER_BYTES, PEFT_MODULES, PeftFiles, lora_from_arrays,
-                                 load_peft_adapter, parse_adapter_config, read_peft_files)
+from jpaged.loading.peft import (MAX_CONFIG_BYTES, MAX_HEADER_BYTES, PeftFiles, lora_from_arrays, load_peft_adapter,
+                                 read_peft_files)
+from jpaged.loading.peft_config import PEFT_MODULES, parse_adapter_config
 
 peft = pytest.importorskip("peft")
 ALL = list(PEFT_MODULES)
