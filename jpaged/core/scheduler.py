@@ -356,9 +356,6 @@ class Scheduler:
         BlockManager.prepare_write)."""
         return self.block_manager.prepare_seq_write(seq, seq.num_computed_tokens, num_tokens)
 
-    def _release(self, seq: Sequence) -> None:
-        self.block_manager.release(seq)
-
     def _preempt(self, victim: Sequence) -> None:
         """Takes victim off the running list.  recompute: its blocks are dropped
         (cached ones stay cached) and it is requeued first; on resume it prefills
@@ -372,7 +369,7 @@ class Scheduler:
         pending = next((r for r in self._swap_in if r.seq is victim), None)
         if pending is not None:  # swapped in by this very schedule(): nothing was written yet
             self._swap_in.remove(pending)
-            self._release(victim)
+            self.block_manager.release(victim)
             self._park(victim, pending.slots, pending.status)
             self.stats.swap_preemptions += 1
             return
@@ -383,17 +380,21 @@ class Scheduler:
             if slots is not None:
                 self._swap_out.append(SwapOut(victim, blocks, slots))
                 status = victim.status
-                self._release(victim)
+                self.block_manager.release(victim)
                 self._park(victim, slots, status)
                 self.stats.swap_preemptions += 1
                 return
             if n:
                 self.stats.swap_fallbacks += 1  # no room in host memory
-        self._release(victim)
-        victim.num_computed_tokens = 0
-        victim.status = Status.WAITING
-        self.waiting.appendleft(victim)
+        self.block_manager.release(victim)
+        self._requeue(victim)
         self.stats.recompute_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to the front of the waiting queue with no K/V: it prefills its prompt and output again."""
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
 
     def _park(self, seq: Sequence, slots: list[int], status: Status) -> None:
         seq.swap_slots, seq.swap_status = slots, status
@@ -450,10 +451,8 @@ class Scheduler:
         """Sends every running sequence back to the waiting queue with no K/V (the
         pool's contents were lost): it prefills prompt + output again on resume."""
         for seq in reversed(self.running):
-            self._release(seq)
-            seq.num_computed_tokens = 0
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            self.block_manager.release(seq)
+            self._requeue(seq)
         self.running.clear()
 
     def requeue_all(self) -> None:
@@ -463,9 +462,7 @@ class Scheduler:
         for seq in reversed(self.swapped):
             self.swap_space.free(seq.swap_slots)
             seq.swap_slots, seq.swap_status = [], None
-            seq.num_computed_tokens = 0
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            self._requeue(seq)
         self.swapped.clear()
 
     def _fail(self, seq: Sequence, error: str | None, reason: str = "error") -> None:
@@ -479,7 +476,7 @@ class Scheduler:
         if seq.swap_slots:
             self.swap_space.free(seq.swap_slots)
             seq.swap_slots = []
-        self._release(seq)
+        self.block_manager.release(seq)
         for s in [seq] + seq.forks:
             if not s.is_done:  # (a finished member of a static batch keeps its result)
                 s.finish(reason, error)
@@ -490,13 +487,13 @@ class Scheduler:
         static batch holds them until its last member is done."""
         if self.policy == "continuous":
             self.running.remove(seq)
-            self._release(seq)
+            self.block_manager.release(seq)
 
     def _end_static_batch(self) -> None:
         # Static batching hands back the whole batch at once: that is when its
         # members' requests complete.
         now = time.perf_counter()
         for seq in self.running:
-            self._release(seq)
+            self.block_manager.release(seq)
             seq.finish_time = now
         self.running.clear()
