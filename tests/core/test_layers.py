@@ -1,6 +1,6 @@
 """Layering: every import points down the package floors, there is no import
-cycle, and the host side (scheduling, blocks, requests, config) imports no device
-stack.
+cycle, the host side (scheduling, blocks, requests, config) imports no device
+stack, and no module grows past 500 lines.
 
 The floors, top to bottom (docs/design.md says the same):
 
@@ -152,3 +152,14 @@ def test_importing_the_library_leaves_jax_config_alone():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+MAX_MODULE_LINES = 500  # a module that grows past this has a collaborator waiting to be split out
+
+
+def test_no_module_is_over_the_line_limit():
+    """Every jpaged module stays readable in one sitting (the kernels, in
+    pallas_kernels, and the C++ source are not jpaged modules)."""
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in (ROOT / "jpaged").rglob("*.py")}
+    over = {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not over, f"over {MAX_MODULE_LINES} lines: {over}"
