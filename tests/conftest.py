@@ -24,6 +24,7 @@ _TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_exp
 # aborts on an unknown flag.
 if version("jaxlib").startswith("0.10."):
     _TEST_XLA_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_TEST_XLA_FLAGS]).strip()
 
 import jax  # noqa: E402
@@ -33,6 +34,32 @@ import pytest  # noqa: E402
 # before jax initialises its backend in any test worker; everything else runs on
 # the first device as before.
 jax.config.update("jax_num_cpu_devices", 4)
+
+
+def _pin_worker_to_a_core() -> None:
+    """Puts each xdist worker, every thread of it, on a core of its own when there
+    are no more workers than cores.  Unpinned, two workers on a 2-core machine run
+    four busy threads on two cores (XLA's intra-op pool, which our CPU kernels
+    split a step's work over, has a thread per core in each worker), and a step
+    split in two waits for the half whose core the other worker took.  The suite
+    took 7:41 and 7:50 pinned against 8:14 unpinned (benchmarks/README.md).
+
+    The backend starts first, so its pools keep their thread per core: the
+    kernels' thread-count tests still split work over two threads (on one core).
+    Threads and processes started later inherit the core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if int(count) > len(cpus):
+        return
+    jax.devices()  # the backend and its thread pools, sized to every core
+    core = {cpus[int(worker[2:]) % len(cpus)]}
+    for thread_id in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread_id), core)
+
+
+_pin_worker_to_a_core()
 
 from helpers import MIN_COMPILE_SECONDS, SMOLLM_ENGINE, TINY_ENGINE, import_torch, with_tokenizer
 from jpaged.loading.weight_cache import default_cache_dir
