@@ -8,6 +8,8 @@ so identical tokens are a real check and not luck.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,14 +218,24 @@ SMOL_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_smollm():
-    """transformers' own load of the SAME GGUF (dequantised to fp32) and its tokenizer."""
+    """transformers' own load of the SAME GGUF (dequantised to fp32) and its tokenizer.
+
+    transformers parses the file's header with gguf's GGUFReader once per call (the
+    tokenizer's, the config's and the weights': three times) and builds gguf's
+    tensor-name map once per module of the model (~400 times); both are memoised
+    for this load, ~13 of its ~17 s.  What it reads, dequantises and builds is
+    unchanged."""
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jpaged.loading.weights import embedded_gguf_path
     path = embedded_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
     return tok, model
 
 
