@@ -17,7 +17,7 @@ import pytest
 from helpers import random_prompts, with_tokenizer
 from jpaged.core.config import apply_overrides, default_config
 from jpaged.decode import generate
-from jpaged.engine.setup import load_model
+from jpaged.engine.setup import load_model, resolve_attention_impl
 from jpaged.engine.speculation import load_draft_proposer
 from jpaged.runtime.draft_model import DraftModelProposer
 from jpaged.tokenizer.tokenizer import Tokenizer
@@ -26,7 +26,8 @@ K = 4             # num_speculative_tokens of every proposer here
 MAX_LEN = 128     # max_model_len
 P = MAX_LEN       # the oracle's padded prompt width, B its rows: one compile for the module
 B = 8
-PROPOSER = dict(num_blocks=64, block_size=16, kv_dtype=jnp.float32, attention_impl="reference",
+# The proposers attend with the default kernel (the C++ one on a CPU), the oracle with the reference.
+PROPOSER = dict(num_blocks=64, block_size=16, kv_dtype=jnp.float32, attention_impl=resolve_attention_impl("auto")[0],
                 max_model_len=MAX_LEN, max_num_seqs=B, num_speculative_tokens=K, max_num_batched_tokens=128)
 
 
