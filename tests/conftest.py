@@ -41,8 +41,8 @@ def _pin_worker_to_a_core() -> None:
     are no more workers than cores.  Unpinned, two workers on a 2-core machine run
     four busy threads on two cores (XLA's intra-op pool, which our CPU kernels
     split a step's work over, has a thread per core in each worker), and a step
-    split in two waits for the half whose core the other worker took.  The suite
-    took 7:41 and 7:50 pinned against 8:14 unpinned (benchmarks/README.md).
+    split in two waits for the half whose core the other worker took (the suite's
+    times pinned and unpinned: benchmarks/README.md, "make test's time").
 
     The backend starts first, so its pools keep their thread per core: the
     kernels' thread-count tests still split work over two threads (on one core).
