@@ -8,6 +8,7 @@ cache so that repeated runs skip the GGUF conversion.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -36,17 +37,19 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 4)
 
 
-def _pin_worker_to_a_core() -> None:
-    """Puts each xdist worker, every thread of it, on a core of its own when there
-    are no more workers than cores.  Unpinned, two workers on a 2-core machine run
-    four busy threads on two cores (XLA's intra-op pool, which our CPU kernels
-    split a step's work over, has a thread per core in each worker), and a step
-    split in two waits for the half whose core the other worker took (the suite's
-    times pinned and unpinned: benchmarks/README.md, "make test's time").
+def _pin_worker_to_its_cores() -> None:
+    """Puts each xdist worker, every thread of it, on a share of the cores of its own
+    (one core each on 2 cores), when there are no more workers than cores.
+
+    Unpinned, two workers on a 2-core machine run four busy threads on two cores:
+    XLA's intra-op pool, which our CPU kernels split a step's work over, has a
+    thread per core in each worker. A step split in two then waits for the half
+    whose core the other worker took. The suite's times pinned and unpinned are in
+    benchmarks/README.md ("make test's time").
 
     The backend starts first, so its pools keep their thread per core: the
     kernels' thread-count tests still split work over two threads (on one core).
-    Threads and processes started later inherit the core."""
+    Threads and processes started later inherit the share."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
         return
@@ -54,12 +57,13 @@ def _pin_worker_to_a_core() -> None:
     if int(count) > len(cpus):
         return
     jax.devices()  # the backend and its thread pools, sized to every core
-    core = {cpus[int(worker[2:]) % len(cpus)]}
+    share = set(cpus[int(worker[2:]) % int(count)::int(count)])  # 2 workers on 4 cores: {0, 2} and {1, 3}
     for thread_id in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(thread_id), core)
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread_id), share)
 
 
-_pin_worker_to_a_core()
+_pin_worker_to_its_cores()
 
 from helpers import MIN_COMPILE_SECONDS, SMOLLM_ENGINE, TINY_ENGINE, import_torch, with_tokenizer
 from jpaged.loading.weight_cache import default_cache_dir
