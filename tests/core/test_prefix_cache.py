@@ -38,7 +38,8 @@ def tiny_config(tmp_path_factory):
 
 def make_llm(config_path: str, **overrides) -> LLM:
     kw = dict(model=config_path, load_format="dummy", block_size=BS, num_blocks=64, max_model_len=96,
-              max_num_batched_tokens=64, attention_impl="auto", max_num_seqs=8)
+              max_num_batched_tokens=64, attention_impl="auto", max_num_seqs=8,
+              buckets_per_octave=1, min_step_tokens=8, build_padded_buckets=False)  # as helpers.TINY_ENGINE
     return LLM(**{**kw, **overrides})
 
 
