@@ -66,5 +66,5 @@ def test_docs_rl_round():
     assert jax.tree.structure(new_params) == jax.tree.structure(scope["ref_params"])
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_params),
                                                         jax.tree.leaves(scope["ref_params"])))
-    ids, lengths, mask = scope["ids"], scope["lengths"], scope["mask"]
+    ids, mask = scope["ids"], scope["mask"]
     assert policy_lp.shape == mask.shape == (8, ids.shape[1] - 1)

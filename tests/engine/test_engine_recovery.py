@@ -10,7 +10,7 @@ import pytest
 
 from helpers import assert_all_blocks_free, random_prompts
 from jpaged.core.progress import EngineStalled
-from jpaged.core.sequence import SamplingParams, Status
+from jpaged.core.sequence import SamplingParams
 
 PROMPTS = random_prompts([5, 40, 17, 70], seed=31)
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -11,7 +11,6 @@ import errno
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from helpers import TINY_ENGINE
 from jpaged.entrypoints import batch
 
-from test_serve_batch_failures import ROOT, assert_one_line_error, run as run_cli
+from test_serve_batch_failures import assert_one_line_error, run as run_cli
 
 
 @pytest.fixture

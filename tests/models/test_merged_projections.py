@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY_ENGINE, make_peft_adapter, random_prompts
+from helpers import make_peft_adapter, random_prompts
 from jpaged.core.config import ConfigError, apply_overrides, default_config, validate_config
 from jpaged.core.sequence import SamplingParams
 from jpaged.decode import generate, score

@@ -10,7 +10,6 @@ The tiny checkpoints (tests/conftest.py): 2 layers, 4 experts, top-2.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
