@@ -49,11 +49,11 @@ from jpaged.core.model_config import ModelConfig
 from jpaged.core.rounding import cdiv, next_pow2
 from jpaged.core.scheduler import ScheduledSeq, SchedulerOutput
 from jpaged.core.sequence import MAX_LOGPROBS
+from jpaged.core.swap_space import HostSwapSpace
 from jpaged.layers.sharding import Mesh, pool_sharding, put, replicated
+from jpaged.loading.gguf_blocks import BlockMatrix
 from jpaged.runtime.step_inputs import StepInputs, StepResult, build_step_inputs, padding_step_inputs
 from jpaged.runtime.weight_blocks import RegisteredBlocks, register_weight_blocks
-from jpaged.loading.gguf_blocks import BlockMatrix
-from jpaged.core.swap_space import HostSwapSpace
 
 # StepResult lives with StepInputs (the step's pytrees in and out); importable from here too.
 __all__ = ["ModelRunner", "PendingStep", "StepResult", "StepTiming", "token_buckets"]
@@ -427,8 +427,8 @@ class ModelRunner:
             raise RuntimeError("wake_up() after sleep(level=2) needs new weights: call update_params(params) first")
         if self.params is self._asleep_specs:
             self.params = _to_devices(self._host_params, self._asleep_specs)
-            if self._host_params is not None:  # level 1's copy: the weights the blocks hold
-                self.registered_blocks = register_weight_blocks(self.params, self._block_matrices)
+            # level 1's copy of the weights, which the blocks hold
+            self.registered_blocks = register_weight_blocks(self.params, self._block_matrices)
         if self._host_lora is not None:
             self.lora = _to_devices(self._host_lora, self._lora_specs)
         self.kv_pool = self._new_pool()
