@@ -35,10 +35,10 @@ def import_torch():
 # reference's.  At the suite's XLA level 0 a tiny step on the reference took ~10 ms
 # (its gathers and selects, unoptimised) against ~0.7 ms on the kernel, and the
 # suite's many short generates spent most of their time there.
+FEW_PROGRAMS = dict(buckets_per_octave=1, min_step_tokens=8, build_padded_buckets=False)
 TINY_ENGINE = dict(load_format="hf", max_model_len=128, block_size=16, num_blocks=64,
                    max_num_seqs=8, max_num_batched_tokens=128, attention_impl="auto",
-                   enable_prefix_caching=False, buckets_per_octave=1, min_step_tokens=8,
-                   build_padded_buckets=False)
+                   enable_prefix_caching=False, **FEW_PROGRAMS)
 
 
 def assert_all_blocks_free(llm) -> None:

@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers import FEW_PROGRAMS
 from jpaged.core.block_manager import BlockManager
 from jpaged.engine.llm import LLM
 from jpaged.core.block_manager import NoFreeBlocksError
@@ -38,8 +39,7 @@ def tiny_config(tmp_path_factory):
 
 def make_llm(config_path: str, **overrides) -> LLM:
     kw = dict(model=config_path, load_format="dummy", block_size=BS, num_blocks=64, max_model_len=96,
-              max_num_batched_tokens=64, attention_impl="auto", max_num_seqs=8,
-              buckets_per_octave=1, min_step_tokens=8, build_padded_buckets=False)  # as helpers.TINY_ENGINE
+              max_num_batched_tokens=64, attention_impl="auto", max_num_seqs=8, **FEW_PROGRAMS)
     return LLM(**{**kw, **overrides})
 
 

@@ -71,15 +71,16 @@ def oracle(args, **options) -> np.ndarray:
     are unchanged.  The random draws of the kernel tests then fall on a few shapes,
     and the oracle's compiles (the kernel tests' largest) are shared across cases,
     test modules and, through JAX's persistent cache, the suite's workers."""
-    q, pool, layer, bt, kv_lens, cu = (np.asarray(a) if i != 2 else a for i, a in enumerate(args))
+    q, pool, layer, bt, kv_lens, cu = args
+    q, pool, bt, kv_lens, cu = map(np.asarray, (q, pool, bt, kv_lens, cu))
     (T, *rest), S, W, NB = q.shape, len(kv_lens), bt.shape[1], pool.shape[0]
-    padded = (_pad_to(q, (_pow2(T), *rest)), _pad_to(pool, (_pow2(NB), *pool.shape[1:])), layer,
-              _pad_to(bt, (_pow2(S), _pow2(W))), _pad_to(kv_lens, (_pow2(S),)),
-              _pad_to(cu, (_pow2(S) + 1,), fill=cu[-1]))
+    q, pool = _pad_to(q, (_pow2(T), *rest)), _pad_to(pool, (_pow2(NB), *pool.shape[1:]))
+    bt, kv_lens = _pad_to(bt, (_pow2(S), _pow2(W))), _pad_to(kv_lens, (_pow2(S),))
+    cu = _pad_to(cu, (_pow2(S) + 1,), fill=cu[-1])
     # The oracle's fp32 products exact: a GPU's default matmul precision is one TF32 pass
     # (~1e-3 relative), which the kernel's TF32x3 dots are far more accurate than.
     with jax.default_matmul_precision("highest"):
-        out = reference(*(jnp.asarray(a) if i != 2 else a for i, a in enumerate(padded)), **options)
+        out = reference(*map(jnp.asarray, (q, pool)), layer, *map(jnp.asarray, (bt, kv_lens, cu)), **options)
     return np.asarray(out, np.float32)[:T]
 
 
